@@ -1,0 +1,148 @@
+"""Live USP process groups, built on top of ``megatron.core.parallel_state``.
+
+:func:`initialize_usp_parallel` asks megatron-core for its usual groups with
+``context_parallel_size = U*R`` and ``hierarchical_context_parallel_sizes = [U, R]``
+(order ``tp-cp-ep-dp-pp``), so megatron-core's own gradient and loss reductions over
+DP x CP keep working. Level 0 of the hierarchy is the Ulysses group (U adjacent
+ranks), level 1 the Ring group (R ranks strided by U): the same lists that
+:mod:`megatron.usp.grid` computes.
+
+The groups are returned in a :class:`USPGroups` value and also as a megatron-core
+``ProcessGroupCollection`` (``hcp = [ulysses, ring]``), which is what the model is
+given, so the attention module receives its groups explicitly. The module-level
+getters below exist for tools and tests that want them; model code does not use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron.usp.config import USPParallelConfig
+from megatron.usp.grid import GridShape
+
+_USP_GROUPS: Optional["USPGroups"] = None
+
+
+@dataclass
+class USPGroups:
+    """Process groups of this rank, plus the grid they came from."""
+
+    shape: GridShape
+    tp: dist.ProcessGroup
+    ulysses: dist.ProcessGroup
+    ring: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    pg_collection: ProcessGroupCollection
+
+    @property
+    def ulysses_size(self) -> int:
+        return dist.get_world_size(self.ulysses)
+
+    @property
+    def ulysses_rank(self) -> int:
+        return dist.get_rank(self.ulysses)
+
+    @property
+    def ring_size(self) -> int:
+        return dist.get_world_size(self.ring)
+
+    @property
+    def ring_rank(self) -> int:
+        return dist.get_rank(self.ring)
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.cp)
+
+
+def initialize_usp_parallel(
+    config: USPParallelConfig,
+    distributed_timeout_minutes: int = 30,
+    create_gloo_process_groups: bool = True,
+) -> USPGroups:
+    """Create all groups of the grid; call once, after ``torch.distributed.init_process_group``.
+
+    Validates the degrees against the world size first, so a bad layout fails on every
+    rank with the same message instead of hanging in a group creation.
+    """
+    global _USP_GROUPS
+    if not dist.is_initialized():
+        raise RuntimeError("initialize torch.distributed before initialize_usp_parallel()")
+    world = dist.get_world_size()
+    config.validate_sizes(world)
+    u, r = config.ulysses_degree, config.ring_degree
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        context_parallel_size=u * r,
+        hierarchical_context_parallel_sizes=[u, r],
+        order="tp-cp-ep-dp-pp",
+        distributed_timeout_minutes=distributed_timeout_minutes,
+        create_gloo_process_groups=create_gloo_process_groups,
+    )
+    ulysses, ring = mpu.get_hierarchical_context_parallel_groups()
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    _USP_GROUPS = USPGroups(
+        shape=GridShape(
+            world_size=world,
+            tp=config.tensor_model_parallel_size,
+            ulysses=u,
+            ring=r,
+            pp=config.pipeline_model_parallel_size,
+        ),
+        tp=mpu.get_tensor_model_parallel_group(),
+        ulysses=ulysses,
+        ring=ring,
+        cp=mpu.get_context_parallel_group(),
+        dp=mpu.get_data_parallel_group(),
+        dp_cp=mpu.get_data_parallel_group(with_context_parallel=True),
+        pp=mpu.get_pipeline_model_parallel_group(),
+        pg_collection=pgc,
+    )
+    return _USP_GROUPS
+
+
+def destroy_usp_parallel() -> None:
+    """Tear down megatron-core's groups and ours."""
+    global _USP_GROUPS
+    _USP_GROUPS = None
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+
+
+def get_usp_groups() -> USPGroups:
+    if _USP_GROUPS is None:
+        raise RuntimeError("USP groups are not initialized; call initialize_usp_parallel()")
+    return _USP_GROUPS
+
+
+def get_ulysses_group() -> dist.ProcessGroup:
+    return get_usp_groups().ulysses
+
+
+def get_ring_group() -> dist.ProcessGroup:
+    return get_usp_groups().ring
+
+
+def get_ulysses_world_size() -> int:
+    return get_usp_groups().ulysses_size
+
+
+def get_ulysses_rank() -> int:
+    return get_usp_groups().ulysses_rank
+
+
+def get_ring_world_size() -> int:
+    return get_usp_groups().ring_size
+
+
+def get_ring_rank() -> int:
+    return get_usp_groups().ring_rank

@@ -1,0 +1,29 @@
+"""Megatron-USP: Megatron-style GPT pretraining with Unified Sequence Parallelism.
+
+Our code lives in the ``megatron`` namespace beside megatron-core's ``megatron.core``
+(megatron-core ships no ``megatron/__init__.py``, so ``megatron`` is a namespace
+package shared by both distributions).
+"""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="megatron-usp",
+    version="0.1.0",
+    description="Megatron-style GPT pretraining with Unified Sequence Parallelism (Ulysses x Ring)",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["megatron.usp*", "megatron.training*"]),
+    install_requires=[
+        "megatron-core==0.16.1",
+        "torch>=2.6",
+        "einops>=0.8",  # megatron-core's hierarchical context-parallel groups need it
+        "sentencepiece>=0.2",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.16"],
+        "flash-attn": ["flash-attn>=2.6"],
+        "te": ["transformer-engine[pytorch]>=2.0"],
+        "hf": ["transformers>=4.40"],
+    },
+)

@@ -1,0 +1,126 @@
+"""Run a function on N gloo ranks on the CPU, for multi-process tests.
+
+``run_on_ranks(fn, world_size, *args)`` forks ``world_size`` processes, initialises
+``torch.distributed`` with the gloo backend on a free loopback port, calls
+``fn(rank, world_size, *args)`` on each, and tears everything down. A rank that raises
+sends its traceback back; the parent then stops the others and fails the test with
+every failing rank's traceback. A run that outlives ``timeout`` seconds is killed and
+reported as a hang, so a collective mismatch fails a test instead of stalling CI.
+
+``fn`` must be a module-level function (it is looked up by reference after fork).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, queue, args, kwargs):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    status = ("ok", rank, None)
+    try:
+        dist.init_process_group(
+            backend="gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+        )
+        fn(rank, world_size, *args, **kwargs)
+    except BaseException:  # noqa: BLE001 - report everything, including assertion errors
+        status = ("error", rank, traceback.format_exc())
+    finally:
+        try:
+            from megatron.usp.parallel_state import destroy_usp_parallel
+
+            destroy_usp_parallel()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    queue.put(status)
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> None:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Raises ``AssertionError`` with the tracebacks of the failing ranks, or naming the
+    ranks that did not finish within ``timeout`` seconds.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, kwargs), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results = {}
+    errors = []
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            status, rank, tb = queue.get(timeout=min(remaining, 1.0))
+        except Exception:  # queue.Empty
+            if any(p.exitcode not in (None, 0) for p in procs):
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                errors.append(f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                break
+            continue
+        results[rank] = status
+        if status == "error":
+            errors.append(f"--- rank {rank} ---\n{tb}")
+            # Give the peers a moment to report their own errors, then stop them.
+            grace = time.monotonic() + 5.0
+            while len(results) < world_size and time.monotonic() < grace:
+                try:
+                    s2, r2, tb2 = queue.get(timeout=0.5)
+                except Exception:
+                    continue
+                results[r2] = s2
+                if s2 == "error":
+                    errors.append(f"--- rank {r2} ---\n{tb2}")
+            break
+    missing = [r for r in range(world_size) if r not in results]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+    if errors:
+        raise AssertionError(f"{len(errors)} rank(s) failed:\n" + "\n".join(errors))
+    if missing:
+        raise AssertionError(
+            f"ranks {missing} did not finish within {timeout:.0f}s (a hang or a collective "
+            f"mismatch)"
+        )
