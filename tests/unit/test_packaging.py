@@ -1,0 +1,46 @@
+"""Our code and megatron-core share the ``megatron`` namespace, installed either way."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+IMPORTS = (
+    "import megatron.core, megatron.usp.grid, megatron.usp.layout;"
+    "import megatron.core.parallel_state;"
+    "print(megatron.usp.grid.__file__)"
+)
+
+
+def test_no_namespace_init():
+    assert not (REPO / "megatron" / "__init__.py").exists()
+
+
+def test_editable_install_imports_beside_megatron_core(tmp_path):
+    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert str(REPO) in out.stdout
+
+
+@pytest.mark.slow
+def test_non_editable_install_imports_beside_megatron_core(tmp_path):
+    target = tmp_path / "site"
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(REPO)],
+        capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert (target / "megatron" / "usp" / "grid.py").exists()
+    assert not (target / "megatron" / "__init__.py").exists()
+    site_packages = Path(__import__("megatron.core").core.__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{site_packages}",
+               PYTHONNOUSERSITE="1")
+    out = subprocess.run([sys.executable, "-S", "-c", IMPORTS], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert str(target) in out.stdout
