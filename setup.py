@@ -21,7 +21,8 @@ setup(
         "numpy>=1.26",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.16"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.16",
+                 "transformers>=4.40"],  # the Hugging Face tokenizer tests
         "flash-attn": ["flash-attn>=2.6"],
         "te": ["transformer-engine[pytorch]>=2.0"],
         "hf": ["transformers>=4.40"],
