@@ -1,0 +1,65 @@
+"""Layout planner: pick TP, Ulysses, Ring, DP, PP, ZeRO and recompute for a model, a
+sequence length and a cluster.
+
+Modules, one concern each:
+
+* :mod:`.models`     model shapes and presets (:class:`ModelSpec`).
+* :mod:`.hardware`   kernel rates, memory, link levels, presets, calibration files.
+* :mod:`.cost_model` per-layer FLOPs, communication volumes, memory; step-time model.
+* :mod:`.rules`      the USP paper's practice as constraints and tie-breakers.
+* :mod:`.search`     enumeration, ranking, diagnosis; :func:`choose_layout`.
+* :mod:`.explain`    reasons, the ranked table, JSON.
+* :mod:`.validate`   predicted vs measured step times.
+
+Pure Python: nothing here imports torch. Entry points: ``tools/plan_parallel.py`` and
+``pretrain_gpt.py --ulysses-degree auto --ring-degree auto`` (via :func:`choose_layout`).
+"""
+
+from megatron.usp.planner.cost_model import (
+    DEFAULT_ASSUMPTIONS,
+    Assumptions,
+    Estimate,
+    Layout,
+    Workload,
+    estimate,
+)
+from megatron.usp.planner.errors import PlannerError
+from megatron.usp.planner.hardware import (
+    CALIBRATION_SCHEMA,
+    HARDWARE_PRESETS,
+    Calibration,
+    HardwareSpec,
+    LinkLevel,
+    apply_calibration,
+    get_hardware,
+    load_calibration,
+    with_overrides,
+)
+from megatron.usp.planner.models import MODEL_PRESETS, ModelSpec, load_model
+from megatron.usp.planner.search import Plan, SearchResult, choose_layout, plan_layouts
+
+__all__ = [
+    "Assumptions",
+    "CALIBRATION_SCHEMA",
+    "Calibration",
+    "DEFAULT_ASSUMPTIONS",
+    "Estimate",
+    "HARDWARE_PRESETS",
+    "HardwareSpec",
+    "Layout",
+    "LinkLevel",
+    "MODEL_PRESETS",
+    "ModelSpec",
+    "Plan",
+    "PlannerError",
+    "SearchResult",
+    "Workload",
+    "apply_calibration",
+    "choose_layout",
+    "estimate",
+    "get_hardware",
+    "load_calibration",
+    "load_model",
+    "plan_layouts",
+    "with_overrides",
+]

@@ -1,0 +1,1077 @@
+"""Per-layer cost model of one training step under a TP x Ulysses x Ring x DP x PP layout.
+
+Everything here is a pure function of integers and floats: the model shape
+(:class:`ModelSpec`), the layout (:class:`Layout`), the workload (:class:`Workload`) and
+the hardware (:class:`HardwareSpec`). It follows the accounting of the USP paper
+(Fang & Zhao 2024, "USP: A Unified Sequence Parallelism Approach for Long Context
+Generative AI", the communication/memory comparison of SP-Ulysses, SP-Ring, TP, TP-sp
+and ZeRO), made exact for this code base's layout and megatron-core's training step.
+
+Notation (per micro-batch):
+
+    b  micro-batch size       s  sequence length (global)     h  hidden size
+    a  attention heads        g  KV groups                    d = h/a head dim
+    f  MLP width              V  vocabulary                   L  layers
+    t  TP size                U  Ulysses degree               R  Ring degree
+    C = U*R (CP size)         D  DP size                      p  PP size
+    m  micro-batches per step per DP rank
+    n = b*s/C                 tokens a context-parallel rank holds
+    kv_t = max(1, g/t)        KV heads per TP rank (replicated over TP when g < t)
+    kv_u = kv_t if kv_t % U == 0 else U
+                              KV heads entering the Ulysses all-to-all: when there are
+                              fewer KV heads than U they are replicated up to U so that
+                              every Ulysses rank receives the KV head its queries use
+
+All byte counts are per GPU. Times are per GPU and combine as described in
+:func:`estimate`. Assumptions that are choices rather than facts (dtypes of buffers,
+which communication overlaps which compute) live in :class:`Assumptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from megatron.usp.planner.errors import PlannerError
+from megatron.usp.planner.hardware import (
+    HardwareSpec,
+    LinkLevel,
+    bottleneck_level,
+    peers_per_level,
+)
+from megatron.usp.planner.models import ModelSpec
+
+GIB = float(2**30)
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+# ============================================================================ inputs
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of one layout; DP is whatever is left of the world."""
+
+    tp: int
+    ulysses: int
+    ring: int
+    dp: int
+    pp: int
+    zero_stage: int = 1
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "ulysses", "ring", "dp", "pp"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise PlannerError(f"layout {key}={v!r} must be an integer >= 1")
+        if self.zero_stage not in ZERO_STAGES:
+            raise PlannerError(f"--zero-stage {self.zero_stage!r} must be one of {ZERO_STAGES}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise PlannerError(
+                f"--recompute {self.recompute!r} must be one of {RECOMPUTE_CHOICES}")
+
+    @property
+    def cp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def sharding_group_size(self) -> int:
+        """ZeRO shards over the data-parallel x context-parallel group (megatron's
+        ``dp_cp`` group): CP ranks hold the same weights, so they share optimizer work."""
+        return self.dp * self.cp
+
+    def short(self) -> str:
+        return (f"TP{self.tp} U{self.ulysses} R{self.ring} DP{self.dp} PP{self.pp} "
+                f"ZeRO-{self.zero_stage} {self.recompute}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained where: model, sequence, batch and the cluster's shape."""
+
+    model: ModelSpec
+    seq_length: int
+    world_size: int
+    gpus_per_node: int
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for key, flag in (("seq_length", "--seq-length"), ("world_size", "--gpus"),
+                          ("gpus_per_node", "--gpus-per-node"),
+                          ("micro_batch_size", "--micro-batch-size")):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlannerError(f"{flag} {v!r} must be an integer >= 1")
+        if self.global_batch_size is not None and (
+                not isinstance(self.global_batch_size, int) or self.global_batch_size < 1):
+            raise PlannerError(f"--global-batch-size {self.global_batch_size!r} must be >= 1")
+
+    def global_batch(self, layout: Layout, assumptions: "Assumptions") -> int:
+        """The given global batch, or (when none is given) one micro-batch per DP rank,
+        ``assumptions.micro_batches_per_pp_stage * PP`` of them when PP > 1."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        per_rank = assumptions.micro_batches_per_pp_stage * layout.pp if layout.pp > 1 else 1
+        return self.micro_batch_size * layout.dp * per_rank
+
+    def num_micro_batches(self, layout: Layout, assumptions: "Assumptions") -> int:
+        return self.global_batch(layout, assumptions) // (self.micro_batch_size * layout.dp)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Choices the model makes about the training step (megatron-core defaults).
+
+    Attributes:
+        param_bytes: bf16 weights.
+        main_grad_bytes: megatron accumulates bf16 gradients into an fp32 buffer.
+        optimizer_bytes: fp32 master weights + Adam m + v.
+        grad_reduce_bytes: gradients are reduced in fp32 (the main-grad buffer).
+        param_gather_bytes: the distributed optimizer all-gathers bf16 weights.
+        act_bytes: bf16 activations.
+        ring_dkv_bytes: dK/dV travel round the ring as fp32 accumulators.
+        tp_sequence_parallel: TP runs with megatron's sequence parallelism (norms and
+            residuals sharded over TP, all-gather/reduce-scatter instead of all-reduce).
+        a2a_calls_per_pass: all-to-alls per layer per pass (megatron/usp/ulysses.py: one
+            for q, k, v together, one for the output).
+        attention_bwd_factor: flash-attention backward FLOPs / forward FLOPs.
+        micro_batches_per_pp_stage: micro-batches per PP stage when no global batch is
+            given (1F1B's bubble is (p-1)/m; 4 per stage keeps it under 20%).
+        memory_fragmentation: fraction of GPU memory lost to the caching allocator.
+        memory_reserve_gib: CUDA context, NCCL and library workspaces.
+    """
+
+    param_bytes: int = 2
+    main_grad_bytes: int = 4
+    optimizer_bytes: int = 12
+    grad_reduce_bytes: int = 4
+    param_gather_bytes: int = 2
+    act_bytes: int = 2
+    ring_dkv_bytes: int = 4
+    tp_sequence_parallel: bool = True
+    a2a_calls_per_pass: int = 2
+    attention_bwd_factor: float = 2.5
+    micro_batches_per_pp_stage: int = 4
+    memory_fragmentation: float = 0.05
+    memory_reserve_gib: float = 1.5
+
+
+DEFAULT_ASSUMPTIONS = Assumptions()
+
+
+# ============================================================================ shapes
+
+
+@dataclass(frozen=True)
+class RankShapes:
+    """Per-rank sizes of one layout (see the module docstring for the names)."""
+
+    n: float        # tokens per CP rank per micro-batch: b*s/C
+    n_sp: float     # tokens in the sequence-parallel region: n/t with TP-sp, else n
+    kv_t: int       # KV heads per TP rank
+    kv_u: int       # KV heads entering the all-to-all (replicated up to U if fewer)
+    layers: int     # layers per pipeline stage
+
+
+def kv_heads_per_tp_rank(model: ModelSpec, tp: int) -> int:
+    """``max(1, g/t)``: megatron replicates a KV head over TP ranks when g < t."""
+    return max(1, model.num_query_groups // tp)
+
+
+def kv_heads_into_all_to_all(model: ModelSpec, tp: int, ulysses: int) -> int:
+    """KV heads per TP rank as they enter the Ulysses all-to-all.
+
+    Split when ``kv_t % U == 0`` (each Ulysses rank gets ``kv_t/U`` heads); replicated to
+    ``U`` heads when ``U % kv_t == 0`` (each rank gets the one head its queries share),
+    which multiplies the K/V all-to-all volume by ``U/kv_t``.
+    """
+    kv_t = kv_heads_per_tp_rank(model, tp)
+    return kv_t if kv_t % ulysses == 0 else ulysses
+
+
+def rank_shapes(model: ModelSpec, layout: Layout, b: int, s: int, a: Assumptions) -> RankShapes:
+    n = b * s / layout.cp
+    return RankShapes(
+        n=n,
+        n_sp=n / layout.tp if a.tp_sequence_parallel else n,
+        kv_t=kv_heads_per_tp_rank(model, layout.tp),
+        kv_u=kv_heads_into_all_to_all(model, layout.tp, layout.ulysses),
+        layers=model.num_layers // layout.pp,
+    )
+
+
+# ============================================================================ FLOPs
+
+
+def layer_matmul_flops_fwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> Tuple[float, float]:
+    """Forward GEMM FLOPs of one layer on one rank: ``(attention projections, MLP)``.
+
+    * QKV: ``2 * n * h * (h/t + 2*kv_t*d)`` (a GEMM is 2 FLOPs per multiply-add);
+    * output projection: ``2 * n * h * h/t``;
+    * MLP: ``2 * n * h * f/t`` per matrix, 3 matrices for SwiGLU, 2 for GELU.
+
+    TP splits the weights, CP the tokens, so each rank does ``1/(t*C)`` of the work
+    (plus the KV projection replicated over TP when ``g < t``).
+    """
+    h, d, t = model.hidden_size, model.head_dim, layout.tp
+    qkv = 2 * sh.n * h * (h / t + 2 * sh.kv_t * d)
+    proj = 2 * sh.n * h * h / t
+    mlp = 2 * sh.n * h * model.ffn_hidden_size / t * (3 if model.swiglu else 2)
+    return qkv + proj, mlp
+
+
+def attention_flops_fwd(model: ModelSpec, layout: Layout, b: int, s: int) -> float:
+    """Forward FLOPs of causal core attention for one layer on one rank.
+
+    ``Q K^T`` and ``P V`` are ``2 * b * a * s^2 * d`` FLOPs each for the full square;
+    causal masking keeps half: ``2 * b * s^2 * h`` per layer. Heads split over ``t*U``
+    and the zigzag ring splits the sequence over ``R`` with equal work per rank, so a
+    rank does ``1/(t*C)`` of it. Backward is ``attention_bwd_factor`` (2.5) times this.
+    """
+    return 2.0 * b * s * s * model.hidden_size / (layout.tp * layout.cp)
+
+
+def logits_flops_fwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> float:
+    """Output layer on the last stage: ``2 * n * h * V/t``."""
+    return 2 * sh.n * model.hidden_size * model.vocab_size / layout.tp
+
+
+# ============================================================================ memory-bound work
+
+
+def layer_elementwise_bytes_fwd(model: ModelSpec, layout: Layout, sh: RankShapes,
+                                a: Assumptions) -> float:
+    """HBM bytes read+written by one layer's memory-bound kernels outside USP attention
+    (see :func:`usp_attention_elementwise_bytes_fwd` for those), forward, one rank.
+
+    Per token of the sequence-parallel region (``n_sp`` tokens), bf16:
+      * two RMSNorms, each reading and writing ``h``: ``8h``;
+      * two residual adds, each reading ``2h`` and writing ``h``: ``12h``.
+    Per token of the CP rank (``n`` tokens), on the TP rank's slice:
+      * RoPE on q and k, read + write: ``4 * (h/t + kv_t*d)``;
+      * SwiGLU reads gate and up and writes one (``6f/t``); GELU reads and writes (``4f/t``).
+    Backward is taken as twice this (it reads the saved input and the incoming grad and
+    writes the outgoing grad).
+    """
+    h, d, t, ab = model.hidden_size, model.head_dim, layout.tp, a.act_bytes
+    per_sp_token = (8 * h + 12 * h) * ab / 2
+    per_token = 4 * (h / t + sh.kv_t * d) * ab / 2
+    per_token += (6 if model.swiglu else 4) * model.ffn_hidden_size / t * ab / 2
+    return per_sp_token * sh.n_sp + per_token * sh.n
+
+
+def usp_attention_elementwise_bytes_fwd(model: ModelSpec, layout: Layout, sh: RankShapes,
+                                        a: Assumptions) -> float:
+    """HBM bytes of USP attention's own memory-bound work, forward, one rank, per token
+    of the CP rank (``n`` tokens):
+
+      * Ulysses (U > 1): q, k, v, o each packed before and unpacked after the
+        all-to-all (megatron/usp/ulysses.py: one copy per direction), read + write:
+        ``8 * (2h/t + 2*kv_u*d)`` (bf16);
+      * Ring (R > 1): ``R-1`` out/lse merges into an fp32 accumulator, ~10 bytes per
+        output element per merge: ``10 * (R-1) * h/t``.
+    """
+    h, d, t, ab = model.hidden_size, model.head_dim, layout.tp, a.act_bytes
+    per_token = 0.0
+    if layout.ulysses > 1:
+        per_token += 8 * (2 * h / t + 2 * sh.kv_u * d) * ab / 2
+    if layout.ring > 1:
+        per_token += 10 * (layout.ring - 1) * h / t
+    return per_token * sh.n
+
+
+def ring_merge_bytes_bwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> float:
+    """Ring backward: ``R-1`` accumulations of dq (fp32, read+write 8 bytes per element)
+    and of dk, dv into fp32 accumulators: ``8 * (R-1) * n * (h/t + 2*kv_u*d)``."""
+    if layout.ring == 1:
+        return 0.0
+    return 8 * (layout.ring - 1) * sh.n * (model.hidden_size / layout.tp
+                                            + 2 * sh.kv_u * model.head_dim)
+
+
+def loss_elementwise_bytes(model: ModelSpec, layout: Layout, sh: RankShapes) -> float:
+    """Vocab-parallel cross entropy, forward + backward: reads bf16 logits and writes the
+    fp32 softmax (6 B), then reads it back and writes bf16 grads (6 B): ``12 * n * V/t``."""
+    return 12 * sh.n * model.vocab_size / layout.tp
+
+
+def optimizer_step_bytes(local_params: float) -> float:
+    """Adam on the local shard: reads fp32 param, m, v, grad (16 B), writes param, m, v
+    (12 B) and the bf16 copy (2 B): 30 bytes per parameter."""
+    return 30.0 * local_params
+
+
+# ============================================================================ communication volumes
+
+
+def ulysses_a2a_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
+    """Bytes one rank sends to other Ulysses ranks in one pass of one layer.
+
+    Forward moves q, k, v (sequence-sharded -> head-sharded) and o (back): per rank the
+    local tensors hold ``n * (h/t)`` elements for q and o and ``n * kv_u * d`` for k and
+    v, of which ``(U-1)/U`` leave the rank:
+
+        ``(U-1)/U * n * (2*h/t + 2*kv_u*d) * 2 bytes``
+
+    i.e. the paper's ``(2 + 2*g/a) * b*s*h/(t*C)`` elements scaled by ``(U-1)/U`` (GQA
+    shrinks the k, v terms by ``g/a``; replication when ``kv_t < U`` grows them back by
+    ``U/kv_t``). Backward moves dO, dQ, dK, dV: the same volume.
+    """
+    U = layout.ulysses
+    if U == 1:
+        return 0.0
+    h, d = model.hidden_size, model.head_dim
+    return (U - 1) / U * sh.n * (2 * h / layout.tp + 2 * sh.kv_u * d) * a.act_bytes
+
+
+def ring_step_bytes(model: ModelSpec, layout: Layout, sh: RankShapes,
+                    a: Assumptions) -> Tuple[float, float]:
+    """Bytes one rank sends to its ring neighbour per ring step: ``(forward, backward)``.
+
+    After the all-to-all a ring rank holds ``b*s/R`` tokens of ``kv_u/U`` KV heads, i.e.
+    ``n * kv_u * d`` elements per K or V (megatron/usp/ring_attention.py packs K and V
+    in one buffer). Forward passes K and V on: ``2 * n*kv_u*d * 2`` bytes per step,
+    ``R-1`` steps. Backward passes K, V again plus the travelling dK, dV accumulator
+    (``ring_dkv_bytes`` each, fp32): ``n*kv_u*d * (2*2 + 2*ring_dkv_bytes)`` per step for
+    ``R-1`` steps, and one more hop of the accumulator alone
+    (:func:`ring_last_hop_bytes`) to bring it home.
+    """
+    if layout.ring == 1:
+        return 0.0, 0.0
+    kv_elems = sh.n * sh.kv_u * model.head_dim
+    return 2 * kv_elems * a.act_bytes, kv_elems * (2 * a.act_bytes + 2 * a.ring_dkv_bytes)
+
+
+def ring_last_hop_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
+    """The R-th hop of the dK/dV accumulator after the last backward step: ``2 * n*kv_u*d``
+    elements of ``ring_dkv_bytes``; nothing is left to overlap it with."""
+    if layout.ring == 1:
+        return 0.0
+    return 2 * sh.n * sh.kv_u * model.head_dim * a.ring_dkv_bytes
+
+
+def tp_collective_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
+    """Bytes one rank moves in ONE TP collective of a layer.
+
+    With sequence parallelism a layer does, per pass, 2 all-gathers (before QKV and
+    fc1) and 2 reduce-scatters (after the output projection and fc2) over the ``n * h``
+    activation: ``(t-1)/t * n * h * 2`` bytes each. Without it, 2 all-reduces per pass
+    of twice that. Both give ``4 * (t-1)/t * n*h*2`` bytes per pass (the paper: TP and
+    TP-sp cost the same communication). Returns the all-gather-sized unit; callers count
+    4 units per pass.
+    """
+    t = layout.tp
+    if t == 1:
+        return 0.0
+    return (t - 1) / t * sh.n * model.hidden_size * a.act_bytes
+
+
+def pp_send_bytes(model: ModelSpec, sh: RankShapes, a: Assumptions) -> float:
+    """Activation (or its gradient) sent between two pipeline stages per micro-batch:
+    ``n_sp * h * 2`` bytes (sharded over TP with sequence parallelism)."""
+    return sh.n_sp * model.hidden_size * a.act_bytes
+
+
+@dataclass(frozen=True)
+class DPTraffic:
+    """Per-rank ZeRO/DP traffic of one step.
+
+    ``grad_bytes`` happen ``grad_times`` times (overlapping backward passes) and
+    ``param_bytes`` happen ``param_times`` times (overlapping forward passes)."""
+
+    grad_bytes: float
+    grad_times: int
+    param_bytes: float
+    param_times: int
+
+    @property
+    def total(self) -> float:
+        return self.grad_bytes * self.grad_times + self.param_bytes * self.param_times
+
+
+def dp_traffic(zero_stage: int, local_params: float, group: int, m: int, a: Assumptions) -> DPTraffic:
+    """Gradient and parameter traffic over the ``dp_cp`` group of ``N`` ranks, per step.
+
+    With ``P`` parameters per rank (its TP shard on its PP stage) and ``k = (N-1)/N``:
+
+    * ZeRO-0 (DDP): one all-reduce of fp32 grads, ``2k * P * 4`` bytes.
+    * ZeRO-1 (megatron's distributed optimizer): reduce-scatter fp32 grads ``k*P*4``,
+      then all-gather bf16 weights ``k*P*2``: 6 bytes/param against DDP's 8.
+    * ZeRO-2: gradients are sharded, so they are reduce-scattered after every
+      micro-batch: ``m * k*P*4``, weights gathered once ``k*P*2``.
+    * ZeRO-3: weights gathered for forward and again for backward, grads
+      reduce-scattered, every micro-batch: ``m * k*P*(2+2+4)``.
+    """
+    if group <= 1:
+        return DPTraffic(0.0, 0, 0.0, 0)
+    k = (group - 1) / group
+    g, w = a.grad_reduce_bytes, a.param_gather_bytes
+    if zero_stage == 0:
+        return DPTraffic(2 * k * local_params * g, 1, 0.0, 0)
+    if zero_stage == 1:
+        return DPTraffic(k * local_params * g, 1, k * local_params * w, 1)
+    if zero_stage == 2:
+        return DPTraffic(k * local_params * g, m, k * local_params * w, 1)
+    return DPTraffic(k * local_params * (g + w), m, k * local_params * w, m)
+
+
+# ============================================================================ memory
+
+
+def stage_params(model: ModelSpec, layout: Layout, first: bool, last: bool) -> float:
+    """Parameters one rank holds on a PP stage: its TP shard of the layer matrices
+    (norm weights are replicated over TP), plus the embedding on the first stage and the
+    output layer (untied) on the last, both vocab-sharded over TP."""
+    L = model.num_layers // layout.pp
+    per_layer = (model.attention_params_per_layer() + model.mlp_params_per_layer()) / layout.tp
+    per_layer += model.norm_params_per_layer()
+    params = L * per_layer
+    if first:
+        params += model.embedding_params() / layout.tp
+    if last:
+        params += model.output_params() / layout.tp + model.hidden_size
+        if not model.untied_embeddings and not first:
+            params += model.embedding_params() / layout.tp  # tied copy on the last stage
+    return params
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float  # ZeRO-3 weights gathered for the current + prefetched layer
+
+
+def model_state_bytes(zero_stage: int, local_params: float, layer_params: float,
+                      group: int, a: Assumptions) -> ModelStateBytes:
+    """Bytes of weights, gradients and optimizer states on one rank (the ZeRO paper's
+    accounting with megatron's dtypes: 2 + 4 + 12 = 18 bytes/param unsharded):
+
+    * ZeRO-0: ``2P + 4P + 12P``;
+    * ZeRO-1: ``2P + 4P + 12P/N``;
+    * ZeRO-2: ``2P + 4P/N + 12P/N`` (+ one layer's fp32 grads being reduced);
+    * ZeRO-3: ``(2 + 4 + 12)P/N`` + two layers of gathered bf16 weights (current and
+      prefetched).
+    """
+    N = max(1, group)
+    P = local_params
+    pb, gb, ob = a.param_bytes, a.main_grad_bytes, a.optimizer_bytes
+    if zero_stage == 0 or N == 1:
+        return ModelStateBytes(pb * P, gb * P, ob * P, 0.0)
+    if zero_stage == 1:
+        return ModelStateBytes(pb * P, gb * P, ob * P / N, 0.0)
+    if zero_stage == 2:
+        return ModelStateBytes(pb * P, gb * P / N + gb * layer_params, ob * P / N, 0.0)
+    return ModelStateBytes(pb * P / N, gb * P / N, ob * P / N, 2 * pb * layer_params)
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, recompute: str,
+                           a: Assumptions) -> float:
+    """Activations one layer keeps for backward, per micro-batch, on one rank.
+
+    Saved tensors of a megatron-core GPT layer with flash/cuDNN attention (bf16; no
+    dropout; TP-sp region has ``n_sp`` tokens):
+
+    * ``none``:
+        - input norm input, QKV GEMM input, pre-MLP norm input, fc1 input:
+          ``4 * n_sp*h``;
+        - q (``n*h/t``), k and v (``n*kv_u*d`` each, as held after the all-to-all),
+          attention output o (``n*h/t``), and when U > 1 the output projection's input
+          (o after the reverse all-to-all, another ``n*h/t``);
+        - fp32 softmax statistics: ``n*a/t`` floats;
+        - fc1 output (``2f/t`` per token for SwiGLU, ``f/t`` for GELU) and fc2 input
+          (``f/t``).
+    * ``selective`` (megatron-core ``recompute_modules=["layernorm", "mlp"]``): the
+      norm outputs and everything inside the MLP are recomputed; kept are the two norm
+      inputs, the attention tensors above and the output projection's input.
+    * ``full`` (``recompute_granularity="full"``, uniform, 1 layer per checkpoint): only
+      the layer input ``n_sp*h``.
+    """
+    h, d, t, ab = model.hidden_size, model.head_dim, layout.tp, a.act_bytes
+    sp = sh.n_sp * h
+    if recompute == "full":
+        return sp * ab
+    attn = sh.n * (2 * h / t + 2 * sh.kv_u * d)  # q, o, k, v
+    if layout.ulysses > 1:
+        attn += sh.n * h / t
+    lse = sh.n * model.num_attention_heads / t * 4
+    if recompute == "selective":
+        return (2 * sp + attn) * ab + lse
+    f = model.ffn_hidden_size / t
+    mlp = sh.n * ((2 * f if model.swiglu else f) + f)
+    return (4 * sp + attn + mlp) * ab + lse
+
+
+def layer_transient_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, recompute: str,
+                          a: Assumptions) -> float:
+    """Peak extra memory while one layer runs backward, one rank.
+
+    The gradients of that layer's activations (as large as its ``none`` activations),
+    the activations recomputed for it (``none`` minus what was kept), the attention
+    backward's fp32 dq accumulator (``4*n*h/t``) and the all-to-all staging buffers
+    (a second copy of q, k, v: ``n*(h/t + 2*kv_u*d)*2``).
+    """
+    full = layer_activation_bytes(model, layout, sh, "none", a)
+    kept = layer_activation_bytes(model, layout, sh, recompute, a)
+    h, d, t = model.hidden_size, model.head_dim, layout.tp
+    attn_ws = 4 * sh.n * h / t
+    if layout.ulysses > 1:
+        attn_ws += sh.n * (h / t + 2 * sh.kv_u * d) * a.act_bytes
+    return full + (full - kept) + attn_ws
+
+
+def logits_bytes(model: ModelSpec, layout: Layout, sh: RankShapes) -> Tuple[float, float]:
+    """Last stage: ``(kept, transient)``. Vocab-parallel cross entropy keeps the fp32
+    softmax (``4*n*V/t``); at the loss the bf16 logits and the fp32 gradient exist
+    too (``6*n*V/t``)."""
+    elems = sh.n * model.vocab_size / layout.tp
+    return 4 * elems, 6 * elems
+
+
+# ============================================================================ times
+
+
+def a2a_time(bytes_sent: float, per_level: List[Tuple[LinkLevel, int]], group: int,
+             calls: int) -> float:
+    """All-to-all time: a rank's peers are spread over link levels; each level carries
+    ``bytes_sent * peers_at_level / (group-1)`` of the traffic, levels run in parallel,
+    the slowest sets the time; plus ``calls`` latencies of the outermost level."""
+    if group <= 1 or bytes_sent <= 0:
+        return 0.0
+    t = max(bytes_sent * peers / (group - 1) / (lvl.all_to_all_gbps * 1e9)
+            for lvl, peers in per_level)
+    return t + calls * per_level[-1][0].latency_us * 1e-6
+
+
+def ring_pass_time(compute_s: float, step_bytes: float, steps: int, level: Optional[LinkLevel]) -> float:
+    """A ring pass of ``steps`` (= R) compute steps overlapped with ``steps-1`` sends.
+
+    Step ``i`` computes on the KV block it holds while the next block is in flight, so
+    the pass takes the first block's compute plus ``R-1`` times the slower of a step's
+    compute and its send (``latency + bytes / p2p bandwidth``). Exposed ring
+    communication is this minus ``compute_s``.
+    """
+    if steps <= 1 or level is None:
+        return compute_s
+    per_step = compute_s / steps
+    send = level.latency_us * 1e-6 + step_bytes / (level.p2p_gbps * 1e9)
+    return per_step + (steps - 1) * max(per_step, send)
+
+
+def collective_time(bytes_moved: float, level: Optional[LinkLevel], calls: int) -> float:
+    """``calls`` ring collectives moving ``bytes_moved`` in total over ``level``."""
+    if level is None or bytes_moved <= 0:
+        return 0.0
+    return calls * level.latency_us * 1e-6 + bytes_moved / (level.collective_gbps * 1e9)
+
+
+def p2p_time(bytes_sent: float, level: Optional[LinkLevel]) -> float:
+    if level is None or bytes_sent <= 0:
+        return 0.0
+    return level.latency_us * 1e-6 + bytes_sent / (level.p2p_gbps * 1e9)
+
+
+def pipeline_time(stage_time: float, m: int, pp: int) -> Tuple[float, float]:
+    """1F1B: ``(m + p - 1)`` slots of the slowest stage's micro-batch time; the bubble
+    is the ``(p - 1)`` extra slots. Returns ``(total, bubble)``."""
+    return (m + pp - 1) * stage_time, (pp - 1) * stage_time
+
+
+# ============================================================================ estimate
+
+
+@dataclass
+class TimeBreakdown:
+    """Seconds per step on the slowest rank, by cause. ``total`` is the step time;
+    the other fields show where it goes (``*_total`` includes hidden time)."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    tp_comm: float = 0.0
+    a2a: float = 0.0
+    ring_exposed: float = 0.0
+    ring_total: float = 0.0
+    pp_p2p: float = 0.0
+    pp_bubble: float = 0.0
+    dp_exposed: float = 0.0
+    dp_total: float = 0.0
+    optimizer: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class MemoryBreakdown:
+    """GiB on the most loaded rank (the PP stage that needs the most)."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    zero3_gathered: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    transient: float = 0.0
+    total: float = 0.0
+
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer + self.zero3_gathered
+
+
+@dataclass
+class Estimate:
+    """The cost model's prediction for one layout."""
+
+    layout: Layout
+    time: TimeBreakdown
+    memory: MemoryBreakdown
+    usable_memory_gib: float
+    global_batch: int
+    num_micro_batches: int
+    tokens_per_step: int
+    model_flops_per_step: float
+    peak_tflops: float
+    links: Dict[str, str] = field(default_factory=dict)       # axis -> link level name
+    link_levels: Dict[str, int] = field(default_factory=dict)  # axis -> level index (0 fastest)
+    volumes: Dict[str, float] = field(default_factory=dict)    # bytes per step per rank
+    kv_replication: float = 1.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_memory_gib
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total
+
+    @property
+    def time_per_token(self) -> float:
+        return self.time.total / self.tokens_per_step
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.time.total / self.layout.world_size
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (3x forward GEMMs + 3x forward causal attention, no recompute)
+        per second per GPU over the datasheet peak."""
+        return self.model_flops_per_step / self.time.total / self.layout.world_size / (
+            self.peak_tflops * 1e12)
+
+    def to_dict(self) -> Dict[str, object]:
+        return {
+            "layout": asdict(self.layout),
+            "fits": self.fits,
+            "step_time_s": self.time.total,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "memory_gib": self.memory.total,
+            "usable_memory_gib": self.usable_memory_gib,
+            "global_batch": self.global_batch,
+            "num_micro_batches": self.num_micro_batches,
+            "time_breakdown_s": asdict(self.time),
+            "memory_breakdown_gib": asdict(self.memory),
+            "links": dict(self.links),
+            "volumes_gb_per_step": {k: v / 1e9 for k, v in self.volumes.items()},
+            "kv_replication": self.kv_replication,
+        }
+
+
+@dataclass
+class _Group:
+    stride: int
+    size: int
+
+
+def _groups(layout: Layout) -> Dict[str, _Group]:
+    """Stride and size of each axis's groups in the grid order TP -> U -> R -> DP -> PP."""
+    t, U, R, D = layout.tp, layout.ulysses, layout.ring, layout.dp
+    return {
+        "tp": _Group(1, t),
+        "ulysses": _Group(t, U),
+        "ring": _Group(t * U, R),
+        "dp_cp": _Group(t, U * R * D),
+        "pp": _Group(t * U * R * D, layout.pp),
+    }
+
+
+@dataclass
+class AttentionTimes:
+    """USP attention of one layer, one micro-batch, one rank: seconds.
+
+    ``kernel`` is the attention kernels' compute, ``wall`` adds the exposed ring
+    sends; ``a2a`` and ``elementwise`` are the all-to-alls and the pack/merge copies;
+    ``fwd``/``bwd`` are the wall times of the forward pass and of the backward pass
+    (including a recomputed forward under full recompute)."""
+
+    kernel: float
+    wall: float
+    a2a: float
+    elementwise: float
+    fwd: float
+    bwd: float
+
+
+def usp_attention_times(model: ModelSpec, layout: Layout, sh: RankShapes, hw: HardwareSpec,
+                        links: Dict[str, object], a: Assumptions, b: int, s: int,
+                        backward: bool = True, recompute_forward: bool = False) -> AttentionTimes:
+    """Core attention under U x R: all-to-alls, ring passes, kernels, copies.
+
+    * Kernels: forward ``A`` (:func:`attention_flops_fwd`), backward ``2.5A``, at the
+      table rate for kernels of ``s/R`` tokens (the table's rate counts forward+backward
+      as 3.5x forward; the same rate is used for each pass). With R > 1 each pass runs as
+      a ring (:func:`ring_pass_time`); backward also sends the dK/dV accumulator home
+      (:func:`ring_last_hop_bytes`), exposed.
+    * All-to-all (U > 1): :func:`ulysses_a2a_bytes` per pass, never overlapped.
+    * Copies: :func:`usp_attention_elementwise_bytes_fwd` forward, twice that plus
+      :func:`ring_merge_bytes_bwd` backward, at the HBM rate.
+    """
+    att = attention_flops_fwd(model, layout, b, s)
+    rate = hw.attention_rate_tflops(s / layout.ring) * 1e12
+    t_f, t_b = att / rate, a.attention_bwd_factor * att / rate
+    step_f, step_b = ring_step_bytes(model, layout, sh, a)
+    ring = links["ring"]
+    wall_f = ring_pass_time(t_f, step_f, layout.ring, ring)
+    a2a = a2a_time(ulysses_a2a_bytes(model, layout, sh, a), links["ulysses_levels"],
+                   layout.ulysses, a.a2a_calls_per_pass)
+    hbm = hw.hbm_gbps * 1e9
+    ew_f = usp_attention_elementwise_bytes_fwd(model, layout, sh, a) / hbm
+    fwd = wall_f + a2a + ew_f
+    if not backward:
+        return AttentionTimes(t_f, wall_f, a2a, ew_f, fwd, 0.0)
+    wall_b = ring_pass_time(t_b, step_b, layout.ring, ring)
+    wall_b += p2p_time(ring_last_hop_bytes(model, layout, sh, a), ring)
+    ew_b = 2 * ew_f + ring_merge_bytes_bwd(model, layout, sh) / hbm
+    bwd = wall_b + a2a + ew_b + (fwd if recompute_forward else 0.0)
+    passes_f = 2 if recompute_forward else 1
+    return AttentionTimes(
+        kernel=passes_f * t_f + t_b,
+        wall=passes_f * wall_f + wall_b,
+        a2a=(passes_f + 1) * a2a,
+        elementwise=passes_f * ew_f + ew_b,
+        fwd=fwd,
+        bwd=bwd,
+    )
+
+
+@dataclass
+class _LayerTimes:
+    """One layer, one micro-batch, one rank: seconds by cause."""
+
+    matmul: float
+    attention: float
+    elementwise: float
+    tp: float
+    a2a: float
+    ring_exposed: float
+    ring_total: float
+    fwd: float   # wall time of the forward pass (for overlap windows)
+    bwd: float   # wall time of backward incl. recompute
+
+
+def _layer_times(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes,
+                 a: Assumptions, links: Dict[str, object]) -> _LayerTimes:
+    """Forward, backward and recompute of one layer.
+
+    * GEMMs: forward ``F``, backward ``2F``; full recompute adds ``F``, selective adds
+      the MLP's forward.
+    * Attention: :func:`usp_attention_times` (full recompute repeats its forward).
+    * TP: 4 collectives per pass, exposed (no TP comm overlap is modelled).
+    * Other memory-bound kernels: :func:`layer_elementwise_bytes_fwd` forward, twice that
+      in backward (plus the forward again under full recompute), at the HBM rate.
+    """
+    model, b, s = w.model, w.micro_batch_size, w.seq_length
+    mm_attn, mm_mlp = layer_matmul_flops_fwd(model, layout, sh)
+    mm_rate = hw.matmul_tflops * 1e12
+    full = layout.recompute == "full"
+    recompute_mm = (mm_attn + mm_mlp) if full else (mm_mlp if layout.recompute == "selective" else 0.0)
+    t_mm_f = (mm_attn + mm_mlp) / mm_rate
+    t_mm_b = (2 * (mm_attn + mm_mlp) + recompute_mm) / mm_rate
+
+    att = usp_attention_times(model, layout, sh, hw, links, a, b, s, True, full)
+    passes_f = 2 if full else 1
+    t_tp_pass = collective_time(4 * tp_collective_bytes(model, layout, sh, a), links["tp"], 4)
+
+    hbm = hw.hbm_gbps * 1e9
+    t_ew_f = layer_elementwise_bytes_fwd(model, layout, sh, a) / hbm
+    t_ew_b = (2 + (1 if full else 0)) * t_ew_f
+
+    fwd = t_mm_f + att.fwd + t_tp_pass + t_ew_f
+    bwd = t_mm_b + att.bwd + passes_f * t_tp_pass + t_ew_b
+    return _LayerTimes(
+        matmul=t_mm_f + t_mm_b,
+        attention=att.kernel,
+        elementwise=t_ew_f + t_ew_b + att.elementwise,
+        tp=(1 + passes_f) * t_tp_pass,
+        a2a=att.a2a,
+        ring_exposed=att.wall - att.kernel,
+        ring_total=att.wall,
+        fwd=fwd,
+        bwd=bwd,
+    )
+
+
+def _resolve_links(gpus_per_node: int, layout: Layout, hw: HardwareSpec) -> Dict[str, object]:
+    g = _groups(layout)
+    out: Dict[str, object] = {}
+    for axis in ("tp", "ring", "dp_cp", "pp"):
+        out[axis] = bottleneck_level(hw, gpus_per_node, g[axis].stride, g[axis].size)
+    out["ulysses_levels"] = peers_per_level(hw, gpus_per_node, g["ulysses"].stride,
+                                            g["ulysses"].size)
+    out["ulysses"] = out["ulysses_levels"][-1][0] if out["ulysses_levels"] else None
+    return out
+
+
+def _level_index(hw: HardwareSpec, level: Optional[LinkLevel]) -> int:
+    """0 for the innermost intra-node level ... len(intra) for inter-node; -1 for none."""
+    if level is None:
+        return -1
+    for i, lvl in enumerate(hw.intra_node):
+        if lvl is level:
+            return i
+    return len(hw.intra_node)
+
+
+def _link_names_and_levels(hw: HardwareSpec, links: Dict[str, object]
+                           ) -> Tuple[Dict[str, str], Dict[str, int]]:
+    axes = ("tp", "ulysses", "ring", "dp_cp", "pp")
+    names = {ax: (links[ax].name if links[ax] is not None else "-") for ax in axes}
+    return names, {ax: _level_index(hw, links[ax]) for ax in axes}
+
+
+def check_workload_fits_layout(w: Workload, layout: Layout) -> None:
+    if layout.world_size != w.world_size:
+        raise PlannerError(
+            f"layout {layout.short()} uses {layout.world_size} GPUs but --gpus is {w.world_size}")
+    if w.model.num_layers % layout.pp:
+        raise PlannerError(
+            f"--pipeline-model-parallel-size {layout.pp} does not divide num_layers "
+            f"{w.model.num_layers}")
+
+
+def estimate(w: Workload, layout: Layout, hw: HardwareSpec,
+             a: Assumptions = DEFAULT_ASSUMPTIONS) -> Estimate:
+    """Predict step time and peak memory of ``layout`` for workload ``w`` on ``hw``.
+
+    Step time (slowest rank):
+
+        stage  = sum over its layers of (fwd + bwd)         [see _layer_times]
+                 + output layer and loss on the last stage
+                 + 2 pipeline sends per micro-batch when p > 1
+        step   = (m + p - 1) * max(stage)                   [1F1B, bubble (p-1)*stage]
+                 + exposed ZeRO/DP traffic
+                 + optimizer step (HBM-bound)
+
+    DP traffic overlaps compute: gradient traffic with a micro-batch's backward (once
+    for ZeRO-0/1, every micro-batch for ZeRO-2/3), weight gathers with its forward
+    (once after the optimizer for ZeRO-1/2, every micro-batch for ZeRO-3); only the
+    excess over that window is exposed. Contention between overlapped traffic and
+    compute, and between axes sharing a link, is not modelled.
+
+    Memory (most loaded stage): model states (:func:`model_state_bytes`), activations
+    of ``min(p - stage, m)`` in-flight micro-batches (1F1B), the last stage's logits,
+    and the larger of the layer-backward and loss transients.
+    """
+    check_workload_fits_layout(w, layout)
+    sh = rank_shapes(w.model, layout, w.micro_batch_size, w.seq_length, a)
+    links = _resolve_links(w.gpus_per_node, layout, hw)
+    m = w.num_micro_batches(layout, a)
+    gbs = w.global_batch(layout, a)
+    lt = _layer_times(w, layout, hw, sh, a, links)
+    traffic = dp_traffic(layout.zero_stage, _heaviest_stage_params(w.model, layout),
+                         layout.sharding_group_size, m, a)
+    names, levels = _link_names_and_levels(hw, links)
+    return Estimate(
+        layout=layout,
+        time=_step_time(w, layout, hw, sh, a, links, lt, traffic, m),
+        memory=_memory(w, layout, sh, a, m),
+        usable_memory_gib=hw.gpu_memory_gib * (1 - a.memory_fragmentation) - a.memory_reserve_gib,
+        global_batch=gbs,
+        num_micro_batches=m,
+        tokens_per_step=gbs * w.seq_length,
+        model_flops_per_step=_model_flops(w, layout, sh, gbs),
+        peak_tflops=hw.peak_tflops,
+        links=names,
+        link_levels=levels,
+        volumes=_volumes(w.model, layout, sh, a, m, traffic),
+        kv_replication=sh.kv_u / sh.kv_t if sh.kv_u > sh.kv_t else 1.0,
+    )
+
+
+def _heaviest_stage_params(model: ModelSpec, layout: Layout) -> float:
+    """Parameters per rank on the pipeline stage that holds the most."""
+    single = layout.pp == 1
+    return max(stage_params(model, layout, True, single), stage_params(model, layout, single, True))
+
+
+def _step_time(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes, a: Assumptions,
+               links: Dict[str, object], lt: _LayerTimes, traffic: DPTraffic, m: int
+               ) -> TimeBreakdown:
+    """The step-time composition of :func:`estimate`."""
+    model, layers = w.model, sh.layers
+    hbm = hw.hbm_gbps * 1e9
+    # Output layer (GEMM fwd + 2x bwd) and loss, last stage only.
+    t_logits = 3 * logits_flops_fwd(model, layout, sh) / (hw.matmul_tflops * 1e12)
+    t_loss = loss_elementwise_bytes(model, layout, sh) / hbm
+    t_pp = 2 * p2p_time(pp_send_bytes(model, sh, a), links["pp"]) if layout.pp > 1 else 0.0
+    stage = layers * (lt.fwd + lt.bwd) + t_pp + t_logits + t_loss  # the last is slowest
+    pipe_total, bubble = pipeline_time(stage, m, layout.pp)
+
+    t_grad = collective_time(traffic.grad_bytes, links["dp_cp"], 1)
+    t_param = collective_time(traffic.param_bytes, links["dp_cp"], 1)
+    dp_exposed = (traffic.grad_times * max(0.0, t_grad - layers * lt.bwd)
+                  + traffic.param_times * max(0.0, t_param - layers * lt.fwd))
+
+    n = layout.sharding_group_size
+    local = _heaviest_stage_params(model, layout)
+    shard = local / n if (layout.zero_stage >= 1 and n > 1) else local
+    t_opt = optimizer_step_bytes(shard) / hbm
+    per_layer = m * layers
+    return TimeBreakdown(
+        matmul=per_layer * lt.matmul + m * t_logits,
+        attention=per_layer * lt.attention,
+        elementwise=per_layer * lt.elementwise + m * t_loss,
+        tp_comm=per_layer * lt.tp,
+        a2a=per_layer * lt.a2a,
+        ring_exposed=per_layer * lt.ring_exposed,
+        ring_total=per_layer * lt.ring_total,
+        pp_p2p=m * t_pp,
+        pp_bubble=bubble,
+        dp_exposed=dp_exposed,
+        dp_total=traffic.grad_times * t_grad + traffic.param_times * t_param,
+        optimizer=t_opt,
+        total=pipe_total + dp_exposed + t_opt,
+    )
+
+
+def _model_flops(w: Workload, layout: Layout, sh: RankShapes, gbs: int) -> float:
+    """MFU numerator for a step: 3x the forward FLOPs of the whole model on every
+    sequence (no recompute; the KV projections replicated over TP when g < t count once
+    per TP rank, a small overcount)."""
+    model, b = w.model, w.micro_batch_size
+    mm_attn, mm_mlp = layer_matmul_flops_fwd(model, layout, sh)
+    per_rank_fwd = (model.num_layers * (mm_attn + mm_mlp
+                                        + attention_flops_fwd(model, layout, b, w.seq_length))
+                    + logits_flops_fwd(model, layout, sh))
+    return 3 * per_rank_fwd * layout.tp * layout.cp * gbs / b
+
+
+def _volumes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions, m: int,
+             traffic: DPTraffic) -> Dict[str, float]:
+    """Bytes one rank sends per step, by axis (full recompute repeats forward traffic)."""
+    full = layout.recompute == "full"
+    per_layer = m * sh.layers
+    ring_f, ring_b = ring_step_bytes(model, layout, sh, a)
+    ring = (max(0, layout.ring - 1) * ((2 if full else 1) * ring_f + ring_b)
+            + ring_last_hop_bytes(model, layout, sh, a))
+    passes = 3 if full else 2
+    return {
+        "ulysses_a2a": per_layer * passes * ulysses_a2a_bytes(model, layout, sh, a),
+        "ring_p2p": per_layer * ring,
+        "tp": per_layer * passes * 4 * tp_collective_bytes(model, layout, sh, a),
+        "dp_zero": traffic.total,
+        "pp": m * 2 * pp_send_bytes(model, sh, a) if layout.pp > 1 else 0.0,
+    }
+
+
+def _memory(w: Workload, layout: Layout, sh: RankShapes, a: Assumptions, m: int) -> MemoryBreakdown:
+    """Peak memory of the most loaded stage (see :func:`estimate`)."""
+    model = w.model
+    layer_params = (model.attention_params_per_layer() + model.mlp_params_per_layer()) / layout.tp
+    kept = layer_activation_bytes(model, layout, sh, layout.recompute, a)
+    transient = layer_transient_bytes(model, layout, sh, layout.recompute, a)
+    embed_out = sh.n_sp * model.hidden_size * a.act_bytes
+    N = layout.sharding_group_size
+    best: Optional[MemoryBreakdown] = None
+    stages = [(True, layout.pp == 1)] + ([(False, True)] if layout.pp > 1 else [])
+    for first, last in stages:
+        states = model_state_bytes(layout.zero_stage, stage_params(model, layout, first, last),
+                                   layer_params, N, a)
+        inflight = min(layout.pp, m) if first else 1
+        acts = inflight * (sh.layers * kept + (embed_out if first else 0.0))
+        logit_kept, logit_tr = logits_bytes(model, layout, sh) if last else (0.0, 0.0)
+        mem = MemoryBreakdown(
+            params=states.params / GIB,
+            grads=states.grads / GIB,
+            optimizer=states.optimizer / GIB,
+            zero3_gathered=states.gathered / GIB,
+            activations=acts / GIB,
+            logits=logit_kept / GIB,
+            transient=max(transient, logit_tr) / GIB,
+        )
+        mem.total = (mem.model_states() + mem.activations + mem.logits + mem.transient)
+        if best is None or mem.total > best.total:
+            best = mem
+    assert best is not None
+    return best
+
+
+# ============================================================================ attention only
+
+
+@dataclass(frozen=True)
+class AttentionWorkload:
+    """One USP attention call over ``world_size`` GPUs (all of them in U x R), as
+    ``tools/bench_attention.py`` and yunchang's benchmark time it.
+
+    Attributes:
+        heads, kv_heads, head_dim: query heads, KV heads, head size.
+        seq_length: global tokens; batch: sequences.
+        backward: time forward + backward (else forward only).
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_length: int
+    world_size: int
+    gpus_per_node: int
+    batch: int = 1
+    backward: bool = True
+
+    def model(self) -> ModelSpec:
+        """The attention as a one-layer model (no MLP, no vocabulary)."""
+        return ModelSpec("attention", 1, self.heads * self.head_dim, self.heads,
+                         self.kv_heads, 1, 1)
+
+
+@dataclass
+class AttentionEstimate:
+    """Predicted time of one attention call (forward, + backward when asked)."""
+
+    layout: Layout
+    times: AttentionTimes
+    tokens: int
+    links: Dict[str, str] = field(default_factory=dict)
+    link_levels: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def step_time_s(self) -> float:
+        return self.times.fwd + self.times.bwd
+
+    @property
+    def time_per_token(self) -> float:
+        return self.step_time_s / self.tokens
+
+
+def estimate_attention(aw: AttentionWorkload, ulysses: int, ring: int, hw: HardwareSpec,
+                       a: Assumptions = DEFAULT_ASSUMPTIONS) -> AttentionEstimate:
+    """:func:`usp_attention_times` for one call of ``aw`` under Ulysses x Ring."""
+    if ulysses * ring != aw.world_size:
+        raise PlannerError(f"Ulysses {ulysses} x Ring {ring} != {aw.world_size} GPUs")
+    model = aw.model()
+    layout = Layout(1, ulysses, ring, 1, 1)
+    sh = rank_shapes(model, layout, aw.batch, aw.seq_length, a)
+    links = _resolve_links(aw.gpus_per_node, layout, hw)
+    times = usp_attention_times(model, layout, sh, hw, links, a, aw.batch, aw.seq_length,
+                                aw.backward)
+    names, levels = _link_names_and_levels(hw, links)
+    return AttentionEstimate(layout, times, aw.batch * aw.seq_length, names, levels)

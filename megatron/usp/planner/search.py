@@ -1,0 +1,513 @@
+"""Search over layouts: enumerate, filter by the rules, predict, rank, diagnose.
+
+:func:`plan_layouts` returns every evaluated layout and the ranked feasible ones;
+:func:`choose_layout` is the contract the training script's ``--ulysses-degree auto``
+uses and returns the top :class:`Plan`. When nothing is feasible a
+:class:`PlannerError` names the binding limit and the smallest changes that would give
+a plan (see :func:`diagnose`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+from megatron.usp.planner import rules
+from megatron.usp.planner.cost_model import (
+    DEFAULT_ASSUMPTIONS,
+    RECOMPUTE_CHOICES,
+    ZERO_STAGES,
+    Assumptions,
+    AttentionWorkload,
+    Estimate,
+    Layout,
+    Workload,
+    estimate,
+    estimate_attention,
+)
+from megatron.usp.planner.errors import PlannerError
+from megatron.usp.planner.hardware import HardwareSpec, get_hardware
+from megatron.usp.planner.models import ModelSpec
+
+# Keys of ``fixed``: megatron's argument names -> (Layout field, flag).
+FIXED_KEYS: Dict[str, Tuple[str, str]] = {
+    "tensor_model_parallel_size": ("tp", "--tensor-model-parallel-size"),
+    "ulysses_degree": ("ulysses", "--ulysses-degree"),
+    "ring_degree": ("ring", "--ring-degree"),
+    "context_parallel_size": ("cp", "--context-parallel-size"),
+    "data_parallel_size": ("dp", "--data-parallel-size"),
+    "pipeline_model_parallel_size": ("pp", "--pipeline-model-parallel-size"),
+    "zero_stage": ("zero_stage", "--zero-stage"),
+    "recompute": ("recompute", "--recompute"),
+}
+
+
+def normalize_fixed(fixed: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Validate ``fixed`` and map it to Layout field names; ``None`` values are dropped
+    (a caller may pass every flag, with None for "choose it")."""
+    out: Dict[str, Any] = {}
+    for key, value in (fixed or {}).items():
+        if value is None:
+            continue
+        if key not in FIXED_KEYS:
+            raise PlannerError(f"fixed degree {key!r} is unknown; known: {sorted(FIXED_KEYS)}")
+        name, flag = FIXED_KEYS[key]
+        if name == "recompute":
+            if value not in RECOMPUTE_CHOICES:
+                raise PlannerError(f"{flag} {value!r} must be one of {RECOMPUTE_CHOICES}")
+        elif name == "zero_stage":
+            if value not in ZERO_STAGES:
+                raise PlannerError(f"{flag} {value!r} must be one of {ZERO_STAGES}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlannerError(f"{flag} {value!r} must be an integer >= 1")
+        out[name] = value
+    return out
+
+
+# ============================================================================ enumeration
+
+
+@dataclass
+class Rejections:
+    """Layouts ruled out before prediction, counted by rule, with one example each."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: Dict[str, str] = field(default_factory=dict)
+
+    def add(self, rule_id: str, message: str) -> None:
+        self.counts[rule_id] += 1
+        self.examples.setdefault(rule_id, message)
+
+
+def _divisors(n: int) -> List[int]:
+    return rules.divisors(n)
+
+
+def _tilings(world: int) -> Iterator[Tuple[int, int, int, int, int]]:
+    """Every (tp, U, R, dp, pp) whose product is ``world``."""
+    for pp in _divisors(world):
+        for tp in _divisors(world // pp):
+            for u in _divisors(world // (pp * tp)):
+                for r in _divisors(world // (pp * tp * u)):
+                    yield tp, u, r, world // (pp * tp * u * r), pp
+
+
+def _structural_reject(w: Workload, fixed: Dict[str, Any], tp: int, u: int, r: int, dp: int,
+                       pp: int) -> Optional[Tuple[str, str]]:
+    """First rule a tiling breaks, as ``(rule_id, message)``; None if it passes."""
+    dims = {"tp": tp, "ulysses": u, "ring": r, "cp": u * r, "dp": dp, "pp": pp}
+    for name, value in dims.items():
+        if name in fixed and fixed[name] != value:
+            return "fixed", f"{name}={value} differs from the fixed {fixed[name]}"
+    m = w.model
+    checks = (
+        ("tp-inside-node", lambda: rules.check_tp_inside_node(tp, w.gpus_per_node)
+         if w.world_size >= w.gpus_per_node else None),
+        ("ulysses-heads", lambda: rules.check_heads(m, tp, u)),
+        ("ulysses-kv-heads", lambda: rules.check_kv_heads(m, tp, u)),
+        ("seq-divisible", lambda: rules.check_seq(w.seq_length, tp, u * r)),
+        ("pp-layers", lambda: rules.check_pp_layers(m.num_layers, pp)),
+        ("batch", lambda: rules.check_batch(w.global_batch_size, w.micro_batch_size, dp)),
+    )
+    for rule_id, check in checks:
+        msg = check()
+        if msg:
+            return rule_id, msg
+    return None
+
+
+def _zero_stages(fixed: Dict[str, Any], cp: int, dp: int, rej: Rejections) -> List[int]:
+    if cp * dp == 1:
+        # Nothing to shard over: every stage is ZeRO-0.
+        return [fixed.get("zero_stage", 0)]
+    stages = [fixed["zero_stage"]] if "zero_stage" in fixed else list(ZERO_STAGES)
+    out = []
+    for z in stages:
+        msg = rules.check_sp_with_zero(cp, z, "zero_stage" in fixed)
+        if msg:
+            rej.add("sp-with-zero", msg)
+            continue
+        out.append(z)
+    return out
+
+
+def evaluate_all(w: Workload, hw: HardwareSpec, fixed: Dict[str, Any],
+                 a: Assumptions = DEFAULT_ASSUMPTIONS) -> Tuple[List[Estimate], Rejections]:
+    """Predict every layout that passes the rules.
+
+    For each layout and ZeRO stage, recompute levels are tried from none to full and
+    the first that fits ends the list: a heavier recompute than needed is never faster
+    (the infeasible lighter ones stay in the list, so the output can say why they lost).
+    """
+    rej = Rejections()
+    out: List[Estimate] = []
+    recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_CHOICES)
+    for tp, u, r, dp, pp in _tilings(w.world_size):
+        bad = _structural_reject(w, fixed, tp, u, r, dp, pp)
+        if bad:
+            rej.add(*bad)
+            continue
+        for z in _zero_stages(fixed, u * r, dp, rej):
+            for rc in recomputes:
+                e = estimate(w, Layout(tp, u, r, dp, pp, z, rc), hw, a)
+                out.append(e)
+                if e.fits:
+                    break
+    return out, rej
+
+
+# ============================================================================ ranking
+
+
+@dataclass
+class RankedLayout:
+    """A feasible layout in rank order; ``decided_by`` is the tie-breaker that put it
+    ahead of ``runner_up``, a layout predicted faster by less than the tolerance.
+    (``estimate`` is an :class:`AttentionEstimate` in :func:`rank_attention_layouts`.)"""
+
+    estimate: Any
+    rank: int
+    decided_by: Optional[rules.Rule] = None
+    runner_up: Optional[Any] = None
+
+
+def degrees(e: Any) -> Tuple[int, int, int, int, int]:
+    lay = e.layout
+    return lay.tp, lay.ulysses, lay.ring, lay.dp, lay.pp
+
+
+def rank_feasible(feasible: List[Any], top: int, tolerance: float = rules.TIE_TOLERANCE,
+                  breakers: Sequence[Tuple[str, rules.TieKey]] = tuple(rules.TIE_BREAKERS)
+                  ) -> List[RankedLayout]:
+    """Greedy ranking: among the remaining layouts within ``tolerance`` of the fastest,
+    take the one the tie-breakers prefer; repeat ``top`` times. Each set of degrees
+    (TP, U, R, DP, PP) appears once, with its best ZeRO stage and recompute."""
+    remaining = sorted(feasible, key=lambda e: e.time_per_token)
+    ranked: List[RankedLayout] = []
+    while remaining and len(ranked) < top:
+        fastest = remaining[0]
+        limit = fastest.time_per_token * (1 + tolerance)
+        near = [e for e in remaining if e.time_per_token <= limit]
+        winner = min(near, key=lambda e: rules.tie_break_key(e, breakers))
+        decided = None
+        if winner is not fastest:
+            decided = rules.deciding_rule(winner, fastest, breakers)
+        ranked.append(RankedLayout(winner, len(ranked) + 1, decided,
+                                   fastest if winner is not fastest else None))
+        taken = degrees(winner)
+        remaining = [e for e in remaining if degrees(e) != taken]
+    return ranked
+
+
+def rank_attention_layouts(aw: AttentionWorkload, hardware: Union[HardwareSpec, str],
+                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+                           tolerance: float = rules.TIE_TOLERANCE) -> List[RankedLayout]:
+    """Every valid Ulysses x Ring split of one attention call over ``aw.world_size``
+    GPUs, ranked like layouts (ties broken by the Ulysses rules). This is what
+    attention benchmarks (yunchang's, ``tools/bench_attention.py``) compare."""
+    hw = get_hardware(hardware)
+    model = aw.model()
+    cands = []
+    for u in _divisors(aw.world_size):
+        r = aw.world_size // u
+        if (rules.check_heads(model, 1, u) or rules.check_kv_heads(model, 1, u)
+                or rules.check_seq(aw.seq_length, 1, u * r)):
+            continue
+        cands.append(estimate_attention(aw, u, r, hw, assumptions))
+    if not cands:
+        raise PlannerError(
+            f"no Ulysses x Ring split of {aw.world_size} GPUs fits {aw.heads} heads / "
+            f"{aw.kv_heads} KV heads at --seq-length {aw.seq_length}", "attention heads")
+    return rank_feasible(cands, len(cands), tolerance, tuple(rules.ATTENTION_TIE_BREAKERS))
+
+
+@dataclass
+class SearchResult:
+    workload: Workload
+    hardware: HardwareSpec
+    assumptions: Assumptions
+    fixed: Dict[str, Any]
+    evaluated: List[Estimate]
+    ranked: List[RankedLayout]
+    rejections: Rejections
+
+    @property
+    def best(self) -> RankedLayout:
+        return self.ranked[0]
+
+    def feasible(self) -> List[Estimate]:
+        return [e for e in self.evaluated if e.fits]
+
+
+def plan_layouts(w: Workload, hardware: Union[HardwareSpec, str],
+                 fixed: Optional[Mapping[str, Any]] = None, top: int = 10,
+                 assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+                 tolerance: float = rules.TIE_TOLERANCE) -> SearchResult:
+    """Rank the feasible layouts of ``w`` on ``hardware``; raise :class:`PlannerError`
+    naming the binding limit when there is none."""
+    hw = get_hardware(hardware)
+    fx = normalize_fixed(fixed)
+    _check_fixed_consistency(w, fx)
+    evaluated, rej = evaluate_all(w, hw, fx, assumptions)
+    feasible = [e for e in evaluated if e.fits]
+    if not feasible:
+        raise diagnose(w, hw, fx, assumptions, evaluated, rej)
+    ranked = rank_feasible(feasible, max(1, top), tolerance)
+    return SearchResult(w, hw, assumptions, fx, evaluated, ranked, rej)
+
+
+def _check_fixed_consistency(w: Workload, fx: Dict[str, Any]) -> None:
+    if w.global_batch_size is not None and w.global_batch_size % w.micro_batch_size:
+        raise PlannerError(
+            f"--global-batch-size {w.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {w.micro_batch_size}", binding_limit="batch")
+    if "cp" in fx and "ulysses" in fx and "ring" in fx and fx["cp"] != fx["ulysses"] * fx["ring"]:
+        raise PlannerError(
+            f"--context-parallel-size {fx['cp']} disagrees with --ulysses-degree "
+            f"{fx['ulysses']} x --ring-degree {fx['ring']}; drop --context-parallel-size",
+            binding_limit="fixed degrees")
+    sizes = {k: fx[k] for k in ("tp", "pp", "dp") if k in fx}
+    if "cp" in fx:
+        sizes["cp"] = fx["cp"]
+    else:
+        sizes.update({k: fx[k] for k in ("ulysses", "ring") if k in fx})
+    product = 1
+    for v in sizes.values():
+        product *= v
+    if w.world_size % product:
+        flags = {n: f for n, f in FIXED_KEYS.values()}
+        hints = []
+        for k, v in sizes.items():
+            others = product // v
+            if w.world_size % others == 0:
+                hints.append(f"{flags[k]} one of {_divisors(w.world_size // others)}")
+        fixed_text = " x ".join(f"{flags[k]} {v}" for k, v in sizes.items())
+        if len(sizes) > 1:
+            fixed_text += f" = {product}"
+        raise PlannerError(
+            f"{fixed_text} does not divide --gpus {w.world_size}"
+            + (f"; with the other degrees kept: {'; or '.join(hints)}" if hints else "")
+            + f"; or use a multiple of {product} GPUs",
+            binding_limit="GPU count", suggestions=hints)
+
+
+# ============================================================================ diagnosis
+
+
+def _best_feasible(w: Workload, hw: HardwareSpec, fx: Dict[str, Any],
+                   a: Assumptions) -> Optional[Estimate]:
+    try:
+        _check_fixed_consistency(w, fx)
+    except PlannerError:
+        return None
+    evaluated, _ = evaluate_all(w, hw, fx, a)
+    feasible = [e for e in evaluated if e.fits]
+    return min(feasible, key=lambda e: e.time_per_token) if feasible else None
+
+
+def _binding_component(e: Estimate) -> str:
+    mem = e.memory
+    parts = {
+        "model states (weights, gradients, optimizer)": mem.model_states(),
+        "activations": mem.activations + (mem.transient if mem.transient > mem.logits else 0.0),
+        "logits of the loss": mem.logits + (mem.transient if mem.transient <= mem.logits else 0.0),
+    }
+    name = max(parts, key=parts.get)
+    return f"{name} take {parts[name]:.1f} GiB of the {mem.total:.1f}"
+
+
+def _suggest_for_memory(w: Workload, hw: HardwareSpec, fx: Dict[str, Any],
+                        a: Assumptions) -> List[str]:
+    """Smallest changes that give a feasible plan, most direct first."""
+    out: List[str] = []
+    for key, flag, what in (("recompute", "--recompute", "activation recompute"),
+                            ("zero_stage", "--zero-stage", "ZeRO stage")):
+        if key in fx:
+            relaxed = {k: v for k, v in fx.items() if k != key}
+            e = _best_feasible(w, hw, relaxed, a)
+            if e is not None:
+                out.append(f"drop {flag} {fx[key]} (let the planner pick the {what}): "
+                           f"{e.layout.short()} fits in {e.memory.total:.1f} GiB")
+    degree_keys = [k for k in ("tp", "ulysses", "ring", "cp", "dp", "pp") if k in fx]
+    if degree_keys:
+        relaxed = {k: v for k, v in fx.items() if k not in degree_keys}
+        e = _best_feasible(w, hw, relaxed, a)
+        if e is not None:
+            flags = ", ".join(FIXED_KEYS[k][1] for k, (n, _) in FIXED_KEYS.items()
+                              if n in degree_keys)
+            out.append(f"let the planner choose {flags}: {e.layout.short()} fits in "
+                       f"{e.memory.total:.1f} GiB")
+    more = {k: v for k, v in fx.items() if k != "dp"}
+    for factor in (2, 4, 8, 16, 32, 64):
+        world = w.world_size * factor
+        e = _best_feasible(replace(w, world_size=world), hw, more, a)
+        if e is not None:
+            out.append(f"--gpus {world} ({factor}x): {e.layout.short()} fits in "
+                       f"{e.memory.total:.1f} GiB")
+            break
+    unit = 1024
+    if w.seq_length > unit:
+        lo, hi = 0, (w.seq_length - 1) // unit  # largest k with k*unit < seq that fits
+        best: Optional[Estimate] = None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            e = _best_feasible(replace(w, seq_length=mid * unit), hw, fx, a)
+            if e is not None:
+                lo, best = mid, e
+            else:
+                hi = mid - 1
+        if best is not None:  # the last success is at lo
+            out.append(f"--seq-length {lo * unit}: {best.layout.short()} fits in "
+                       f"{best.memory.total:.1f} GiB")
+    return out
+
+
+def diagnose(w: Workload, hw: HardwareSpec, fx: Dict[str, Any], a: Assumptions,
+             evaluated: List[Estimate], rej: Rejections) -> PlannerError:
+    """Explain why no layout is feasible: the binding limit and what would fit."""
+    what = (f"{w.model.name} at --seq-length {w.seq_length} on --gpus {w.world_size} "
+            f"({w.gpus_per_node} per node) of {hw.gpu_memory_gib:.0f} GiB")
+    if not evaluated:
+        counts = {k: v for k, v in rej.counts.items() if k != "fixed"}
+        if not counts:
+            return PlannerError(
+                f"no layout of {what} matches the fixed degrees {fx}", "fixed degrees",
+                ["drop some of the fixed degrees"])
+        binding = max(counts, key=counts.get)
+        names = {
+            "ulysses-heads": "attention heads", "ulysses-kv-heads": "KV heads",
+            "seq-divisible": "sequence length", "tp-inside-node": "GPUs per node",
+            "pp-layers": "layers", "batch": "global batch", "sp-with-zero": "ZeRO stage",
+        }
+        details = "; ".join(f"{k}: {rej.examples[k]}" for k in counts)
+        rule = rules.RULES.get(binding)
+        cite = f" ({rule.cite()})" if rule else ""
+        return PlannerError(
+            f"no layout of {what} passes the rules. Binding limit: {names.get(binding, binding)}"
+            f"{cite} - {rej.examples[binding]}. All rejections: {details}",
+            names.get(binding, binding), [rej.examples[binding]])
+    closest = min(evaluated, key=lambda e: e.memory.total)
+    suggestions = _suggest_for_memory(w, hw, fx, a)
+    tried = []
+    if "recompute" not in fx:
+        tried.append("full recompute")
+    if "zero_stage" not in fx:
+        tried.append("ZeRO-3")
+    msg = (f"no layout of {what} fits in memory"
+           + (f" (with {' and '.join(tried)} considered)" if tried else "")
+           + f": the smallest, {closest.layout.short()}, needs {closest.memory.total:.1f} GiB "
+           f"of {closest.usable_memory_gib:.1f} GiB usable. Binding limit: "
+           f"{_binding_component(closest)}.")
+    if suggestions:
+        msg += " Smallest changes that fit: " + "; ".join(suggestions) + "."
+    else:
+        msg += " Nothing within 64x the GPUs or a shorter sequence fits: use a smaller model."
+    return PlannerError(msg, "memory", suggestions)
+
+
+# ============================================================================ the contract
+
+
+@dataclass
+class Plan:
+    """The chosen layout, as ``pretrain_gpt.py --ulysses-degree auto`` consumes it."""
+
+    tensor_model_parallel_size: int
+    ulysses_degree: int
+    ring_degree: int
+    data_parallel_size: int
+    pipeline_model_parallel_size: int
+    zero_stage: int
+    recompute: str
+    predicted_step_time_s: float
+    memory_gib: float
+    reasons: List[str]
+    estimate: Optional[Estimate] = field(default=None, repr=False, compare=False)
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    def megatron_config(self) -> Dict[str, Any]:
+        """The plan in megatron-core's config field names
+        (``TransformerConfig`` / ``DistributedDataParallelConfig``).
+
+        ZeRO-1 is the distributed optimizer; ZeRO-2/3 are Megatron-FSDP's
+        ``optim_grads`` / ``optim_grads_params`` sharding. Selective recompute is
+        ``recompute_modules=["layernorm", "mlp"]`` (what the cost model assumes); full
+        is uniform, one layer per checkpoint.
+        """
+        cfg: Dict[str, Any] = {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "ulysses_degree": self.ulysses_degree,
+            "ring_degree": self.ring_degree,
+            "context_parallel_size": self.context_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "sequence_parallel": self.tensor_model_parallel_size > 1,
+            "use_distributed_optimizer": self.zero_stage == 1,
+            "use_megatron_fsdp": self.zero_stage >= 2,
+            "data_parallel_sharding_strategy": {0: "no_shard", 1: "optim", 2: "optim_grads",
+                                                3: "optim_grads_params"}[self.zero_stage],
+            "recompute_granularity": None,
+            "recompute_method": None,
+            "recompute_num_layers": None,
+            "recompute_modules": None,
+        }
+        if self.recompute == "selective":
+            cfg.update(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
+        elif self.recompute == "full":
+            cfg.update(recompute_granularity="full", recompute_method="uniform",
+                       recompute_num_layers=1)
+        return cfg
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "estimate"}
+        d["context_parallel_size"] = self.context_parallel_size
+        if self.estimate is not None:
+            d["prediction"] = self.estimate.to_dict()
+        d["megatron_config"] = self.megatron_config()
+        return d
+
+
+def plan_from(result: SearchResult, ranked: RankedLayout) -> Plan:
+    from megatron.usp.planner.explain import reasons_for
+
+    e = ranked.estimate
+    lay = e.layout
+    return Plan(
+        tensor_model_parallel_size=lay.tp,
+        ulysses_degree=lay.ulysses,
+        ring_degree=lay.ring,
+        data_parallel_size=lay.dp,
+        pipeline_model_parallel_size=lay.pp,
+        zero_stage=lay.zero_stage,
+        recompute=lay.recompute,
+        predicted_step_time_s=e.step_time_s,
+        memory_gib=e.memory.total,
+        reasons=reasons_for(result, ranked),
+        estimate=e,
+    )
+
+
+def choose_layout(
+    model: ModelSpec,
+    seq_length: int,
+    world_size: int,
+    gpus_per_node: int,
+    hardware: Union[HardwareSpec, str],
+    micro_batch_size: int = 1,
+    global_batch_size: Optional[int] = None,
+    fixed: Optional[Dict[str, Any]] = None,
+) -> Plan:
+    """The best layout for ``model`` at ``seq_length`` on ``world_size`` GPUs.
+
+    ``fixed`` holds degrees the user gave explicitly, in megatron's argument names
+    (see :data:`FIXED_KEYS`; None values mean "choose"). Raises :class:`PlannerError`
+    naming the binding limit and the smallest change that would fit when no layout is
+    feasible.
+    """
+    w = Workload(model, seq_length, world_size, gpus_per_node, micro_batch_size,
+                 global_batch_size)
+    result = plan_layouts(w, hardware, fixed, top=1)
+    return plan_from(result, result.best)

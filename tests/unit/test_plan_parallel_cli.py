@@ -1,0 +1,140 @@
+"""tools/plan_parallel.py and tools/bench_links.py end to end: the table, JSON, errors,
+--validate, and a calibration file measured by bench_links on gloo ranks feeding the
+planner."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.usp.planner import (
+    Layout,
+    Workload,
+    estimate,
+    get_hardware,
+    load_calibration,
+    load_model,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plan_parallel = _load_tool("plan_parallel")
+bench_links = _load_tool("bench_links")
+
+
+def run_cli(capsys, *args):
+    rc = plan_parallel.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_script_prints_a_ranked_table_with_reasons():
+    """Run as users do, in a fresh interpreter (the issue's example command line)."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "plan_parallel.py"), "--model", "llama3-8b",
+         "--seq-length", "131072", "--gpus", "64", "--gpus-per-node", "8", "--gpu-memory", "141",
+         "--intra-node-bw", "300", "--inter-node-bw", "45", "--top", "5"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  TP"))
+    rows = [line for line in lines[header + 2:header + 7]]
+    assert len(rows) == 5 and rows[0].split()[0] == "1"
+    assert "[1] command line" in out and "datasheet" in out
+    assert "why #1:" in out and "rule 'order TP -> Ulysses -> Ring -> DP -> PP'" in out
+
+
+def test_json_output_and_fixed_degrees(capsys):
+    rc, out, _ = run_cli(capsys, "--model", "llama2-7b", "--seq-length", "65536", "--gpus",
+                         "16", "--hardware", "a800", "--tensor-model-parallel-size", "2",
+                         "--ulysses-degree", "auto", "--top", "3", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert [p["rank"] for p in doc["plans"]] == [1, 2, 3]
+    assert all(p["tensor_model_parallel_size"] == 2 for p in doc["plans"])
+    assert doc["fixed"] == {"tp": 2}
+    assert doc["plans"][0]["megatron_config"]["sequence_parallel"] is True
+
+
+def test_model_file_and_calibration_file(tmp_path, capsys):
+    model = tmp_path / "mine.json"
+    model.write_text(json.dumps(dict(num_layers=4, hidden_size=1024, num_attention_heads=8,
+                                     num_query_groups=8, ffn_hidden_size=4096,
+                                     vocab_size=32000, swiglu=False)))
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"schema": "megatron-usp-calibration/1", "source": "unit test",
+                               "matmul_tflops": 123.0}))
+    rc, out, _ = run_cli(capsys, "--model", str(model), "--seq-length", "16384", "--gpus", "4",
+                         "--calibration", str(cal), "--top", "2")
+    assert rc == 0
+    assert "model mine:" in out and "matmul 123 TFLOP/s" in out and "(unit test)" in out
+
+
+def test_impossible_request_exits_2_naming_the_limit(capsys):
+    rc, _, err = run_cli(capsys, "--model", "llama2-7b", "--seq-length", "1048576", "--gpus",
+                         "8", "--hardware", "a800")
+    assert rc == 2 and "Binding limit: activations" in err and "--gpus 16" in err
+    rc, out, _ = run_cli(capsys, "--model", "llama2-7b", "--seq-length", "131072", "--gpus",
+                         "12", "--gpus-per-node", "12", "--ulysses-degree", "3", "--json")
+    assert rc == 2
+    doc = json.loads(out)
+    assert doc["binding_limit"] == "attention heads" and doc["suggestions"]
+
+
+def test_missing_arguments_and_presets(capsys):
+    with pytest.raises(SystemExit):
+        plan_parallel.main(["--model", "llama2-7b"])
+    assert "--seq-length, --gpus" in capsys.readouterr().err
+    rc, out, _ = run_cli(capsys, "--list-presets")
+    assert rc == 0 and "llama-0.85b" in out and "h200-measured" in out and "[1] datasheet" in out
+
+
+def test_validate_exit_status(tmp_path, capsys):
+    w = Workload(load_model("llama-0.85b"), 65536, 2, 8, global_batch_size=1)
+    pred = estimate(w, Layout(1, 1, 2, 1, 1, 1, "none"), get_hardware("h200-measured"))
+    runs = [{"name": "r2", "model": "llama-0.85b", "seq_length": 65536, "gpus": 2,
+             "gpus_per_node": 8, "global_batch_size": 1,
+             "layout": {"ring_degree": 2, "zero_stage": 1},
+             "measured_step_time_s": pred.step_time_s * 1.1}]
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"schema": "megatron-usp-measurements/1",
+                                "hardware": "h200-measured", "runs": runs}))
+    rc, out, _ = run_cli(capsys, "--validate", str(path))
+    assert rc == 0 and "all within 25%" in out
+    rc, out, _ = run_cli(capsys, "--validate", str(path), "--tolerance", "0.05", "--json")
+    assert rc == 1 and json.loads(out)["ok"] is False
+
+
+def _bench_on_ranks(rank, world_size, out_path):
+    doc = bench_links.run_benchmark([0.0625, 0.25], iters=3, warmup=1, kernels=False)
+    if rank == 0:
+        with open(out_path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh)
+    else:
+        assert doc is None
+
+
+def test_bench_links_writes_a_calibration_the_planner_reads(dist_run, tmp_path, capsys):
+    out = str(tmp_path / "links.json")
+    dist_run(_bench_on_ranks, 2, out, timeout=120)
+    cal = load_calibration(out)
+    link = cal.intra_node
+    assert link.group_size == 2 and cal.inter_node is None
+    for value in (link.all_to_all_gbps, link.p2p_gbps, link.collective_gbps, link.latency_us):
+        assert value > 0
+    assert "bench_links.py, backend gloo, 2 ranks on 1 node(s)" in cal.sources["intra_node"]
+    rc, text, _ = run_cli(capsys, "--model", "llama-0.85b", "--seq-length", "32768", "--gpus",
+                          "2", "--hardware", "h200-measured", "--calibration", out, "--top", "2")
+    assert rc == 0 and "(calibrated)" in text and "bench_links.py" in text
