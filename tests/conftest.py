@@ -1,7 +1,13 @@
-import pytest
-import torch
+import os
 
-from tests.harness import run_on_ranks
+# Ask NVML, not the CUDA driver, whether GPUs exist: initialising CUDA in the pytest
+# process would make forked children unable to use it.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.harness import run_on_ranks  # noqa: E402
 
 
 def pytest_configure(config):
@@ -14,7 +20,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 

@@ -1,0 +1,88 @@
+"""Point-to-point ring communicator for ring attention.
+
+One :class:`RingComm` per ring attention call wraps the Ring process group: every exchange
+sends one contiguous buffer to the next ring rank and receives one same-shaped buffer from the
+previous ring rank, issued together through ``torch.distributed.batch_isend_irecv`` so that the
+transfer runs while the caller computes (on CUDA, NCCL runs P2P on its own stream; ``wait()``
+makes the current stream wait for it, so no extra stream or event is needed).
+
+Ordering contract: every ring rank must issue the same sequence of exchanges with the same
+buffer sizes (the ring schedule is symmetric, so it does). Two exchanges may be in flight at
+once (K/V for the next step and the dK/dV accumulator in the backward); messages between a
+pair of ranks are matched in issue order, so they cannot cross.
+
+A ring of size 1 (``group is None`` or a one-rank group) never communicates: ``exchange`` is
+not called by the ring schedule then, and calling it is an error.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+class PendingExchange:
+    """An in-flight exchange; ``wait()`` returns the received buffer.
+
+    Holds a reference to the send buffer until completion so the caching allocator cannot
+    hand its memory to another tensor while the transfer still reads it.
+    """
+
+    def __init__(self, requests: List, send_buf: Tensor, recv_buf: Tensor) -> None:
+        self._requests = requests
+        self._send_buf: Optional[Tensor] = send_buf
+        self._recv_buf = recv_buf
+
+    def wait(self) -> Tensor:
+        for req in self._requests:
+            req.wait()
+        self._requests = []
+        self._send_buf = None
+        return self._recv_buf
+
+
+class RingComm:
+    """Send-to-next / receive-from-previous on an explicit Ring process group.
+
+    Args:
+        group: the Ring group (ranks ordered by ring rank), or ``None`` for a ring of one.
+
+    Attributes:
+        size, rank: ring size R and this process's ring rank r.
+        send_to, recv_from: global ranks of ring ranks (r+1) % R and (r-1) % R.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        if group is None:
+            self.size, self.rank = 1, 0
+            self.send_to = self.recv_from = None
+            return
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.send_to = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.recv_from = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def exchange(self, send_buf: Tensor, recv_buf: Optional[Tensor] = None) -> PendingExchange:
+        """Start sending ``send_buf`` to the next rank and receiving into ``recv_buf``.
+
+        Group: the Ring group. Bytes per call: ``send_buf.numel() * element_size`` sent and
+        the same received, per rank. ``recv_buf`` defaults to a fresh buffer shaped like
+        ``send_buf``. ``send_buf`` must be contiguous and must not be modified before
+        ``wait()``.
+        """
+        if self.size == 1:
+            raise RuntimeError("a ring of size 1 has no neighbour to exchange with")
+        if not send_buf.is_contiguous():
+            raise ValueError("ring exchange buffers must be contiguous")
+        if recv_buf is None:
+            recv_buf = torch.empty_like(send_buf)
+        ops = [
+            dist.P2POp(dist.isend, send_buf, self.send_to, self.group),
+            dist.P2POp(dist.irecv, recv_buf, self.recv_from, self.group),
+        ]
+        return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf)
