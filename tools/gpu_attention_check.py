@@ -15,11 +15,20 @@ For every case (layout U x R over the launched ranks, sequence length S, query /
    ``--max-ratio`` (2) times the kernel's own relative L2 error. Max-abs errors are reported.
 
 It also times USP forward+backward and the single-GPU kernel (TFLOP/s per GPU, causal work
-counted at half, backward = 2.5x forward).
+counted at half, backward = 2.5x forward) and, on CUDA, measures the memory one USP
+forward+backward needs above the resident inputs (``usp_peak_mem_gib``). With several
+``--overlap-chunks`` values (head chunks pipelined against the all-to-alls, see
+``megatron.usp.attention``; ``auto`` is the default rule) every case is checked and timed
+once per value, against one reference.
 
 Usage (2 GPUs; layouts U2xR1 and U1xR2)::
 
     torchrun --nproc-per-node 2 tools/gpu_attention_check.py --out gpu_attention.json
+
+Compare the overlap settings (unpipelined, auto, 4 chunks)::
+
+    torchrun --nproc-per-node 2 tools/gpu_attention_check.py --overlap-chunks 1 auto 4 \\
+        --seq-lens 32768 131072 --heads 32/32 --out overlap.json
 
 CPU smoke run (gloo, bf16, small S)::
 
@@ -32,6 +41,7 @@ Imports only torch and the megatron.usp modules that do not need megatron-core.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -59,6 +69,7 @@ class CheckConfig:
     causal: bool = True
     backend: str = "auto"
     layouts: Optional[Sequence[Tuple[int, int]]] = None
+    overlap_chunks: Sequence[Optional[int]] = (None,)     # None: auto
     max_ratio: float = 2.0
     timing_iters: int = 3
     seed: int = 1234
@@ -71,10 +82,13 @@ class CaseResult:
     seq_len: int
     heads: int
     kv_heads: int
+    overlap_chunks: Optional[int] = None     # as requested; None: auto
+    resolved_chunks: int = 1                 # what USP attention ran with
     errors: Dict[str, Dict[str, float]] = field(default_factory=dict)
     reference_out_err_vs_fp64: float = 0.0
     usp_ms: float = 0.0
     usp_tflops_per_gpu: float = 0.0
+    usp_peak_mem_gib: float = 0.0            # CUDA: peak above the resident inputs, max rank
     kernel_ms: float = 0.0
     kernel_tflops: float = 0.0
     passed: bool = False
@@ -159,13 +173,14 @@ def kernel_whole_sequence(kernel, q, k, v, dout, causal: bool):
     return {"out": back(out), "dq": back(dq), "dk": back(dk), "dv": back(dv)}
 
 
-def usp_local(q, k, v, dout, groups, causal: bool, backend: str):
+def usp_local(q, k, v, dout, groups, causal: bool, backend: str,
+              overlap_chunks: Optional[int] = None):
     """USP forward+backward on this rank's [s, b, h, d] tokens."""
     from megatron.usp.attention import usp_attention
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = usp_attention(*leaves, ulysses_group=groups[0], ring_group=groups[1], causal=causal,
-                        backend=backend)
+                        backend=backend, overlap_chunks=overlap_chunks)
     out.backward(dout)
     return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad,
             "dv": leaves[2].grad}
@@ -213,6 +228,22 @@ def time_ms(fn, iters: int, device, distributed: bool) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def peak_memory_gib(fn, device) -> float:
+    """CUDA memory one call of ``fn`` needs above what is allocated before it (GiB), the
+    maximum over ranks; 0 on the CPU."""
+    if device.type != "cuda":
+        return 0.0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.tensor([(torch.cuda.max_memory_allocated(device) - base) / 2**30],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
 def fwd_bwd_flops(cfg: CheckConfig, seq_len: int, heads: int) -> float:
     """4*b*h*S^2*d forward (halved causal), times 3.5 for forward + backward."""
     fwd = 4.0 * cfg.batch * heads * seq_len * seq_len * cfg.head_dim
@@ -220,16 +251,18 @@ def fwd_bwd_flops(cfg: CheckConfig, seq_len: int, heads: int) -> float:
 
 
 # --------------------------------------------------------------------------- one case
-def run_case(cfg: CheckConfig, layout_ur, seq_len, heads, kv_heads, groups, device) -> CaseResult:
+def run_case(cfg: CheckConfig, layout_ur, seq_len, heads, kv_heads, groups,
+             device) -> List[CaseResult]:
+    """Check and time one (layout, S, heads) case, once per ``cfg.overlap_chunks`` value."""
     from megatron.usp import layout
+    from megatron.usp.attention import resolve_overlap_chunks
     from megatron.usp.kernels import get_kernel
 
     ulysses, ring = layout_ur
     world, rank = dist.get_world_size(), dist.get_rank()
-    res = CaseResult(ulysses, ring, seq_len, heads, kv_heads)
     q, k, v, dout = full_inputs(cfg, seq_len, heads, kv_heads, device)
     ref = reference(q, k, v, dout, cfg.causal)
-    res.reference_out_err_vs_fp64 = reference_self_check(q, k, v, ref["out"], cfg.causal)
+    ref_err = reference_self_check(q, k, v, ref["out"], cfg.causal)
 
     kernel = get_kernel(cfg.backend)
     whole = kernel_whole_sequence(kernel, q, k, v, dout, cfg.causal)
@@ -237,27 +270,44 @@ def run_case(cfg: CheckConfig, layout_ur, seq_len, heads, kv_heads, groups, devi
     del whole
 
     shard = lambda t: layout.shard_for_cp_rank(t, 0, rank, world).contiguous()  # noqa: E731
-    mine = usp_local(shard(q), shard(k), shard(v), shard(dout), groups, cfg.causal, cfg.backend)
-    res.passed = True
-    for f in FIELDS:
-        usp_err = summarise(all_reduce_sums(error_sums(mine[f], shard(ref[f]))))
-        ratio = usp_err["rel_l2"] / max(kernel_err[f]["rel_l2"], 1e-30)
-        res.errors[f] = {"usp_rel_l2": usp_err["rel_l2"], "kernel_rel_l2": kernel_err[f]["rel_l2"],
-                         "ratio": ratio, "usp_max_abs": usp_err["max_abs"],
-                         "kernel_max_abs": kernel_err[f]["max_abs"]}
-        res.passed &= ratio <= cfg.max_ratio
-    del mine, ref
+    local = [shard(t) for t in (q, k, v, dout)]
+    results = []
+    for chunks in cfg.overlap_chunks:
+        try:
+            resolved = resolve_overlap_chunks(heads, kv_heads, ulysses, ring, chunks)
+        except ValueError as exc:   # e.g. 4 chunks of an MQA layout: skip, keep the run going
+            if rank == 0:
+                print(f"U{ulysses}xR{ring} S={seq_len} h={heads}/{kv_heads}: skipped: {exc}")
+            continue
+        res = CaseResult(ulysses, ring, seq_len, heads, kv_heads, overlap_chunks=chunks,
+                         resolved_chunks=resolved, reference_out_err_vs_fp64=ref_err)
+        mine = usp_local(*local, groups, cfg.causal, cfg.backend, chunks)
+        res.passed = True
+        for f in FIELDS:
+            usp_err = summarise(all_reduce_sums(error_sums(mine[f], shard(ref[f]))))
+            ratio = usp_err["rel_l2"] / max(kernel_err[f]["rel_l2"], 1e-30)
+            res.errors[f] = {"usp_rel_l2": usp_err["rel_l2"],
+                             "kernel_rel_l2": kernel_err[f]["rel_l2"], "ratio": ratio,
+                             "usp_max_abs": usp_err["max_abs"],
+                             "kernel_max_abs": kernel_err[f]["max_abs"]}
+            res.passed &= ratio <= cfg.max_ratio
+        del mine
+        results.append(res)
+    del ref
 
-    flops = fwd_bwd_flops(cfg, seq_len, heads)
     if cfg.timing_iters > 0:
-        local = [shard(t) for t in (q, k, v, dout)]
-        res.usp_ms = time_ms(lambda: usp_local(*local, groups, cfg.causal, cfg.backend),
-                             cfg.timing_iters, device, distributed=True)
-        res.usp_tflops_per_gpu = flops / (res.usp_ms / 1e3) / world / 1e12
-        res.kernel_ms = time_ms(lambda: kernel_whole_sequence(kernel, q, k, v, dout, cfg.causal),
-                                cfg.timing_iters, device, distributed=False)
-        res.kernel_tflops = flops / (res.kernel_ms / 1e3) / 1e12
-    return res
+        flops = fwd_bwd_flops(cfg, seq_len, heads)
+        kernel_ms = time_ms(lambda: kernel_whole_sequence(kernel, q, k, v, dout, cfg.causal),
+                            cfg.timing_iters, device, distributed=False)
+        for res in results:
+            run = functools.partial(usp_local, *local, groups, cfg.causal, cfg.backend,
+                                    res.overlap_chunks)
+            res.usp_peak_mem_gib = peak_memory_gib(run, device)
+            res.usp_ms = time_ms(run, cfg.timing_iters, device, distributed=True)
+            res.usp_tflops_per_gpu = flops / (res.usp_ms / 1e3) / world / 1e12
+            res.kernel_ms = kernel_ms
+            res.kernel_tflops = flops / (kernel_ms / 1e3) / 1e12
+    return results
 
 
 def run_checks(cfg: CheckConfig, device, group_backend: Optional[str] = None) -> List[CaseResult]:
@@ -270,7 +320,7 @@ def run_checks(cfg: CheckConfig, device, group_backend: Optional[str] = None) ->
         groups = make_groups(*layout_ur, backend=group_backend)
         for seq_len in cfg.seq_lens:
             for heads, kv_heads in cfg.heads:
-                results.append(run_case(cfg, layout_ur, seq_len, heads, kv_heads, groups, device))
+                results += run_case(cfg, layout_ur, seq_len, heads, kv_heads, groups, device)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return results
@@ -291,6 +341,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--layouts", type=str, nargs="*", default=None,
                    help="U x R splits such as 2x1 1x2 (default: every split of the world)")
+    p.add_argument("--overlap-chunks", type=str, nargs="+", default=["auto"],
+                   help="head chunks pipelined against the all-to-alls: 'auto' or a count; "
+                   "several values are compared case by case (e.g. 1 auto 4)")
     p.add_argument("--max-ratio", type=float, default=2.0)
     p.add_argument("--timing-iters", type=int, default=3)
     args = p.parse_args(argv)
@@ -298,6 +351,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parts = pair.split("/")
         if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[0]) % int(parts[1]):
             p.error(f"--heads {pair!r}: expected Q/KV with KV dividing Q, e.g. 32/8")
+    for item in args.overlap_chunks:
+        if item != "auto" and not (item.isdigit() and int(item) > 0):
+            p.error(f"--overlap-chunks {item!r}: expected 'auto' or a positive count, e.g. 2")
     if args.layouts:
         for item in args.layouts:
             parts = item.lower().split("x")
@@ -317,6 +373,7 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         backend=args.attention_backend,
         layouts=(tuple(tuple(int(x) for x in item.lower().split("x")) for item in args.layouts)
                  if args.layouts else None),
+        overlap_chunks=tuple(None if x == "auto" else int(x) for x in args.overlap_chunks),
         max_ratio=args.max_ratio,
         timing_iters=args.timing_iters,
     )
@@ -353,10 +410,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 json.dump(report, fh, indent=2)
             for r in results:
                 worst = max(r.errors[f]["ratio"] for f in FIELDS)
-                print(f"U{r.ulysses}xR{r.ring} S={r.seq_len} h={r.heads}/{r.kv_heads}: "
+                print(f"U{r.ulysses}xR{r.ring} S={r.seq_len} h={r.heads}/{r.kv_heads} "
+                      f"G={r.resolved_chunks}{' (auto)' if r.overlap_chunks is None else ''}: "
                       f"worst USP/kernel error ratio {worst:.2f} "
                       f"{'PASS' if r.passed else 'FAIL'}; USP {r.usp_tflops_per_gpu:.0f} "
-                      f"TFLOP/s/GPU, kernel {r.kernel_tflops:.0f} TFLOP/s")
+                      f"TFLOP/s/GPU ({r.usp_peak_mem_gib:.2f} GiB peak), kernel "
+                      f"{r.kernel_tflops:.0f} TFLOP/s")
         return 0 if report["passed"] else 1
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""USP core attention: Ulysses all-to-all x load-balanced ring attention (USP, Algorithm 1).
+"""USP core attention: Ulysses all-to-all x load-balanced ring attention (USP, Algorithm 1),
+pipelined over head chunks so that the all-to-alls overlap attention compute.
 
 Two entry points:
 
@@ -8,40 +9,261 @@ Two entry points:
   ``ModuleSpec`` by :func:`megatron.usp.layer_specs.get_usp_gpt_layer_spec`). It is defined
   on first access so that importing this module does not import megatron-core.
 
-Data flow on one rank (Ulysses group of size U, Ring group of size R, legend in
-:mod:`megatron.usp.ulysses` and :mod:`megatron.usp.ring_attention`)::
+Data flow on one rank for head chunk g of G (Ulysses group of size U, Ring group of size R,
+legend and head-chunk ownership in :mod:`megatron.usp.ulysses`, ring layout in
+:mod:`megatron.usp.ring_attention`)::
 
     q [s, b, h, d], k/v [s, b, hk, d]        local tokens: chunks c and 2CP-1-c (layout.py)
-      -- Ulysses all-to-all (Q, K, V in one collective), zigzag block permutation -->
-    q_h [b, h/U, U*s, d], kv_h [2, b, hk'/U, U*s, d]     ring rank r's super-chunks r, 2R-1-r
+      -- Ulysses all-to-all of chunk g (Q, K, V in one collective), zigzag permutation -->
+    q_h [b, h/(UG), S/R, d], kv_h [2, b, hk'/(UG), S/R, d]    ring rank r's super-chunks
       -- zigzag ring attention over the Ring group (K/V travel, LSE merge in fp32) -->
-    out_h [b, h/U, U*s, d]
-      -- inverse permutation, Ulysses all-to-all -->
-    out [s, b, h, d]                          same tokens as the input
+    out_h [b, h/(UG), S/R, d]
+      -- inverse permutation, Ulysses all-to-all of chunk g -->
+    out [s, b, h, d] (chunk g's heads)        same tokens as the input
+
+Pipeline (``overlap_chunks`` = G; :func:`usp_attention_forward`, :func:`usp_attention_backward`).
+Forward: while chunk g's attention computes, the Q/K/V all-to-all of chunk g+1 and the output
+all-to-all of chunk g-1 are in flight; only chunk 0's input and chunk G-1's output transfers
+are exposed. Backward, the mirror image: the dOut all-to-all of chunk g+1 and the dQ/dK/dV
+all-to-all of chunk g-1 run while chunk g's backward computes. With R > 1 the ring's last
+dK/dV hop of chunk g (see :mod:`megatron.usp.ring_attention`) is left in flight across chunk
+g+1's backward instead, and chunk g's dQ/dK/dV all-to-all, which needs it, overlaps chunk
+g+2's: one more exposed all-to-all (the last two chunks' are) for one hidden ring hop, the
+better trade whenever the ring link is not faster than the Ulysses link (U = 1: no all-to-all
+at all; U x R: the ring usually spans nodes). Every transfer is issued with
+``async_op=True`` *before* the compute it should overlap is queued: on CUDA, NCCL's stream
+then waits only for the work queued so far (the packing copy), and ``wait()`` makes the
+compute stream wait only where the data is needed. G = 1 is the plain sequence (all-to-all,
+attention, all-to-all). Chunks hold whole KV heads
+(:func:`megatron.usp.ulysses.head_chunk_choices`); with K/V replicated over Ulysses ranks
+(hk < U) G is 1.
+
+``overlap_chunks=None`` (auto) picks G = 2 when something can overlap (U > 1 or R > 1), two
+chunks are valid, and each chunk keeps at least ``AUTO_MIN_HEADS_PER_CHUNK`` (8) query heads
+per rank, so that every kernel call keeps enough heads to fill the GPU; else 1. Two chunks
+hide half of the all-to-all volume (forward; backward too when R = 1) and, with a ring, half
+of the last dK/dV hops, at the cost of kernel calls of half the heads; more chunks hide more
+but shrink the calls further. When both U > 1 and R > 1, auto keeps G = 1: pipelining then
+runs Ulysses all-to-alls and ring transfers on two NCCL communicators at once, which is exact
+on the CPU (gloo) but has not yet been run on 4+ GPUs; pass ``overlap_chunks`` explicitly to
+opt in.
 
 No rank ever holds the full-sequence K/V: after the all-to-all a rank holds U*s = S/R tokens of
-hk'/U KV heads, and the ring passes such blocks along. Backward runs the ring backward
-(dK/dV travel the ring back to their owner) and then the reverse all-to-alls.
+hk'/U KV heads (of which one chunk at a time is in flight), and the ring passes such blocks
+along.
 
-Communication per rank and layer (element counts; see the modules for the derivation):
-Ulysses forward ``(U-1)/U * s*b*(2h + 2hk')*d`` (Q, K, V in, output back), Ring forward
-``(R-1) * 2*b*(hk'/U)*(S/R)*d``; backward doubles the Ulysses volume and sends
-``(R-1) + R`` K/V-sized messages on the ring (the dK/dV ones in float32).
+Communication per rank and layer (element counts; the modules give the derivation). Ulysses
+forward ``(U-1)/U * s*b*(2h + 2hk')*d`` (Q, K, V in, output back), backward the same, split in
+G all-to-alls per direction of 1/G each. Ring forward ``(R-1) * 2*b*(hk'/U)*(S/R)*d``, backward
+``(R-1)`` K/V-sized messages plus R dK/dV hops (R-1 in float32, the last in the input dtype);
+every ring message is split in G, one per chunk. Peak memory over plain Ulysses: the
+transfers of at most two chunks are in flight at a time (their buffers are 1/G of the
+unchunked ones), and the ring's float32 accumulators exist for one chunk at a time.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron.usp.kernels import AttentionKernel, get_kernel
-from megatron.usp.ring_attention import ring_attention
-from megatron.usp.ulysses import group_size, out_heads_to_seq, qkv_seq_to_heads
+from megatron.usp.ring_attention import (
+    RingGrads,
+    ring_attention_backward,
+    ring_attention_forward,
+)
+from megatron.usp.ring_comm import RingComm
+from megatron.usp.ulysses import (
+    PendingAllToAll,
+    group_size,
+    head_chunk_choices,
+    kv_replication,
+    start_heads_to_seq,
+    start_seq_to_heads,
+)
 
 Tensor = torch.Tensor
+
+AUTO_MIN_HEADS_PER_CHUNK = 8
+
+
+def resolve_overlap_chunks(num_heads: int, num_kv_heads: int, ulysses_size: int,
+                           ring_size: int, requested: Optional[int] = None) -> int:
+    """The number of head chunks G USP attention pipelines (module docstring).
+
+    Args:
+        num_heads, num_kv_heads: query / KV heads on this TP rank.
+        ulysses_size, ring_size: U and R.
+        requested: ``overlap_chunks``: ``None`` for auto, else a value of
+            :func:`megatron.usp.ulysses.head_chunk_choices` (checked).
+    Raises:
+        ValueError naming ``overlap_chunks`` and the valid values.
+    """
+    choices = head_chunk_choices(num_heads, num_kv_heads, ulysses_size)
+    if requested is None:
+        # Both groups active at once is not yet GPU-verified (module docstring): opt-in only.
+        overlappable = (ulysses_size > 1) != (ring_size > 1)
+        big_enough = num_heads // (ulysses_size * 2) >= AUTO_MIN_HEADS_PER_CHUNK
+        return 2 if overlappable and big_enough and 2 in choices else 1
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested not in choices:
+        why = ("KV heads are replicated over Ulysses ranks (fewer KV heads than U)"
+               if choices == [1] and num_kv_heads < ulysses_size else
+               f"a chunk must hold whole KV heads: it must divide the {num_kv_heads // ulysses_size}"
+               f" KV heads per Ulysses rank")
+        raise ValueError(
+            f"overlap_chunks={requested!r} is not valid for {num_heads} query / {num_kv_heads} KV "
+            f"heads per TP rank and --ulysses-degree {ulysses_size}: {why}; choose one of "
+            f"{choices} (or None for auto)"
+        )
+    return requested
+
+
+# --------------------------------------------------------------------------- pipeline
+@dataclass(frozen=True)
+class USPSchedule:
+    """Everything one USP attention call needs besides its tensors.
+
+    Attributes:
+        ulysses: the Ulysses group (``None`` for U = 1).
+        ring: the Ring group's communicator (size 1: no ring communication).
+        kv_rep: KV replication factor of the all-to-all (:func:`kv_replication`).
+        chunks: head chunks G (:func:`resolve_overlap_chunks`).
+        kernel, causal, scale: the local attention kernel and its arguments.
+    """
+
+    ulysses: Optional[dist.ProcessGroup]
+    ring: RingComm
+    kv_rep: int
+    chunks: int
+    kernel: AttentionKernel
+    causal: bool
+    scale: float
+
+
+SavedChunk = Tuple[Tensor, Tensor, Tensor, Tensor]   # q_h, kv_h, out_h, lse of one chunk
+
+
+def _start_qkv(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule, chunk: int
+               ) -> Tuple[PendingAllToAll, Tensor, Tensor]:
+    """Start chunk ``chunk``'s Q/K/V all-to-all; q_h and kv_h are valid after ``wait()``.
+
+    Returns (pending, q_h [b, h/(UG), S_r, d], kv_h [2, b, hk'/(UG), S_r, d]); K and V land
+    in one contiguous buffer because the ring sends them as one message per step.
+    """
+    U, G = group_size(sched.ulysses), sched.chunks
+    s, b, h, d = q.shape
+    q_h = torch.empty(b, h // (U * G), U * s, d, dtype=q.dtype, device=q.device)
+    kv_h = torch.empty(2, b, k.shape[2] * sched.kv_rep // (U * G), U * s, d, dtype=k.dtype,
+                       device=k.device)
+    pending = start_seq_to_heads((q, k, v), (1, sched.kv_rep, sched.kv_rep), sched.ulysses,
+                                 chunk, G, outs=(q_h, kv_h[0], kv_h[1]))
+    return pending, q_h, kv_h
+
+
+def usp_attention_forward(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule
+                          ) -> Tuple[Tensor, List[SavedChunk]]:
+    """Pipelined USP attention forward (module docstring), outside autograd.
+
+    Args:
+        q: [s, b, h, d]; k, v: [s, b, hk, d]; local tokens, megatron layout, any strides.
+    Returns:
+        out [s, b, h, d] contiguous in q's dtype, and per chunk (q_h, kv_h, out_h, lse) for the
+        backward (layouts of :mod:`megatron.usp.ring_attention`).
+    Communication: per chunk one Q/K/V and one output all-to-all over the Ulysses group and
+    R-1 K/V exchanges over the Ring group, each 1/G of the unchunked volume.
+    """
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    incoming = _start_qkv(q, k, v, sched, 0)
+    outgoing: Optional[PendingAllToAll] = None
+    saved: List[SavedChunk] = []
+    for g in range(sched.chunks):
+        # Chunk g+1's input transfer goes out before chunk g's compute is queued.
+        upcoming = _start_qkv(q, k, v, sched, g + 1) if g + 1 < sched.chunks else None
+        pending, q_h, kv_h = incoming
+        pending.wait()
+        out_h, lse = ring_attention_forward(q_h, kv_h, sched.ring, sched.kernel, sched.causal,
+                                            sched.scale)          # [b, h/(UG), S_r, d]
+        saved.append((q_h, kv_h, out_h, lse))
+        if outgoing is not None:   # chunk g-1's output, in flight during chunk g's compute
+            outgoing.wait()
+        outgoing = start_heads_to_seq((out_h,), (1,), sched.ulysses, (out,), g, sched.chunks)
+        incoming = upcoming
+    outgoing.wait()
+    return out, saved
+
+
+def _send_grads_home(chunk: int, grads: RingGrads, outgoing: Optional[PendingAllToAll],
+                     dests: Sequence[Tensor], sched: USPSchedule) -> PendingAllToAll:
+    """Start chunk ``chunk``'s dQ/dK/dV all-to-all into ``dests`` = (dq, dk, dv) [s, b, *, d].
+
+    Waits for the ring's last dK/dV hop of this chunk and for the previous chunk's transfer
+    (which keeps at most one gradient all-to-all in flight).
+    """
+    dk_h, dv_h = grads.dkv()
+    if outgoing is not None:
+        outgoing.wait()
+    return start_heads_to_seq((grads.dq, dk_h, dv_h), (1, sched.kv_rep, sched.kv_rep),
+                              sched.ulysses, dests, chunk, sched.chunks)
+
+
+def usp_attention_backward(dout: Tensor, saved: Sequence[SavedChunk], kv_shape: torch.Size,
+                           sched: USPSchedule) -> Tuple[Tensor, Tensor, Tensor]:
+    """Pipelined USP attention backward (module docstring), outside autograd.
+
+    Args:
+        dout: [s, b, h, d] gradient of the output (any strides).
+        saved: the per-chunk tensors :func:`usp_attention_forward` returned.
+        kv_shape: k's shape [s, b, hk, d].
+    Returns:
+        dq [s, b, h, d], dk, dv [s, b, hk, d], contiguous, dout's dtype (= q's = k's).
+    Communication: per chunk one dOut and one dQ/dK/dV all-to-all over the Ulysses group, and
+    the ring backward's messages, each 1/G of the unchunked volume.
+    """
+    G = sched.chunks
+    dq = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)
+    dk, dv = (torch.empty(kv_shape, dtype=dout.dtype, device=dout.device) for _ in range(2))
+    # With a ring, chunk g's last dK/dV hop is hidden behind chunk g+1's backward: its
+    # gradients go home one chunk later.
+    lag = 1 if sched.ring.size > 1 else 0
+    incoming = start_seq_to_heads((dout,), (1,), sched.ulysses, 0, G)
+    ring_done: List[Tuple[int, RingGrads]] = []
+    outgoing: Optional[PendingAllToAll] = None
+    for g in range(G):
+        upcoming = start_seq_to_heads((dout,), (1,), sched.ulysses, g + 1, G) if g + 1 < G else None
+        (dout_h,) = incoming.wait()                              # [b, h/(UG), S_r, d]
+        q_h, kv_h, out_h, lse = saved[g]
+        ring_done.append((g, ring_attention_backward(dout_h, q_h, kv_h, out_h, lse, sched.ring,
+                                                     sched.kernel, sched.causal, sched.scale)))
+        if len(ring_done) > lag:
+            outgoing = _send_grads_home(*ring_done.pop(0), outgoing, (dq, dk, dv), sched)
+        incoming = upcoming
+    while ring_done:
+        outgoing = _send_grads_home(*ring_done.pop(0), outgoing, (dq, dk, dv), sched)
+    outgoing.wait()
+    return dq, dk, dv
+
+
+class _USPAttentionFunction(torch.autograd.Function):
+    """Thin autograd shell; the schedule lives in usp_attention_forward/backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sched):
+        out, saved = usp_attention_forward(q, k, v, sched)
+        ctx.save_for_backward(*(t for chunk in saved for t in chunk))
+        ctx.sched = sched
+        ctx.kv_shape = k.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        flat = ctx.saved_tensors
+        saved = [flat[i:i + 4] for i in range(0, len(flat), 4)]
+        dq, dk, dv = usp_attention_backward(dout, saved, ctx.kv_shape, ctx.sched)
+        return dq, dk, dv, None
 
 
 def usp_attention(
@@ -54,6 +276,7 @@ def usp_attention(
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     backend: Union[str, AttentionKernel] = "auto",
+    overlap_chunks: Optional[int] = None,
 ) -> Tensor:
     """Unified sequence-parallel attention on this rank's tokens; differentiable.
 
@@ -66,10 +289,12 @@ def usp_attention(
         causal: causal (True) or full (False) attention over the whole sequence.
         softmax_scale: defaults to 1/sqrt(d).
         backend: ``--attention-backend`` name or an :class:`AttentionKernel`.
+        overlap_chunks: head chunks G pipelined against the all-to-alls; ``None`` picks
+            (:func:`resolve_overlap_chunks`), 1 runs unpipelined; the result is the same.
     Returns:
-        [s, b, h, d] attention output of the local tokens, q's dtype: what single-device
-        attention on the whole sequence gives for these tokens.
-    Communication: see the module docstring (one all-to-all in, one out, R-1 ring steps).
+        [s, b, h, d] contiguous attention output of the local tokens, q's dtype: what
+        single-device attention on the whole sequence gives for these tokens.
+    Communication: see the module docstring.
     """
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
@@ -83,12 +308,17 @@ def usp_attention(
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    kernel = get_kernel(backend)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    ring = ring_group if group_size(ring_group) > 1 else None
-    q_h, kv_h = qkv_seq_to_heads(q, k, v, ulysses_group)   # [b,h/U,S/R,d], [2,b,hk'/U,S/R,d]
-    out_h = ring_attention(q_h, kv_h, ring, kernel, causal, scale)   # [b, h/U, S/R, d]
-    return out_heads_to_seq(out_h, ulysses_group)                     # [s, b, h, d]
+    U, R = group_size(ulysses_group), group_size(ring_group)
+    sched = USPSchedule(
+        ulysses=ulysses_group if U > 1 else None,
+        ring=RingComm(ring_group if R > 1 else None),
+        kv_rep=kv_replication(k.shape[2], U),
+        chunks=resolve_overlap_chunks(q.shape[2], k.shape[2], U, R, overlap_chunks),
+        kernel=get_kernel(backend),
+        causal=causal,
+        scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3]),
+    )
+    return _USPAttentionFunction.apply(q, k, v, sched)
 
 
 # --------------------------------------------------------------------------- megatron module
@@ -102,8 +332,10 @@ def _build_usp_attention_class():
 
         Drop-in for ``DotProductAttention`` / ``TEDotProductAttention`` in the
         ``core_attention`` slot of ``SelfAttentionSubmodules``; constructed with the keyword
-        arguments megatron-core 0.16.1's ``Attention`` passes, plus ``attention_backend``
-        (from the ModuleSpec params).
+        arguments megatron-core 0.16.1's ``Attention`` passes, plus ``attention_backend`` and
+        ``overlap_chunks`` (from the ModuleSpec params; see :func:`usp_attention`).
+        ``overlap_chunks`` is resolved and checked against the heads per TP rank here, at
+        model construction, so a bad value fails at start-up.
 
         Forward contract (megatron-core's): query [s, b, np, hn], key/value [s, b, ng, hn] for
         this rank's tokens (layout of :mod:`megatron.usp.layout`), RoPE already applied;
@@ -137,6 +369,7 @@ def _build_usp_attention_class():
             cp_comm_type: Optional[str] = None,
             pg_collection=None,
             attention_backend: str = "auto",
+            overlap_chunks: Optional[int] = None,
         ):
             super().__init__(config=config)
             self.layer_number = max(1, layer_number)
@@ -147,6 +380,8 @@ def _build_usp_attention_class():
             _check_supported(config, attn_mask_type, attention_type, attention_dropout)
             self.ulysses_group, self.ring_group = _groups_from(pg_collection)
             self.kernel = get_kernel(attention_backend)
+            self.overlap_chunks = _overlap_chunks_for(config, pg_collection, self.ulysses_group,
+                                                      self.ring_group, overlap_chunks)
 
         def forward(
             self,
@@ -172,7 +407,7 @@ def _build_usp_attention_class():
             out = usp_attention(
                 query, key, value, ulysses_group=self.ulysses_group,
                 ring_group=self.ring_group, causal=causal, softmax_scale=self.softmax_scale,
-                backend=self.kernel,
+                backend=self.kernel, overlap_chunks=self.overlap_chunks,
             )
             s, b = out.shape[:2]
             return out.view(s, b, -1)
@@ -213,6 +448,15 @@ def _build_usp_attention_class():
             raise NotImplementedError(
                 f"USP attention supports --softmax-type vanilla only, got {config.softmax_type}"
             )
+
+    def _overlap_chunks_for(config, pg_collection, ulysses, ring, requested) -> int:
+        """Resolve ``overlap_chunks`` for this layer's heads per TP rank (megatron's split)."""
+        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        tp = group_size(tp_group) if tp_group is not None else config.tensor_model_parallel_size
+        heads = config.num_attention_heads // tp
+        kv_heads = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+        return resolve_overlap_chunks(heads, kv_heads, group_size(ulysses), group_size(ring),
+                                      requested)
 
     def _groups_from(pg_collection):
         """(ulysses, ring) groups; None for a group of one."""

@@ -122,25 +122,32 @@ def merge_block_(acc_out: Tensor, acc_lse: Tensor, block_out: Tensor, block_lse:
     """Fold one block's normalised result into the running (out, lse) of the same rows, in place.
 
     Log-sum-exp rule: ``lse' = log(e^lse + e^block_lse)``,
-    ``out' = e^(lse - lse') * out + e^(block_lse - lse') * block_out``.
+    ``out' = e^(lse - lse') * out + e^(block_lse - lse') * block_out``. The two weights sum to
+    one, so with ``w = e^(block_lse - lse')`` this is ``out' = out + w * (block_out - out)``: one
+    ``lerp_`` (PyTorch's lerp is accurate at both ends: w = 0 gives ``out``, w = 1 gives
+    ``block_out`` exactly).
 
     Args:
-        acc_out: [b, h, s, d] float32 (float64) accumulator, updated in place.
+        acc_out: [b, h, s, d] float32 (float64) accumulator (may be a strided view), updated
+            in place.
         acc_lse: [b, h, s] float32 (float64) accumulator, updated in place.
         block_out: [b, h, s, d] any float dtype; its rows with ``block_lse = -inf`` are ignored
             (even if they hold NaN).
         block_lse: [b, h, s], any float dtype.
 
     Rows masked in both inputs stay ``out = 0, lse = -inf``; no NaN is produced.
+    Memory traffic: two passes over out-sized tensors (the NaN-safe selection of the block,
+    written in the accumulator dtype, then the lerp), plus lse-sized work.
     """
     block_lse = block_lse.to(acc_lse.dtype)
     new_lse = torch.logaddexp(acc_lse, block_lse)
-    # Shift by 0 where both are -inf so that both weights come out exp(-inf) = 0, not NaN.
+    # Shift by 0 where both are -inf so that the weight comes out exp(-inf) = 0, not NaN.
     shift = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)
-    w_acc = torch.exp(acc_lse - shift).unsqueeze(-1)
     w_blk = torch.exp(block_lse - shift).unsqueeze(-1)
-    contrib = torch.where(w_blk > 0, block_out.to(acc_out.dtype) * w_blk, 0.0)
-    acc_out.mul_(w_acc).add_(contrib)
+    # Where the block has no weight take the accumulator itself: lerp then leaves the row
+    # untouched, and a NaN in a fully masked block row never reaches it.
+    blk = torch.where(w_blk > 0, block_out, acc_out)
+    acc_out.lerp_(blk, w_blk)
     acc_lse.copy_(new_lse)
 
 

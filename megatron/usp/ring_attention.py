@@ -32,18 +32,30 @@ masked half being skipped), every causal step costs exactly 2 blocks on every ra
 (i = 0: two half diagonal blocks + one full; j < r: 2c x c; j > r: c x 2c), and every
 non-causal step 4. ``tests/unit/test_ring_schedule.py`` checks this by counting pairs.
 
-Communication per rank (elements; multiply by the element size):
+Communication per rank and call (legend above; ``e`` the element size of q/kv, ``e_acc`` that
+of the accumulator dtype, 4 bytes for fp16/bf16/fp32 and 8 for fp64):
 
-* forward: R-1 exchanges of ``kv``: ``2*b*hk*2c*d`` sent and received per step, each started
-  before the step's compute so it overlaps it.
-* backward: R-1 exchanges of ``kv`` (as forward) plus R exchanges of the travelling dK/dV
-  accumulator ``2*b*hk*2c*d`` in float32 (float64); after the R-th hop each accumulator is back
-  on the rank that owns its K/V.
+* forward: R-1 exchanges of ``kv``: ``2*b*hk*2c*d*e`` bytes sent and received per step, each
+  started before the step's compute so it overlaps it.
+* backward: R-1 exchanges of ``kv`` (as forward) plus R hops of the travelling dK/dV
+  accumulator, ``2*b*hk*2c*d`` elements each: the first R-1 hops in the accumulator dtype
+  (``e_acc``; every partial sum stays float32 while it collects the ranks' shares), the R-th
+  hop, which only delivers the finished sum to the rank that owns its K/V, in kv's dtype
+  (``e``: the owner would cast it on arrival anyway, so casting before sending gives the same
+  bits at half the bytes for bf16). :func:`ring_attention_backward` returns with that last hop
+  still in flight (:class:`RingGrads`), so the caller can overlap it with other work.
 
 Backward recomputes nothing of the forward but each block's attention probabilities inside
 the kernel's backward, using the saved final ``out`` and ``lse`` (see
 :mod:`megatron.usp.kernels`). dQ is accumulated locally in float32, dK/dV in the travelling
 float32 accumulator.
+
+Local memory traffic per step besides the kernel (elements of out-sized [b, hq, rows, d]
+tensors): the forward merge reads the block output and the accumulator and rewrites the
+accumulator twice (:func:`megatron.usp.kernels.merge_block_`); the backward adds the block's
+dQ into the float32 dQ accumulator and dK/dV into the received accumulator, in place. The
+``torch`` kernel makes its inputs contiguous, which copies the ``back`` query rows (q, out,
+dout, lse) and the ``front`` key columns (K, V) of the steps that use a half.
 """
 
 from __future__ import annotations
@@ -52,7 +64,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron.usp.kernels import AttentionKernel, accum_dtype, merge_block_
 from megatron.usp.ring_comm import PendingExchange, RingComm
@@ -129,21 +140,24 @@ def ring_attention_forward(
     Returns:
         out [b, hq, 2c, d] in q's dtype, lse [b, hq, 2c] float32 (float64 for float64 q).
     Communication: R-1 steps, each sending and receiving ``kv.numel()`` elements over the Ring
-    group, overlapped with the previous step's block.
+    group, overlapped with the step's block.
     """
     size = comm.size
     acc = accum_dtype(q.dtype)
+    if size == 1:
+        out, lse = kernel.forward(q, kv[0], kv[1], causal, scale)
+        return out, lse.to(acc)
     kv_cur = kv
     for step in range(size):
         pending = _pass_kv_on(comm, kv_cur, step)
         plan = zigzag_block_plan(step, comm.rank, size, causal)
         kv_blk = _cols(kv_cur, plan)
         out_b, lse_b = kernel.forward(_rows(q, plan), kv_blk[0], kv_blk[1], plan.causal, scale)
-        if size == 1:
-            return out_b, lse_b.to(acc)
         if step == 0:
-            # Step 0 covers every row and every row sees its own diagonal: start from it.
-            acc_out, acc_lse = out_b.to(acc, copy=True), lse_b.to(acc, copy=True)
+            # Step 0 covers every row and every row sees its own diagonal: start from it. The
+            # kernel's outputs are fresh tensors, so they may become the accumulators (no copy
+            # when they already have the accumulator dtype).
+            acc_out, acc_lse = out_b.to(acc), lse_b.to(acc)
         else:
             merge_block_(_rows(acc_out, plan), _rows(acc_lse, plan), out_b, lse_b)
         if pending is not None:
@@ -158,21 +172,56 @@ def _pass_kv_on(comm: RingComm, kv_cur: Tensor, step: int) -> Optional[PendingEx
     return comm.exchange(kv_cur)
 
 
+class RingGrads:
+    """What :func:`ring_attention_backward` returns: dQ, and dK/dV possibly still travelling.
+
+    Attributes:
+        dq: [b, hq, 2c, d] in q's dtype, final.
+    ``dkv()`` waits (once) for the dK/dV accumulator's last hop home and returns ``(dk, dv)``,
+    each [b, hk, 2c, d] in kv's dtype. Call it as late as possible: until then the transfer
+    overlaps whatever the caller computes.
+    """
+
+    def __init__(self, dq: Tensor, dkv: Optional[Tuple[Tensor, Tensor]] = None,
+                 home: Optional[PendingExchange] = None) -> None:
+        self.dq = dq
+        self._dkv = dkv
+        self._home = home
+
+    def dkv(self) -> Tuple[Tensor, Tensor]:
+        if self._home is not None:
+            arrived = self._home.wait()          # [2, b, hk, 2c, d], kv's dtype
+            self._dkv, self._home = (arrived[0], arrived[1]), None
+        return self._dkv
+
+
+def _start_dkv_accumulator(dk: Tensor, dv: Tensor, acc: torch.dtype) -> Tensor:
+    """[2, b, hk, 2c, d] contiguous accumulator holding dk, dv (one cast-copy each)."""
+    buf = torch.empty((2, *dk.shape), dtype=acc, device=dk.device)
+    buf[0].copy_(dk)
+    buf[1].copy_(dv)
+    return buf
+
+
 def ring_attention_backward(
     dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, comm: RingComm,
     kernel: AttentionKernel, causal: bool, scale: float,
-) -> Tuple[Tensor, Tensor]:
+) -> RingGrads:
     """Zigzag ring attention backward.
 
     Args:
         dout, q, out: [b, hq, 2c, d]; kv: [2, b, hk, 2c, d]; lse: [b, hq, 2c] (from forward).
     Returns:
-        dq [b, hq, 2c, d] in q's dtype and dkv [2, b, hk, 2c, d] in kv's dtype.
-    Communication over the Ring group: R-1 K/V exchanges (``kv.numel()`` elements per step)
-    and R exchanges of the float32 dK/dV accumulator (``kv.numel()`` float32 elements per
-    step); the last one delivers each accumulator to the owner of its K/V.
+        :class:`RingGrads`: dq [b, hq, 2c, d] in q's dtype; ``dkv()`` gives dk, dv
+        [b, hk, 2c, d] in kv's dtype once the last hop has arrived.
+    Communication over the Ring group: R-1 K/V exchanges (``kv.numel()`` elements of kv's
+    dtype per step) and R hops of the dK/dV accumulator (``kv.numel()`` elements each; the
+    first R-1 in float32 (float64), the last, still in flight on return, in kv's dtype).
     """
     size = comm.size
+    if size == 1:
+        dq, dk, dv = kernel.backward(dout, q, kv[0], kv[1], out, lse, causal, scale)
+        return RingGrads(dq, dkv=(dk, dv))
     acc = accum_dtype(q.dtype)
     kv_cur = kv
     pending_dkv: Optional[PendingExchange] = None
@@ -184,13 +233,11 @@ def ring_attention_backward(
             _rows(dout, plan), _rows(q, plan), kv_blk[0], kv_blk[1], _rows(out, plan),
             _rows(lse, plan), plan.causal, scale,
         )
-        if size == 1:
-            return dq_b.to(q.dtype), torch.stack([dk_b, dv_b]).to(kv.dtype)
         if step == 0:
             # Step 0 covers all rows and all of our own K/V: it starts both accumulators,
             # the dK/dV one on its journey round the ring.
-            dq_acc = dq_b.to(acc, copy=True)
-            dkv_acc = torch.stack([dk_b, dv_b]).to(acc)
+            dq_acc = dq_b.to(acc)
+            dkv_acc = _start_dkv_accumulator(dk_b, dv_b, acc)
         else:
             _rows(dq_acc, plan).add_(dq_b)
             # The accumulator of K/V source j arrives from the previous rank; add our share.
@@ -198,43 +245,12 @@ def ring_attention_backward(
             dkv_blk = _cols(dkv_acc, plan)
             dkv_blk[0].add_(dk_b)
             dkv_blk[1].add_(dv_b)
+        if step == size - 1:
+            # Every share is in: the next hop only delivers the sum to its owner, who wants it
+            # in kv's dtype. Casting before the send gives the same bits with half the bytes
+            # (bf16); the earlier hops stay float32 because they still accumulate.
+            dkv_acc = dkv_acc.to(kv.dtype)
         pending_dkv = comm.exchange(dkv_acc)
         if pending_kv is not None:
             kv_cur = pending_kv.wait()
-    return dq_acc.to(q.dtype), pending_dkv.wait().to(kv.dtype)
-
-
-# --------------------------------------------------------------------------- autograd shell
-class _RingAttentionFunction(torch.autograd.Function):
-    """Thin autograd wrapper; the math lives in ring_attention_forward/backward."""
-
-    @staticmethod
-    def forward(ctx, q, kv, comm, kernel, causal, scale):
-        out, lse = ring_attention_forward(q, kv, comm, kernel, causal, scale)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.comm, ctx.kernel, ctx.causal, ctx.scale = comm, kernel, causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = ring_attention_backward(
-            dout, q, kv, out, lse, ctx.comm, ctx.kernel, ctx.causal, ctx.scale
-        )
-        return dq, dkv, None, None, None, None
-
-
-def ring_attention(
-    q: Tensor, kv: Tensor, ring_group: Optional[dist.ProcessGroup], kernel: AttentionKernel,
-    causal: bool, scale: float,
-) -> Tensor:
-    """Differentiable zigzag ring attention (layout and volumes: module docstring).
-
-    Args:
-        q: [b, hq, 2c, d]; kv: [2, b, hk, 2c, d] contiguous; both in zigzag order.
-        ring_group: the Ring group, or ``None`` for a ring of one (no communication).
-    Returns:
-        out [b, hq, 2c, d], q's dtype.
-    """
-    return _RingAttentionFunction.apply(q, kv.contiguous(), RingComm(ring_group), kernel,
-                                        causal, scale)
+    return RingGrads(dq_acc.to(q.dtype), home=pending_dkv)

@@ -7,9 +7,11 @@ transfer runs while the caller computes (on CUDA, NCCL runs P2P on its own strea
 makes the current stream wait for it, so no extra stream or event is needed).
 
 Ordering contract: every ring rank must issue the same sequence of exchanges with the same
-buffer sizes (the ring schedule is symmetric, so it does). Two exchanges may be in flight at
-once (K/V for the next step and the dK/dV accumulator in the backward); messages between a
-pair of ranks are matched in issue order, so they cannot cross.
+buffer sizes and dtypes (the ring schedule is symmetric and every rank runs the same head
+chunks in the same order, so it does). Up to three exchanges may be in flight at once in the
+backward (the previous head chunk's dK/dV on its last hop home, K/V for the next step, the
+dK/dV accumulator); messages between a pair of ranks are matched in issue order, so they
+cannot cross.
 
 A ring of size 1 (``group is None`` or a one-rank group) never communicates: ``exchange`` is
 not called by the ring schedule then, and calling it is an error.

@@ -12,7 +12,9 @@ Tolerance: 1e-10 absolute and relative (float64; the orders of summation differ,
 
 Communication is counted too: no all-to-all when U = 1 and no ring exchange when R = 1; else
 exactly two all-to-alls each way and R-1 (forward) + R-1 (backward) K/V exchanges plus R
-float accumulator exchanges, with K/V messages sized by the KV head count (never Q's).
+dK/dV accumulator exchanges (R-1 in float, the last in the input dtype), with K/V messages
+sized by the KV head count (never Q's); all of it per head chunk when the default
+``overlap_chunks`` pipelines (``tests/distributed/test_usp_overlap.py`` covers chunking).
 
 Layouts (U x R, TP): 1x2, 2x1 (world 2); 2x2, 4x1, 1x4, TP2 x U2 (world 4); 4x2, 2x4
 (world 8). Per layout: causal and not; MHA, GQA, MQA and KV heads < U where the layout allows;
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.usp import layout
-from megatron.usp.attention import usp_attention
+from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.config import USPParallelConfig
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 
@@ -134,23 +137,36 @@ class CommCounter:
         dist.all_to_all_single, dist.batch_isend_irecv = self._orig
 
 
-def check_communication(comm, groups, q_l, k_l):
-    """Exactly the collectives and message sizes the docstrings state; none for size-1 axes."""
+def check_communication(comm, groups, q_l, k_l, chunks=1):
+    """Exactly the collectives and message sizes the docstrings state; none for size-1 axes.
+
+    With ``chunks`` = G head chunks every message is 1/G of the unchunked one and there are G
+    times as many, so the total volume does not depend on G. The ring's dK/dV accumulator
+    travels R-1 hops in float32 (float64) and the last one in the inputs' dtype.
+    """
     ulysses, ring = groups.shape.ulysses, groups.shape.ring
     s, b, h, d = q_l.shape
     hk_sent = max(k_l.shape[2], ulysses)          # KV heads after replication (hk < U)
     if ulysses == 1:
         assert comm.a2a == []
-    else:   # forward: Q,K,V in one, output back; backward: the reverse two
+    else:   # forward: Q,K,V in one, output back; backward: the reverse two; per chunk
         qkv, out = s * b * (h + 2 * hk_sent) * d, s * b * h * d
-        assert sorted(comm.a2a) == sorted([qkv, out, out, qkv]), comm.a2a
+        assert sorted(comm.a2a) == sorted([qkv // chunks, out // chunks] * 2 * chunks), comm.a2a
+        assert sum(comm.a2a) == 2 * (qkv + out)
     if ring == 1:
         assert comm.p2p == []
         return
-    kv = 2 * b * (hk_sent // ulysses) * (ulysses * s) * d
-    fwd_bwd_kv = [[("isend", kv, q_l.dtype), ("irecv", kv, q_l.dtype)]] * (2 * (ring - 1))
-    dkv = [[("isend", kv, torch.float64), ("irecv", kv, torch.float64)]] * ring
-    assert sorted(comm.p2p) == sorted(fwd_bwd_kv + dkv), comm.p2p
+    kv = 2 * b * (hk_sent // ulysses) * (ulysses * s) * d // chunks
+    acc = torch.float64 if q_l.dtype == torch.float64 else torch.float32
+
+    def msg(dtype):
+        return [("isend", kv, dtype), ("irecv", kv, dtype)]
+
+    expected = ([msg(q_l.dtype)] * (2 * (ring - 1))      # K/V, forward and backward
+                + [msg(acc)] * (ring - 1)                # dK/dV accumulating
+                + [msg(q_l.dtype)])                      # dK/dV delivered home
+    as_key = [tuple(m) for m in comm.p2p]          # dtypes compare by equality only
+    assert Counter(as_key) == Counter(tuple(m) for m in expected * chunks), comm.p2p
 
 
 def run_case(groups, tp, tp_rank, case, seq_len, batch=2):
@@ -185,7 +201,9 @@ def run_case(groups, tp, tp_rank, case, seq_len, batch=2):
             out_l = usp_attention(q_l, k_l, v_l, ulysses_group=groups.ulysses,
                                   ring_group=groups.ring, causal=causal, backend=case["backend"])
         out_l.backward(mine(dout))
-    check_communication(comm, groups, q_l, k_l)
+    chunks = resolve_overlap_chunks(q_l.shape[2], k_l.shape[2], groups.shape.ulysses,
+                                    groups.shape.ring)
+    check_communication(comm, groups, q_l, k_l, chunks)
 
     for name, got, want in (
         ("out", out_l, mine(out_ref.detach())),
@@ -330,6 +348,13 @@ def _check_tool_cpu(rank, world_size):
         for name in ("out", "dq", "dk", "dv"):
             assert 0 < case["errors"][name]["kernel_rel_l2"] < 2e-2   # bf16-sized, non-zero
     assert_passed(results)
+    # Several --overlap-chunks values, one reference; MQA x U2 cannot take 2 chunks (skipped).
+    cfg = tool.CheckConfig(seq_lens=(256,), heads=((8, 8), (8, 1)), head_dim=64,
+                           layouts=((2, 1),), overlap_chunks=(1, 2), timing_iters=0)
+    results = tool.run_checks(cfg, torch.device("cpu"))
+    assert [(r.kv_heads, r.overlap_chunks, r.resolved_chunks) for r in results] == [
+        (8, 1, 1), (8, 2, 2), (1, 1, 1)]
+    assert_passed(results)
 
 
 def test_attention_check_tool_cpu_smoke(dist_run):
@@ -345,8 +370,11 @@ def test_attention_check_tool_arguments():
                             "--heads", "8/2", "--layouts", "2x1", "--dtype", "bf16"])
     cfg = tool.config_from_args(args)
     assert cfg.seq_lens == (128,) and cfg.heads == ((8, 2),) and cfg.layouts == ((2, 1),)
-    assert cfg.causal and cfg.max_ratio == 2.0
-    for bad in (["--heads", "8/3"], ["--layouts", "2by1"], ["--dtype", "fp8"]):
+    assert cfg.causal and cfg.max_ratio == 2.0 and cfg.overlap_chunks == (None,)
+    args = tool.parse_args(["--out", "x.json", "--overlap-chunks", "1", "auto", "4"])
+    assert tool.config_from_args(args).overlap_chunks == (1, None, 4)
+    for bad in (["--heads", "8/3"], ["--layouts", "2by1"], ["--dtype", "fp8"],
+                ["--overlap-chunks", "0"], ["--overlap-chunks", "two"]):
         with pytest.raises(SystemExit):
             tool.parse_args(["--out", "x.json", *bad])
 
@@ -362,7 +390,8 @@ def test_layer_spec_swaps_only_core_attention():
     upstream = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     core = spec.submodules.self_attention.submodules.core_attention
     assert isinstance(core, ModuleSpec) and core.module is USPAttention
-    assert core.params == {"attention_backend": "math"}
+    assert core.params["attention_backend"] == "math"
+    assert core.params.get("overlap_chunks") is None      # auto unless a flag sets it
     mine = spec.submodules.self_attention.submodules
     theirs = upstream.submodules.self_attention.submodules
     for field in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"):

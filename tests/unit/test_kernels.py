@@ -124,6 +124,28 @@ def test_merge_fully_masked_rows_give_zeros_not_nan():
     torch.testing.assert_close(acc_lse[:, :, 1:], blk_lse[:, :, 1:])
 
 
+def test_merge_low_precision_block_into_float32_accumulator():
+    """bf16 block outputs fold into float32 accumulators (strided row views, as the ring's
+    'back' rows) like the log-sum-exp formula evaluated in float64, to float32 rounding."""
+    gen = torch.Generator().manual_seed(4)
+    b, h, s, d = 2, 3, 8, 16
+    acc_out = torch.randn(b, h, 2 * s, d, generator=gen)
+    acc_lse = torch.randn(b, h, 2 * s, generator=gen)
+    blk_out = torch.randn(b, h, s, d, generator=gen).bfloat16()
+    blk_lse = torch.randn(b, h, s, generator=gen)
+    rows = slice(s, 2 * s)
+    lse0, out0 = acc_lse[:, :, rows].double(), acc_out[:, :, rows].double()
+    want_lse = torch.logaddexp(lse0, blk_lse.double())
+    want = (torch.exp(lse0 - want_lse).unsqueeze(-1) * out0
+            + torch.exp(blk_lse.double() - want_lse).unsqueeze(-1) * blk_out.double())
+    front = acc_out[:, :, :s].clone()
+    merge_block_(acc_out[:, :, rows], acc_lse[:, :, rows], blk_out, blk_lse)
+    assert acc_out.dtype == torch.float32
+    torch.testing.assert_close(acc_out[:, :, rows].double(), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(acc_lse[:, :, rows].double(), want_lse, atol=1e-6, rtol=1e-6)
+    assert torch.equal(acc_out[:, :, :s], front)        # rows outside the view untouched
+
+
 def test_math_kernel_fully_masked_rows():
     """A row whose final lse is -inf (masked in every block) gets zero gradients, not NaN."""
     q, k, v, dout = _inputs(1, 2, 2, 4, 4, 8)
