@@ -19,6 +19,7 @@ setup(
         "einops>=0.8",  # megatron-core's hierarchical context-parallel groups need it
         "sentencepiece>=0.2",
         "numpy>=1.26",
+        "psutil>=5.9",  # megatron-core's checkpoint writer (dist_checkpointing) needs it
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.16",

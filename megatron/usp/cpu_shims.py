@@ -22,15 +22,44 @@ Shims (upstream -> replacement):
   ``device="cuda"`` -> on the CPU (also re-bound in ``fusions.fused_softmax``).
 * ``megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed`` calls
   ``torch.cuda.manual_seed`` -> seeds the CPU generator the same way.
+* ``megatron.core.tensor_parallel.random._get_all_rng_states`` /
+  ``_set_all_rng_states`` (activation recompute's RNG save/restore) read and write the
+  CUDA generator -> the CPU generator and the tracker's states only (on the CPU the
+  tracker's states are CPU generator states, see ``CudaRNGStatesTracker.add`` above).
+
+Training-loop shims (upstream functions whose bodies allocate with ``device="cuda"`` or
+``torch.cuda.current_device()``, call ``torch.cuda.synchronize()``, or test
+``tensor.type() == "torch.cuda.FloatTensor"`` to mean "a float32 tensor"). Each is replaced
+by a wrapper that runs the unchanged upstream body inside :func:`cuda_requests_on_cpu`,
+which sends those requests to the CPU (see its docstring); nothing else is altered:
+
+* ``distributed.distributed_data_parallel.DistributedDataParallel.__init__`` (grad and
+  param buffers on ``torch.cuda.current_device()``).
+* ``pipeline_parallel.schedules.forward_backward_no_pipelining``,
+  ``forward_backward_pipelining_without_interleaving`` and
+  ``forward_backward_pipelining_with_interleaving`` (token counter on ``"cuda"``;
+  p2p shape buffers on the current CUDA device; ``torch.cuda.synchronize``).
+* ``optimizer.get_megatron_optimizer`` (``DistributedOptimizer`` and the mixed-precision
+  optimizers check ``param.type()`` against CUDA type strings and put ``found_inf`` and
+  the loss scale on ``"cuda"``).
+* ``step``, ``state_dict``, ``load_state_dict`` and ``sharded_state_dict`` of every optimizer
+  class in ``optimizer.optimizer`` and ``optimizer.distrib_optimizer`` that defines them
+  (grad-norm and clipping buffers on ``"cuda"``, ``clip_grad_by_total_norm_fp32``'s
+  ``torch.cuda.FloatTensor`` assert, the distributed optimizer's gather buffers).
+* ``dist_checkpointing.serialization.save`` and ``load`` (also re-bound in
+  ``dist_checkpointing``): the writer's ``torch.cuda.synchronize()`` after staging, the
+  save finalisation's failure flag on ``torch.cuda.current_device()``, the exchange
+  buffers of the load.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import List
+from typing import Callable, List
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _APPLIED: List[str] = []
 
@@ -118,6 +147,134 @@ def _tracker_fork(self, name="model-parallel-rng"):
         self._current_state_name = orig_name
 
 
+def _get_all_rng_states():
+    """Replaces ``random._get_all_rng_states``: (CPU state, no CUDA state, tracker states)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return torch.get_rng_state(), None, get_cuda_rng_tracker().get_states()
+
+
+def _set_all_rng_states(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker):
+    """Replaces ``random._set_all_rng_states``: restore the CPU state and the tracker's."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(cpu_rng_state)
+    get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
+
+
+# --------------------------------------------------------------------------- training loop
+def _names_cuda(device) -> bool:
+    """Whether a ``device=`` argument asks for a CUDA device (an int is a CUDA ordinal)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaRequestsToCpuMode(TorchFunctionMode):
+    """Torch-function mode: CUDA ``device=`` arguments become ``"cpu"``; ``Tensor.cuda()``
+    returns the tensor; ``Tensor.type()`` (no argument) reports the CUDA type string
+    (``torch.cuda.FloatTensor`` for a CPU float32 tensor), which is what upstream compares
+    against when it means "a float32 / bfloat16 / float16 tensor"."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _names_cuda(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+_CPU_MODE_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def cuda_requests_on_cpu():
+    """Run upstream code written for one CUDA device on the CPU.
+
+    Inside the context: tensor factories given a CUDA ``device`` allocate on the CPU,
+    ``Tensor.cuda()`` is the identity, ``Tensor.type()`` names the CUDA type,
+    ``torch.cuda.current_device()`` returns ``"cpu"`` and ``torch.cuda.synchronize()`` does
+    nothing (CPU work is synchronous). Both ``torch.cuda`` functions are restored on exit.
+    Re-entrant; used only by the wrappers :func:`apply_cpu_shims` installs, so it never
+    runs on a machine with CUDA.
+    """
+    if _CPU_MODE_DEPTH[0]:
+        _CPU_MODE_DEPTH[0] += 1
+        try:
+            yield
+        finally:
+            _CPU_MODE_DEPTH[0] -= 1
+        return
+    saved = torch.cuda.current_device, torch.cuda.synchronize
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    _CPU_MODE_DEPTH[0] += 1
+    try:
+        with _CudaRequestsToCpuMode():
+            yield
+    finally:
+        _CPU_MODE_DEPTH[0] -= 1
+        torch.cuda.current_device, torch.cuda.synchronize = saved
+
+
+def _on_cpu(fn: Callable) -> Callable:
+    """``fn`` run inside :func:`cuda_requests_on_cpu` (same signature, same result)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with cuda_requests_on_cpu():
+            return fn(*args, **kwargs)
+
+    wrapper.__usp_cpu_shim__ = True
+    return wrapper
+
+
+_OPTIMIZER_METHODS = ("step", "state_dict", "load_state_dict", "sharded_state_dict")
+
+
+def _apply_training_loop_shims() -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import optimizer as mcore_optimizer
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer import optimizer as optimizer_mod
+    from megatron.core.pipeline_parallel import schedules
+
+    ddp_mod.DistributedDataParallel.__init__ = _on_cpu(ddp_mod.DistributedDataParallel.__init__)
+    _APPLIED.append("distributed_data_parallel.DistributedDataParallel.__init__")
+
+    for name in ("forward_backward_no_pipelining",
+                 "forward_backward_pipelining_without_interleaving",
+                 "forward_backward_pipelining_with_interleaving"):
+        setattr(schedules, name, _on_cpu(getattr(schedules, name)))
+        _APPLIED.append(f"pipeline_parallel.schedules.{name}")
+
+    mcore_optimizer.get_megatron_optimizer = _on_cpu(mcore_optimizer.get_megatron_optimizer)
+    _APPLIED.append("optimizer.get_megatron_optimizer")
+
+    for module in (optimizer_mod, distrib_optimizer):
+        for cls in vars(module).values():
+            if not (isinstance(cls, type) and cls.__module__ == module.__name__):
+                continue
+            for meth in _OPTIMIZER_METHODS:
+                if meth in vars(cls):
+                    setattr(cls, meth, _on_cpu(vars(cls)[meth]))
+                    _APPLIED.append(f"{module.__name__.split('.', 2)[-1]}.{cls.__name__}.{meth}")
+
+    for name in ("save", "load"):
+        wrapped = _on_cpu(getattr(serialization, name))
+        setattr(serialization, name, wrapped)
+        setattr(dist_checkpointing, name, wrapped)
+        _APPLIED.append(f"dist_checkpointing.serialization.{name}")
+
+
 def apply_cpu_shims() -> List[str]:
     """Install the shims when CUDA is absent; return the names of what is replaced."""
     if torch.cuda.is_available() or _APPLIED:
@@ -164,4 +321,11 @@ def apply_cpu_shims() -> List[str]:
 
     tensor_parallel.model_parallel_cuda_manual_seed = _model_parallel_manual_seed
     _APPLIED.append("tensor_parallel.random.model_parallel_cuda_manual_seed")
+
+    tp_random._get_all_rng_states = _get_all_rng_states
+    tp_random._set_all_rng_states = _set_all_rng_states
+    _APPLIED.append("tensor_parallel.random._get_all_rng_states")
+    _APPLIED.append("tensor_parallel.random._set_all_rng_states")
+
+    _apply_training_loop_shims()
     return applied_shims()

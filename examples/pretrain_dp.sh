@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Data-parallel baseline: the Llama-style GPT of pretrain_usp.sh replicated on every GPU,
+# no sequence parallelism (DP = GPUS_PER_NODE x NNODES). To compare loss curves with a USP
+# run, give both scripts the same --seq-length and --global-batch-size and run
+# tools/compare_loss.py on their metrics.jsonl files.
+#
+#   bash examples/pretrain_dp.sh [extra pretrain_gpt.py flags, which win over the ones here]
+#
+# Environment overrides: GPUS_PER_NODE (8) NNODES (1) NODE_RANK (0) MASTER_ADDR (localhost)
+# MASTER_PORT (6000) PRECISION (bf16 | fp32)
+# RUN_DIR (runs/dp: checkpoints, TensorBoard, metrics.jsonl)
+# DATA_PATH + TOKENIZER_MODEL (default: the built-in corpus and its tokenizer).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+RUN_DIR=${RUN_DIR:-runs/dp}
+PRECISION=${PRECISION:-bf16}
+
+MODEL=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632
+       --num-attention-heads 16 --group-query-attention --num-query-groups 4
+       --seq-length 4096 --max-position-embeddings 4096
+       --position-embedding-type rope --rotary-base 500000 --swiglu --normalization RMSNorm
+       --disable-bias-linear --untie-embeddings-and-output-weights)
+TRAINING=(--micro-batch-size 1 --global-batch-size 64 --train-iters 1000
+          --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 50
+          --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer)
+PARALLEL=(--tensor-model-parallel-size 1 --ulysses-degree 1 --ring-degree 1)
+PRECISION_ARGS=()
+if [ "$PRECISION" = bf16 ]; then
+  PRECISION_ARGS=(--bf16 --accumulate-allreduce-grads-in-fp32)
+fi
+DATA=()
+if [ -n "${DATA_PATH:-}" ]; then
+  DATA=(--data-path "$DATA_PATH" --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with DATA_PATH}")
+fi
+OUTPUT=(--save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 500
+        --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl"
+        --log-interval 10 --eval-interval 200 --eval-iters 10)
+
+exec torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  "$ROOT/pretrain_gpt.py" "${MODEL[@]}" "${TRAINING[@]}" "${PARALLEL[@]}" \
+  "${PRECISION_ARGS[@]}" "${DATA[@]}" "${OUTPUT[@]}" "$@"

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Tensor parallelism x Unified Sequence Parallelism: TP (heads and MLP split, innermost,
+# on NVLink) x Ulysses (U) x Ring (R); DP = GPUS_PER_NODE x NNODES / (TP x U x R).
+# Heads per TP rank must be divisible by U (32 heads, TP 2: 16 per rank; U may be 2, 4, 8).
+#
+#   bash examples/pretrain_tp_usp.sh [extra pretrain_gpt.py flags, which win over these]
+#
+# Environment overrides: GPUS_PER_NODE (8) NNODES (1) NODE_RANK (0) MASTER_ADDR (localhost)
+# MASTER_PORT (6000) TP_SIZE (2) ULYSSES_DEGREE (2) RING_DEGREE (2) PRECISION (bf16 | fp32)
+# RUN_DIR (runs/tp_usp: checkpoints, TensorBoard, metrics.jsonl)
+# DATA_PATH + TOKENIZER_MODEL (default: the built-in corpus and its tokenizer).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+TP_SIZE=${TP_SIZE:-2}
+ULYSSES_DEGREE=${ULYSSES_DEGREE:-2}
+RING_DEGREE=${RING_DEGREE:-2}
+RUN_DIR=${RUN_DIR:-runs/tp_usp}
+PRECISION=${PRECISION:-bf16}
+
+MODEL=(--num-layers 24 --hidden-size 4096 --ffn-hidden-size 11008
+       --num-attention-heads 32 --group-query-attention --num-query-groups 8
+       --seq-length 32768 --max-position-embeddings 32768
+       --position-embedding-type rope --rotary-base 500000 --swiglu --normalization RMSNorm
+       --disable-bias-linear --untie-embeddings-and-output-weights)
+TRAINING=(--micro-batch-size 1 --global-batch-size 8 --train-iters 1000
+          --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 50
+          --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer
+          --recompute-granularity selective)
+PARALLEL=(--tensor-model-parallel-size "$TP_SIZE"
+          --ulysses-degree "$ULYSSES_DEGREE" --ring-degree "$RING_DEGREE")
+PRECISION_ARGS=()
+if [ "$PRECISION" = bf16 ]; then
+  PRECISION_ARGS=(--bf16 --accumulate-allreduce-grads-in-fp32)
+fi
+DATA=()
+if [ -n "${DATA_PATH:-}" ]; then
+  DATA=(--data-path "$DATA_PATH" --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with DATA_PATH}")
+fi
+OUTPUT=(--save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 500
+        --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl"
+        --log-interval 10 --eval-interval 200 --eval-iters 10)
+
+exec torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  "$ROOT/pretrain_gpt.py" "${MODEL[@]}" "${TRAINING[@]}" "${PARALLEL[@]}" \
+  "${PRECISION_ARGS[@]}" "${DATA[@]}" "${OUTPUT[@]}" "$@"

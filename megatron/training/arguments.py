@@ -1,0 +1,608 @@
+"""Command-line arguments of ``pretrain_gpt.py``: Megatron-LM's flag names, grouped, validated.
+
+Every flag Megatron-LM has keeps Megatron-LM's name and meaning; Megatron-USP adds
+``--ulysses-degree``, ``--ring-degree`` (integers or ``auto``), ``--attention-backend``,
+``--device``, ``--metrics-file``, ``--peak-tflops``, ``--skip-nan-steps`` and a few more,
+each documented in ``--help``. Deliberate differences from Megatron-LM, all visible in
+``--help``:
+
+* ``--hidden-dropout`` and ``--attention-dropout`` default to 0 (USP attention has no
+  attention dropout; Llama-style pretraining uses none).
+* ``--context-parallel-size`` is derived as U*R; when given it must equal U*R.
+* ``--num-query-groups`` without ``--group-query-attention`` is an error, not ignored.
+
+:func:`validate_args` runs on every rank before any process group exists and raises
+:class:`ArgumentsError` (or the layout's :class:`~megatron.usp.config.USPConfigError`) naming
+the flag and a valid value, so bad input never reaches a collective. It also fills in the
+derived values (``data_parallel_size``, ``ffn_hidden_size``, ``kv_channels``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import List, Optional, Sequence
+
+from megatron.usp.config import USPConfigError, USPParallelConfig
+from megatron.usp.kernels import BACKEND_NAMES
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+
+class ArgumentsError(ValueError):
+    """A bad or conflicting flag. The message names the flag and suggests a valid value."""
+
+
+def _degree(value: str):
+    """``--ulysses-degree`` / ``--ring-degree``: a positive integer or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        out = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither an integer nor 'auto'") from None
+    return out
+
+
+# --------------------------------------------------------------------------- parser
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default when it has a meaningful one (not None, not a switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or default is None or isinstance(default, bool)
+                or default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model", "GPT shape (Megatron-LM names; Llama-style via "
+                                           "--swiglu --normalization RMSNorm "
+                                           "--position-embedding-type rope)")
+    g.add_argument("--num-layers", type=int, default=None, help="transformer layers (required)")
+    g.add_argument("--hidden-size", type=int, default=None, help="model width (required)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP width; default 4*hidden, or Megatron's SwiGLU default "
+                        "int(8*hidden/3 / 64)*64 with --swiglu")
+    g.add_argument("--num-attention-heads", type=int, default=None,
+                   help="query heads (required)")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups KV heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="KV heads with --group-query-attention")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="head dimension; default hidden/heads")
+    g.add_argument("--seq-length", type=int, default=None,
+                   help="tokens per sample (required); divisible by 2*U*R")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="position table size; default --seq-length")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=("learned_absolute", "rope", "none"),
+                   help="rope for Llama-style models")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of the head dimension RoPE rotates")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU)")
+    g.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"),
+                   help="RMSNorm for Llama-style models")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of the norms")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the linear layers (Llama-style)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate input embedding and output layer weights")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="dropout after attention and MLP (Megatron-LM's default is 0.1)")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="must be 0: USP attention has no attention dropout")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="std of the normal weight initialisation")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times TP")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary of --tokenizer-type NullTokenizer (and --mock-data)")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "parallelism", "grid order TP -> Ulysses -> Ring -> DP -> PP; the data-parallel size "
+                       "is derived: world / (TP * U * R * PP)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP")
+    g.add_argument("--ulysses-degree", type=_degree, default=1,
+                   help="U: DeepSpeed-Ulysses all-to-all sequence parallelism (or 'auto' with "
+                        "--ring-degree auto: the layout planner chooses)")
+    g.add_argument("--ring-degree", type=_degree, default=1,
+                   help="R: load-balanced ring attention (or 'auto')")
+    g.add_argument("--context-parallel-size", type=int, default=None,
+                   help="optional; must equal U*R (megatron-core's name for the CP size)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism inside the TP group (needs TP > 1 and "
+                        "a layer spec whose norms support it: refused with torch's norms)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: optimizer state sharded over DP x CP (megatron-core's "
+                        "DistributedOptimizer)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the DP x CP gradient reduction with backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with forward")
+    g.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
+                   help="local attention kernel of USP attention")
+    g.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="auto: CUDA when available, else CPU (gloo, float32)")
+    g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
+                   help="default: nccl on CUDA, gloo on CPU")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="collective timeout")
+    g.add_argument("--hardware", default=None,
+                   help="planner hardware preset for 'auto' degrees (default: from the GPU "
+                        "name; see tools/plan_parallel.py --help)")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="for 'auto' degrees; default: torchrun's LOCAL_WORLD_SIZE")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "data", "without --data-path and --mock-data, the built-in default corpus and its "
+                "SentencePiece tokenizer are used (built at first use)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="dataset prefix(es) from tools/preprocess_data.py, optionally "
+                        "weighted: 0.7 PREFIX_A 0.3 PREFIX_B")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=("SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
+                   help="default: SentencePieceTokenizer (NullTokenizer with --mock-data)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model file or Hugging Face tokenizer directory")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
+    g.add_argument("--data-cache-path", default=None, help="megatron-core sample-index cache")
+    g.add_argument("--corpus-cache-dir", default=None,
+                   help="where the default corpus is built (default ~/.cache/megatron-usp)")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD predictions")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="refused with USP (see megatron/training/data.py)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="refused with USP (see megatron/training/data.py)")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per step; default micro * DP. Gradient accumulation "
+                        "steps = global / (micro * DP)")
+    g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (required)")
+    g.add_argument("--bf16", action="store_true",
+                   help="bfloat16 with float32 main params (GPU only; CPU runs float32)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="float32 gradient buffers and reduction with --bf16")
+    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"),
+                   help="adam is AdamW (decoupled weight decay), as in Megatron-LM")
+    g.add_argument("--weight-decay", type=float, default=0.01,
+                   help="decoupled weight decay (not on biases and norms)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0: off")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="with --optimizer sgd")
+    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
+                   help="activation recompute")
+    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
+                   help="with --recompute-granularity full")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with --recompute-granularity full: layers per recompute unit "
+                        "(uniform) or recomputed layers per stage (block)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="initialisation, data order and dropout")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialise weights on the CPU (always on for --device cpu); the "
+                        "initial weights then do not depend on TP, which loss-curve "
+                        "comparisons across TP sizes need")
+    g.add_argument("--skip-nan-steps", action="store_true",
+                   help="on a NaN/inf loss or grad norm, skip the optimizer step and go on "
+                        "(default: stop with an error naming the iteration)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving with --save) when iteration %% N == 0")
+
+
+def _add_lr_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("learning rate", "schedule in iterations (Megatron-LM's)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (required)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate after the decay")
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES,
+                   help="decay from --lr to --min-lr after the warmup")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="linear warmup from --lr-warmup-init to --lr")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of --lr-decay-iters (instead of iterations)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate at iteration 0")
+    g.add_argument("--lr-wsd-decay-style", default="exponential", choices=WSD_DECAY_STYLES,
+                   help="decay phase shape of --lr-decay-style WSD")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="decay phase of --lr-decay-style WSD")
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "checkpointing", "megatron-core distributed checkpoints (torch_dist). A checkpoint is "
+                         "written to iter_N.tmp, then renamed; latest_checkpointed_iteration.txt "
+                         "only ever names complete ones. SIGTERM saves and exits when --save "
+                         "is set")
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--load", default=None,
+                   help="checkpoint directory to resume from; when it equals --save, a "
+                        "missing or empty directory means a fresh start")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration instead of the latest")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only; iteration, data position, optimizer and RNG "
+                        "start fresh")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="distributed-optimizer state in a TP/PP-reshardable layout (gathers "
+                        "on save); the default layout reshards over DP x CP only")
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100,
+                   help="iterations between console log lines")
+    g.add_argument("--eval-interval", type=int, default=1000, help="iterations between evals")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per evaluation; 0 disables validation")
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars")
+    g.add_argument("--metrics-file", default=None,
+                   help="per-step JSONL metrics (read by tools/compare_loss.py); default "
+                        "TENSORBOARD_DIR/metrics.jsonl, else SAVE/metrics.jsonl, else none")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak TFLOP/s per device for MFU; default from the GPU "
+                        "name (H100/H200 989, A100/A800 312, L20 119.5, ...); CPU: MFU n/a")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        usage="torchrun --nproc-per-node N %(prog)s [flags, grouped below]",
+        description="GPT pretraining with Unified Sequence Parallelism (Ulysses x Ring) on "
+                    "megatron-core, with Megatron-LM's flag names. Launch scripts: examples/.",
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,
+    )
+    _add_model_args(parser)
+    _add_parallel_args(parser)
+    _add_data_args(parser)
+    _add_training_args(parser)
+    _add_lr_args(parser)
+    _add_checkpoint_args(parser)
+    _add_logging_args(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``); no validation (see :func:`validate_args`)."""
+    return build_parser().parse_args(argv)
+
+
+# --------------------------------------------------------------------------- validation
+def _require(args, names: List[str]) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    if missing:
+        raise ArgumentsError(f"missing required flag(s): {' '.join(missing)}")
+
+
+def _check_positive(args, names: List[str], allow_zero: bool = False) -> None:
+    for n in names:
+        v = getattr(args, n)
+        if v is None:
+            continue
+        if v < 0 or (v == 0 and not allow_zero):
+            flag = "--" + n.replace("_", "-")
+            raise ArgumentsError(f"{flag} {v} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default MLP width: 4h, or int(8h/3 / 64) * 64 with SwiGLU."""
+    if swiglu:
+        return int((4 * hidden_size * 2 / 3) / 64) * 64
+    return 4 * hidden_size
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's vocabulary padding: up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _validate_model(args) -> None:
+    _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length"])
+    _check_positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                           "ffn_hidden_size", "kv_channels", "max_position_embeddings",
+                           "rotary_base", "make_vocab_size_divisible_by", "vocab_size"])
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ArgumentsError(
+            f"--num-query-groups {args.num_query_groups} has no effect without "
+            f"--group-query-attention; add --group-query-attention (or drop "
+            f"--num-query-groups for multi-head attention)")
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ArgumentsError("--group-query-attention needs --num-query-groups, e.g. "
+                             f"--num-query-groups {max(1, args.num_attention_heads // 4)}")
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads:
+            raise ArgumentsError(
+                f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                f"{args.num_attention_heads}; pass --kv-channels or change one of them")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if (args.position_embedding_type == "learned_absolute"
+            and args.max_position_embeddings < args.seq_length):
+        raise ArgumentsError(
+            f"--max-position-embeddings {args.max_position_embeddings} < --seq-length "
+            f"{args.seq_length} with learned absolute positions; pass "
+            f"--max-position-embeddings {args.seq_length}")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ArgumentsError(f"--rotary-percent {args.rotary_percent} must be in (0, 1]")
+    if args.attention_dropout != 0.0:
+        raise ArgumentsError(
+            f"--attention-dropout {args.attention_dropout}: USP attention has no attention "
+            f"dropout (the mask would depend on which ring rank computes a block); pass "
+            f"--attention-dropout 0.0")
+    if not 0.0 <= args.hidden_dropout < 1.0:
+        raise ArgumentsError(f"--hidden-dropout {args.hidden_dropout} must be in [0, 1)")
+
+
+def _validate_parallel(args, world_size: int) -> None:
+    auto = [f for f, v in (("--ulysses-degree", args.ulysses_degree),
+                           ("--ring-degree", args.ring_degree)) if v == "auto"]
+    if len(auto) == 1:
+        raise ArgumentsError(
+            f"{auto[0]} auto needs the other degree to be auto too: pass --ulysses-degree auto "
+            f"--ring-degree auto (the planner chooses both), or give both as integers")
+    if auto:
+        return  # resolved by resolve_auto_layout(), then validated again
+    cfg = usp_config_from_args(args)
+    cfg.validate(world_size, args.num_attention_heads,
+                 args.num_query_groups if args.group_query_attention else None,
+                 args.seq_length)
+    args.context_parallel_size = cfg.cp_size
+    args.data_parallel_size = cfg.data_parallel_size(world_size)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # Megatron-LM does the same: nothing to split
+    if pp > 1 and args.num_layers % pp:
+        ok = [d for d in range(1, args.num_layers + 1) if args.num_layers % d == 0]
+        raise ArgumentsError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp}; use one of {ok}")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _validate_batch(args) -> None:
+    _check_positive(args, ["micro_batch_size", "global_batch_size"])
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        lo = max(per_step, args.global_batch_size // per_step * per_step)
+        raise ArgumentsError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+            f"{args.data_parallel_size} = {per_step}; try --global-batch-size {lo} or "
+            f"{lo + per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.pipeline_model_parallel_size > 1 and args.num_microbatches < 1:
+        raise ArgumentsError("pipeline parallelism needs at least one micro-batch per step")
+
+
+def _validate_training(args) -> None:
+    _require(args, ["train_iters", "lr"])
+    _check_positive(args, ["train_iters", "exit_interval"])
+    _check_positive(args, ["lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_iters",
+                           "lr_warmup_init", "adam_eps"], allow_zero=True)
+    if args.min_lr > args.lr:
+        raise ArgumentsError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _check_positive(args, ["lr_decay_iters"])
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ArgumentsError("--lr-warmup-fraction and --lr-warmup-iters exclude one "
+                                 "another; keep one")
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ArgumentsError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
+                                 f"[0, 1]")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+        args.lr_warmup_fraction = None  # now in iterations; keeps validate_args idempotent
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ArgumentsError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
+            f"{args.lr_decay_iters} (default --train-iters): warmup must end before the decay "
+            f"does; try --lr-warmup-iters {max(0, args.lr_decay_iters // 10)}")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        raise ArgumentsError("--lr-decay-style WSD needs --lr-wsd-decay-iters N")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ArgumentsError(f"--{name.replace('_', '-')} {getattr(args, name)} must be "
+                                 f"in [0, 1)")
+    _validate_recompute(args)
+
+
+def _validate_recompute(args) -> None:
+    gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if gran == "full":
+        if method is None:
+            raise ArgumentsError("--recompute-granularity full needs --recompute-method "
+                                 "uniform (or block) and --recompute-num-layers N")
+        if n is None or n < 1:
+            raise ArgumentsError("--recompute-granularity full needs --recompute-num-layers "
+                                 ">= 1, e.g. --recompute-num-layers 1")
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        if method == "block" and n > per_stage:
+            raise ArgumentsError(f"--recompute-num-layers {n} exceeds the {per_stage} layers "
+                                 f"of a pipeline stage; use at most {per_stage}")
+    elif method is not None or n is not None:
+        flag = "--recompute-method" if method is not None else "--recompute-num-layers"
+        raise ArgumentsError(f"{flag} needs --recompute-granularity full")
+
+
+def _validate_data_flags(args) -> None:
+    if args.mock_data and args.data_path:
+        raise ArgumentsError("--mock-data and --data-path exclude one another; drop one")
+    _check_positive(args, ["num_workers"], allow_zero=True)
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if (args.mock_data and args.tokenizer_model is None
+                                                  ) else "SentencePieceTokenizer"
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ArgumentsError("--tokenizer-type NullTokenizer (the --mock-data default) needs "
+                             "--vocab-size, e.g. --vocab-size 32000")
+    if not args.data_path and not args.mock_data and args.tokenizer_model is not None:
+        raise ArgumentsError(
+            "--tokenizer-model without --data-path: the default corpus comes with its own "
+            "tokenizer; pass the --data-path made with this tokenizer, or drop "
+            "--tokenizer-model")
+    if (args.data_path and args.tokenizer_type != "NullTokenizer"
+            and args.tokenizer_model is None):
+        raise ArgumentsError(f"--data-path needs --tokenizer-model (the {args.tokenizer_type} "
+                             f"the data was preprocessed with)")
+
+
+def _validate_checkpointing(args) -> None:
+    _check_positive(args, ["save_interval", "log_interval", "eval_interval"])
+    _check_positive(args, ["eval_iters", "ckpt_step"], allow_zero=True)
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentsError("--save-interval needs --save DIR")
+    if args.ckpt_step is not None and args.load is None:
+        raise ArgumentsError("--ckpt-step needs --load DIR")
+    if args.finetune and args.load is None:
+        raise ArgumentsError("--finetune needs --load DIR (the weights to start from)")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ArgumentsError(f"--peak-tflops {args.peak_tflops} must be > 0")
+    if args.metrics_file is None:
+        if args.tensorboard_dir:
+            args.metrics_file = os.path.join(args.tensorboard_dir, "metrics.jsonl")
+        elif args.save:
+            args.metrics_file = os.path.join(args.save, "metrics.jsonl")
+
+
+def _validate_device(args, cuda_available: bool) -> None:
+    if args.device == "auto":
+        args.device = "cuda" if cuda_available else "cpu"
+    if args.device == "cuda" and not cuda_available:
+        raise ArgumentsError("--device cuda but CUDA is not available; pass --device cpu")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cpu":
+        if args.distributed_backend != "gloo":
+            raise ArgumentsError("--device cpu needs --distributed-backend gloo")
+        if args.bf16:
+            raise ArgumentsError("--bf16 needs a GPU; CPU runs are float32 (drop --bf16)")
+        args.use_cpu_initialization = True
+    args.params_dtype = "bfloat16" if args.bf16 else "float32"
+
+
+def usp_config_from_args(args) -> USPParallelConfig:
+    """The layout part of the arguments (integer degrees only)."""
+    return USPParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+    )
+
+
+def validate_args(args: argparse.Namespace, world_size: int,
+                  cuda_available: Optional[bool] = None) -> argparse.Namespace:
+    """Check every flag and fill in derived values; identical on every rank, no I/O.
+
+    Raises :class:`ArgumentsError` or :class:`USPConfigError` (both ``ValueError``) naming
+    the flag. ``--ulysses-degree auto`` is left for :func:`resolve_auto_layout`, which
+    calls this again with the chosen degrees.
+    """
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    args.world_size = world_size
+    _validate_device(args, cuda_available)
+    _validate_model(args)
+    _validate_training(args)
+    _validate_data_flags(args)
+    _validate_checkpointing(args)
+    _validate_parallel(args, world_size)
+    if args.ulysses_degree != "auto":
+        _validate_batch(args)  # needs the data-parallel size
+    return args
+
+
+def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: int,
+                        device_name: Optional[str]) -> List[str]:
+    """Replace ``--ulysses-degree auto --ring-degree auto`` with the planner's choice.
+
+    Degrees the user gave explicitly (TP, PP, ``--context-parallel-size``) are kept fixed.
+    Returns the plan's reasons (to log on rank 0). Deterministic, so every rank chooses the
+    same layout without communicating.
+    """
+    from megatron.usp.planner import ModelSpec, PlannerError, choose_layout
+
+    model = ModelSpec.from_megatron_args(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab_size, swiglu=args.swiglu,
+        untied_embeddings=args.untie_embeddings_and_output_weights)
+    hardware = args.hardware or hardware_preset_for(device_name)
+    if hardware is None:
+        raise ArgumentsError(
+            f"--ulysses-degree auto: no planner preset matches the device {device_name!r}; "
+            f"pass --hardware (one of the presets of tools/plan_parallel.py), or give "
+            f"--ulysses-degree and --ring-degree as integers")
+    gpus_per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    fixed = {"tensor_model_parallel_size": args.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+             "zero_stage": 1 if args.use_distributed_optimizer else 0,
+             "recompute": args.recompute_granularity or "none"}
+    if args.context_parallel_size is not None:
+        fixed["context_parallel_size"] = args.context_parallel_size
+    try:
+        plan = choose_layout(model, args.seq_length, world_size, gpus_per_node, hardware,
+                             micro_batch_size=args.micro_batch_size,
+                             global_batch_size=args.global_batch_size, fixed=fixed)
+    except PlannerError as exc:
+        raise ArgumentsError(f"--ulysses-degree auto --ring-degree auto: {exc}") from None
+    args.ulysses_degree, args.ring_degree = plan.ulysses_degree, plan.ring_degree
+    validate_args(args, world_size, cuda_available=args.device == "cuda")
+    return [f"planner chose TP{plan.tensor_model_parallel_size} U{plan.ulysses_degree} "
+            f"R{plan.ring_degree} DP{plan.data_parallel_size} "
+            f"PP{plan.pipeline_model_parallel_size}"] + list(plan.reasons)
+
+
+_PRESET_PATTERNS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("a100", "a100"),
+                    ("a800", "a800"), ("l20", "l20"))
+
+
+def hardware_preset_for(device_name: Optional[str]) -> Optional[str]:
+    """The planner preset for a CUDA device name (``torch.cuda.get_device_name``), or None."""
+    if not device_name:
+        return None
+    low = device_name.lower()
+    for pattern, preset in _PRESET_PATTERNS:
+        if pattern in low:
+            return preset
+    return None
+
+
+__all__ = ["ArgumentsError", "USPConfigError", "build_parser", "parse_args", "validate_args",
+           "resolve_auto_layout", "usp_config_from_args", "padded_vocab_size",
+           "default_ffn_hidden_size", "hardware_preset_for"]

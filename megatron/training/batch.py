@@ -1,0 +1,78 @@
+"""One micro-batch through the model: ``get_batch``, the loss function, the forward step.
+
+Layouts at this boundary (names as in :mod:`megatron.training.data`)::
+
+    data iterator      tokens/labels/loss_mask/position_ids  [b, s]      full sequence, the
+                       same micro-batch on every rank of a CP group (and of a TP group)
+    get_batch          the same keys                          [b, s/CP]   this CP rank's
+                       chunks c and 2CP-1-c (c = u + U*r), moved to the device
+    GPTModel(labels)   per-token loss                         [b, s/CP]   float32
+
+The loss function returns megatron-core's three-value form ``(loss_sum, num_tokens,
+{"lm loss": [loss_sum, num_tokens]})`` with ``calculate_per_token_loss=True``: the schedule
+back-propagates the *sum* over this rank's loss tokens and adds up the token counts;
+``finalize_model_grads`` divides the gradients by the global count, and the training loop
+divides the summed losses the same way. Hence the reported loss is the mean over every
+loss-masked token of the global batch, for every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from megatron.training.data import SEQUENCE_KEYS, shard_batch_for_cp
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What a forward step needs to know about this rank's place in the grid."""
+
+    cp_rank: int
+    cp_size: int
+    device: torch.device
+    first_stage: bool
+    last_stage: bool
+
+
+def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tensor]]:
+    """Next micro-batch, cut to this CP rank's tokens and moved to ``ctx.device``.
+
+    Middle pipeline stages read nothing (their input comes from the previous stage) and
+    get ``None`` for every key; the first stage needs tokens and positions, the last
+    labels and the loss mask, and both read the full micro-batch.
+    """
+    if not (ctx.first_stage or ctx.last_stage):
+        return {key: None for key in SEQUENCE_KEYS}
+    full = next(data_iterator)                                   # [b, s]
+    local = shard_batch_for_cp(full, ctx.cp_rank, ctx.cp_size)   # [b, s/CP]
+    return {key: local[key].to(ctx.device, non_blocking=True) for key in SEQUENCE_KEYS}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token losses [b, s/CP] -> (sum over loss tokens, token count, report).
+
+    Returns megatron-core's three-value loss form (see the module docstring). The report
+    ``[loss_sum, num_tokens]`` is float32 and detached; it is summed over micro-batches and
+    all-reduced over DP x CP by the training loop.
+    """
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(ctx: BatchContext, data_iterator, model) -> Tuple[torch.Tensor, Callable]:
+    """megatron-core forward-step function (bind ``ctx`` with ``functools.partial``).
+
+    Returns the last stage's per-token losses [b, s/CP] (the hidden states [s/CP, b, h]
+    on other stages) and the loss function for them.
+    """
+    batch = get_batch(data_iterator, ctx)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])

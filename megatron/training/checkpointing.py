@@ -1,0 +1,467 @@
+"""Checkpoints: megatron-core distributed checkpoints, published atomically.
+
+Format: megatron-core ``dist_checkpointing`` with the ``torch_dist`` backend (PyTorch
+Distributed Checkpoint files underneath). The model and optimizer are saved as sharded
+state dicts, so a checkpoint loads under another layout: any U x R / DP split at the same
+TP x PP with either optimizer, and other TP / PP sizes too for the plain optimizer, or for
+the distributed optimizer saved with ``--dist-ckpt-optim-fully-reshardable``.
+
+Directory layout::
+
+    SAVE/
+      latest_checkpointed_iteration.txt    "<iteration>\\n", names only complete checkpoints
+      iter_0000100/                        a complete checkpoint (megatron-core files)
+      iter_0000200.tmp/                    a save in progress, or one a crash interrupted
+
+Publishing protocol (:func:`save_checkpoint`), so a crash at any point never leaves a
+checkpoint that loads as valid:
+
+1. rank 0 empties ``iter_N.tmp``; barrier;
+2. every rank writes its shards into ``iter_N.tmp`` (megatron-core fsyncs each file and
+   writes ``metadata.json`` last, behind a barrier);
+3. barrier; rank 0 fsyncs every file and the directory, renames ``iter_N.tmp`` to
+   ``iter_N`` (atomic on POSIX), fsyncs ``SAVE``, then writes the tracker to a temporary
+   file, fsyncs it and ``os.replace``-s it over ``latest_checkpointed_iteration.txt``;
+4. barrier.
+
+Loading (:func:`load_checkpoint`) only ever opens a directory without the ``.tmp``
+suffix, named by the tracker (or ``--ckpt-step``), after rank 0 checked that it is complete
+(every file PyTorch's ``.metadata`` refers to exists and is long enough) and broadcast the
+verdict, so a bad ``--load`` fails on every rank with the same message before any
+collective of the load itself.
+
+Saved beside model and optimizer: the LR scheduler, the iteration, the consumed train and
+validation samples (the data position), the arguments, and each rank's RNG states
+(Python, NumPy, torch CPU, CUDA, megatron-core's RNG tracker), restored only when the
+saved grid (TP, U, R, DP, PP) equals the current one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.training.model import unwrap
+from megatron.usp.parallel_state import USPGroups
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+TMP_SUFFIX = ".tmp"
+CHECKPOINT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """An unreadable ``--load`` (missing, incomplete, corrupt) or a failed save."""
+
+
+@dataclass
+class TrainState:
+    """Loop state that is not in the model or the optimizer."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+# --------------------------------------------------------------------------- files
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Atomically make ``root/latest_checkpointed_iteration.txt`` say ``iteration``."""
+    final = os.path.join(root, TRACKER_FILENAME)
+    tmp = final + TMP_SUFFIX
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_path(root)
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration the tracker names; None without a tracker; CheckpointError if corrupt."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"--load {root}: {TRACKER_FILENAME} is corrupt (holds {text[:40]!r}, not an "
+            f"iteration number); fix it or pass --ckpt-step N") from None
+    if iteration < 0:
+        raise CheckpointError(f"--load {root}: {TRACKER_FILENAME} names iteration {iteration}")
+    return iteration
+
+
+def published_iterations(root: str) -> List[int]:
+    """Iterations with a published (renamed, hence complete) directory under ``root``."""
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith("iter_") and not name.endswith(TMP_SUFFIX):
+            try:
+                out.append(int(name[len("iter_"):]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def verify_complete(path: str) -> None:
+    """Raise CheckpointError unless ``path`` is a complete megatron-core checkpoint.
+
+    Checks ``metadata.json`` and ``common.pt``, reads PyTorch's ``.metadata`` and checks
+    every data file it refers to exists and holds the byte ranges it promises.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {name} is "
+                                  f"missing")
+    try:
+        meta = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any parse failure means corrupt
+        raise CheckpointError(f"checkpoint {path} is corrupt: cannot read .metadata ({exc})"
+                              ) from None
+    needed: Dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for rel, end in sorted(needed.items()):
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint {path} is incomplete: {rel} is missing")
+        if os.path.getsize(file) < end:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} holds "
+                                  f"{os.path.getsize(file)} bytes, {end} expected")
+
+
+def locate_checkpoint(load: str, save: Optional[str], ckpt_step: Optional[int]
+                      ) -> Optional[Tuple[int, str]]:
+    """(iteration, directory) to resume from, None for a fresh start; file checks only.
+
+    A missing or empty ``load`` is a fresh start only when it is also the ``--save``
+    directory (the resume-if-present pattern of the launch scripts); otherwise, and for a
+    tracker naming a missing or incomplete directory, CheckpointError.
+    """
+    auto_resume = save is not None and os.path.abspath(save) == os.path.abspath(load)
+    if not os.path.isdir(load):
+        if auto_resume:
+            return None
+        raise CheckpointError(f"--load {load}: no such directory (to start fresh, drop --load "
+                              f"or pass the same directory as --save)")
+    if ckpt_step is not None:
+        iteration = ckpt_step
+    else:
+        iteration = read_tracker(load)
+        if iteration is None:
+            found = published_iterations(load)
+            if not found and auto_resume:
+                return None
+            hint = (f"published iterations: {found}; pass --ckpt-step {found[-1]}" if found
+                    else "it holds no checkpoint")
+            raise CheckpointError(f"--load {load}: no {TRACKER_FILENAME} ({hint})")
+    path = iteration_dir(load, iteration)
+    try:
+        verify_complete(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"--load {load} (iteration {iteration}): {exc}") from None
+    return iteration, path
+
+
+def locate_checkpoint_on_all_ranks(args) -> Optional[Tuple[int, str]]:
+    """:func:`locate_checkpoint` on rank 0, verdict broadcast; every rank raises alike."""
+    verdict: List[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            verdict[0] = ("ok", locate_checkpoint(args.load, args.save, args.ckpt_step))
+        except (CheckpointError, OSError) as exc:
+            verdict[0] = ("error", str(exc))
+    dist.broadcast_object_list(verdict, src=0)
+    status, value = verdict[0]
+    if status == "error":
+        raise CheckpointError(value)
+    return value
+
+
+# --------------------------------------------------------------------------- RNG
+def get_rng_state(device: torch.device) -> Dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: Dict[str, Any], device: torch.device) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# --------------------------------------------------------------------------- state dicts
+def _sharding_metadata(args) -> Dict[str, Any]:
+    return {
+        "distrib_optim_sharding_type": ("fully_reshardable"
+                                        if args.dist_ckpt_optim_fully_reshardable
+                                        else "dp_reshardable"),
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
+
+
+def grid_of(args) -> Dict[str, int]:
+    return {"tp": args.tensor_model_parallel_size, "ulysses": args.ulysses_degree,
+            "ring": args.ring_degree, "dp": args.data_parallel_size,
+            "pp": args.pipeline_model_parallel_size}
+
+
+def plain_args(args: argparse.Namespace) -> Dict[str, Any]:
+    """The arguments with plain values only (what checkpoints and metrics files record)."""
+    simple = (int, float, str, bool, type(None))
+    out = {}
+    for key, value in vars(args).items():
+        if isinstance(value, simple) or (isinstance(value, (list, tuple))
+                                         and all(isinstance(v, simple) for v in value)):
+            out[key] = value
+    return out
+
+
+def _rng_sharded_object(rng: Optional[Dict[str, Any]]):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
+
+
+def _state_dict(args, model, optimizer, scheduler, train_state: Optional[TrainState],
+                rng: Optional[Dict[str, Any]], is_loading: bool,
+                with_optimizer: bool, with_rng: bool) -> Dict[str, Any]:
+    meta = _sharding_metadata(args)
+    model_sd = unwrap(model[0]).sharded_state_dict(metadata=meta)
+    state: Dict[str, Any] = {"model": model_sd, "checkpoint_version": CHECKPOINT_VERSION}
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                          metadata=meta)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_sharded_object(rng)
+    if train_state is not None:
+        state["train_state"] = asdict(train_state)
+        state["grid"] = grid_of(args)
+        state["args"] = plain_args(args)
+    return state
+
+
+def _prime_distributed_optimizer_state(optimizer) -> None:
+    """Give a not-yet-stepped distributed optimizer its (zero) Adam state before loading.
+
+    Without Apex or TransformerEngine, megatron-core 0.16.1's ``DistributedOptimizer``
+    uses ``torch.optim.Adam(W)`` and its ``state_dict()`` reads the common ``step`` from
+    the per-parameter state, which is empty before the first step (it asserts). The zero
+    moments written here are overwritten by the load, the step by
+    :func:`_restore_adam_steps`. With Apex or TransformerEngine nothing is done.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or inner is None or inner.state:
+            continue
+        if opt.init_state_fn is None:
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for param_state in inner.state.values():
+            param_state.setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_steps(optimizer, loaded: Any) -> None:
+    """Give each parameter of a loaded distributed optimizer its own, correct Adam ``step``.
+
+    Without Apex or TransformerEngine, megatron-core 0.16.1's ``DistributedOptimizer``
+    keeps ``torch.optim.Adam(W)``'s per-parameter ``step`` only in its param groups: its
+    ``load_state_dict`` puts one shared tensor into every parameter's state, which
+    ``load_parameter_state_from_dp_reshardable`` then overwrites with the loading
+    template's value, and Adam's foreach path would increment the shared tensor once per
+    parameter. The step saved in the param groups is the true one; it is restored here,
+    one tensor per parameter. With Apex or TransformerEngine nothing is done.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    per_sub = [loaded] if len(subs) == 1 else [loaded[i] for i in range(len(subs))]
+    for opt, sd in zip(subs, per_sub):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Optimizer):
+            continue
+        steps = {g.get("step") for g in sd["optimizer"]["param_groups"]}
+        steps.discard(None)
+        if len(steps) != 1:
+            continue  # Apex/TE optimizers keep their own step; nothing to restore
+        step = float(steps.pop())
+        for param_state in inner.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _check_optimizer_compatible(saved_args: Dict[str, Any], args, path: str) -> None:
+    """The optimizer state of a checkpoint loads into the same kind of optimizer only."""
+    saved = bool(saved_args.get("use_distributed_optimizer"))
+    if saved != bool(args.use_distributed_optimizer):
+        flag = "--use-distributed-optimizer"
+        raise CheckpointError(
+            f"--load {path}: the checkpoint's optimizer state was saved "
+            f"{'with' if saved else 'without'} {flag} and this run is "
+            f"{'without' if saved else 'with'} it; {'add' if saved else 'drop'} {flag}, or pass "
+            f"--no-load-optim to load the weights only")
+
+
+def _save_strategy(groups: USPGroups):
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    # Replicas over DP x CP share the writing of replicated tensors (Megatron-LM's default).
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            groups.dp_cp, do_cache_distribution=True)
+
+
+# --------------------------------------------------------------------------- save / load
+def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
+                    groups: USPGroups, device: torch.device) -> str:
+    """Write ``SAVE/iter_N`` and point the tracker at it (see the module docstring).
+
+    Collective over the world; returns the published directory.
+    """
+    from megatron.core import dist_checkpointing
+
+    root, it = args.save, train_state.iteration
+    final = iteration_dir(root, it)
+    tmp = final + TMP_SUFFIX
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        for stale in (tmp, final):
+            if os.path.exists(stale):
+                shutil.rmtree(stale)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _state_dict(args, model, optimizer, scheduler, train_state,
+                        get_rng_state(device), is_loading=False, with_optimizer=True,
+                        with_rng=True)
+    dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        _fsync_path(root)
+        write_tracker(root, it)
+    dist.barrier()
+    return final
+
+
+@dataclass
+class Resume:
+    """What :func:`load_checkpoint` restored.
+
+    ``rng_state`` is applied by the caller with :func:`set_rng_state` *after* building the
+    data iterators: creating a ``DataLoader`` iterator draws from the torch generator, and
+    the uninterrupted run created its iterators before its first iteration.
+    """
+
+    state: TrainState
+    path: Optional[str] = None
+    rng_state: Optional[Dict[str, Any]] = None
+
+
+def load_checkpoint(args, model, optimizer, scheduler) -> Resume:
+    """Restore model, optimizer and scheduler from ``--load`` (fresh state when there is
+    nothing to load). Collective over the world."""
+    from megatron.core import dist_checkpointing
+
+    if args.load is None:
+        return Resume(TrainState())
+    found = locate_checkpoint_on_all_ranks(args)
+    if found is None:
+        return Resume(TrainState())
+    iteration, path = found
+    common = dist_checkpointing.load_common_state_dict(path)
+    same_grid = common.get("grid") == grid_of(args)
+    with_optimizer = not (args.finetune or args.no_load_optim)
+    if with_optimizer:
+        _check_optimizer_compatible(common.get("args", {}), args, path)
+    with_rng = same_grid and not (args.finetune or args.no_load_rng)
+    if not same_grid and dist.get_rank() == 0 and not args.finetune:
+        logger.warning("checkpoint grid %s differs from this run's %s: model and optimizer "
+                       "are resharded; RNG states start from --seed", common.get("grid"),
+                       grid_of(args))
+    if with_optimizer:
+        _prime_distributed_optimizer_state(optimizer)
+    state = _state_dict(args, model, optimizer, scheduler, None, None, is_loading=True,
+                        with_optimizer=with_optimizer, with_rng=with_rng)
+    loaded = dist_checkpointing.load(state, path)
+    # No autograd while copying into parameters (the distributed optimizer's fp32 main
+    # params are views of the model's leaf parameters).
+    with torch.no_grad():
+        unwrap(model[0]).load_state_dict(loaded["model"])
+        if with_optimizer:
+            optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(optimizer, loaded["optimizer"])
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        else:
+            optimizer.reload_model_params()  # main (fp32) params from the loaded weights
+    if args.finetune:
+        return Resume(TrainState(), path)
+    saved = TrainState(**common["train_state"])
+    if saved.iteration != iteration:
+        raise CheckpointError(f"checkpoint {path} records iteration {saved.iteration}, but its "
+                              f"directory says {iteration}: corrupt")
+    return Resume(saved, path, loaded["rng_state"] if with_rng else None)

@@ -1,0 +1,178 @@
+"""Start-up of a training run, in the order that keeps bad input away from collectives.
+
+1. :func:`launch_env` reads rank and world size (torchrun's environment, an already
+   initialised process group, or a single process);
+2. ``validate_args`` checks every flag on every rank, before any process group exists;
+3. :func:`init_process_group` (gloo on CPU, NCCL on GPU) unless the caller already did;
+4. the CPU shims (:func:`megatron.usp.cpu_shims.apply_cpu_shims`) on a machine without CUDA;
+5. the tokenizer (the default corpus is built here when no data is given), the padded
+   vocabulary, the ``auto`` layout, and the data checks, on every rank alike;
+6. the USP process groups and the random seeds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.training.arguments import (
+    padded_vocab_size,
+    resolve_auto_layout,
+    usp_config_from_args,
+    validate_args,
+)
+from megatron.usp.parallel_state import USPGroups, initialize_usp_parallel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """This process's place in the job, and what start-up built."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    device_name: Optional[str]
+    owns_process_group: bool
+    groups: Optional[USPGroups] = None
+    tokenizer: object = None
+    plan_reasons: List[str] = field(default_factory=list)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The last rank (last pipeline stage) prints iteration logs, as in Megatron-LM."""
+        return self.rank == self.world_size - 1
+
+
+def launch_env() -> Tuple[int, int, int]:
+    """(rank, world size, local rank) from a live process group, torchrun, or defaults."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_process_group(args, rank: int, world: int, local_rank: int) -> Tuple[torch.device, bool]:
+    """Join the job's default process group (if not joined yet); returns (device, created)."""
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return device, False
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        # A plain `python pretrain_gpt.py ...`: a one-process group, no rendezvous needed.
+        dist.init_process_group(args.distributed_backend, store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(args.distributed_backend, rank=rank, world_size=world,
+                                timeout=timeout)
+    return device, True
+
+
+def build_tokenizer_for(args):
+    """The tokenizer of ``--tokenizer-type``; without data flags, the default corpus's."""
+    from megatron.training.tokenizer import build_tokenizer
+
+    if not args.data_path and not args.mock_data:
+        from megatron.training.corpus import ensure_default_corpus
+
+        corpus = ensure_default_corpus(args.corpus_cache_dir)
+        args.data_path = [corpus.data_prefix]
+        args.tokenizer_model = corpus.tokenizer_model
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+
+
+def check_optional_packages(args) -> None:
+    """Packages a flag needs, checked on every rank before any collective."""
+    import importlib.util
+
+    from megatron.training.arguments import ArgumentsError
+
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise ArgumentsError(f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard "
+                             f"package: pip install tensorboard (or drop the flag)")
+
+
+def data_config_from_args(args):
+    from megatron.training.data import DataConfig
+
+    return DataConfig(
+        data_path=args.data_path or None, split=args.split, mock_data=args.mock_data,
+        seq_length=args.seq_length, seed=args.seed,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        num_workers=args.num_workers, data_cache_path=args.data_cache_path,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
+
+
+def set_random_seed(seed: int, groups: USPGroups) -> None:
+    """Megatron-LM's seeding: seed + 100 * pipeline rank for Python, NumPy, torch, and
+    megatron-core's RNG tracker (TP-rank offsets inside it)."""
+    from megatron.core import tensor_parallel
+
+    seed = seed + 100 * dist.get_rank(groups.pp)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tp_rank = dist.get_rank(groups.tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0,
+                                                    etp_rank=tp_rank, force_reset_rng=True)
+
+
+def initialize(args) -> Runtime:
+    """Steps 1-6 of the module docstring; returns the runtime with groups and tokenizer."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    from megatron.training.data import validate_data_config
+    from megatron.usp.cpu_shims import apply_cpu_shims
+
+    rank, world, local_rank = launch_env()
+    validate_args(args, world)
+    device, owns = init_process_group(args, rank, world, local_rank)
+    rt = Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device,
+                 device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
+                 else None, owns_process_group=owns)
+    if device.type == "cpu":
+        apply_cpu_shims()
+    check_optional_packages(args)
+    rt.tokenizer = build_tokenizer_for(args)
+    if args.ulysses_degree == "auto":
+        rt.plan_reasons = resolve_auto_layout(args, world, rt.tokenizer.vocab_size,
+                                              rt.device_name)
+    args.padded_vocab_size = padded_vocab_size(rt.tokenizer.vocab_size,
+                                               args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    validate_data_config(data_config_from_args(args), rt.tokenizer,
+                         args.ulysses_degree * args.ring_degree)
+    rt.groups = initialize_usp_parallel(usp_config_from_args(args),
+                                        distributed_timeout_minutes=args.distributed_timeout_minutes)
+    set_random_seed(args.seed, rt.groups)
+    init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size,
+                                     args.data_parallel_size)
+    return rt
+
+
+def shutdown(rt: Optional[Runtime]) -> None:
+    """Undo :func:`initialize`'s global state (groups, calculator, owned process group)."""
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    from megatron.usp.parallel_state import destroy_usp_parallel
+
+    destroy_num_microbatches_calculator()
+    destroy_usp_parallel()
+    if rt is not None and rt.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()

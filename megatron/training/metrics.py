@@ -1,0 +1,296 @@
+"""Training metrics: FLOPs per iteration, MFU, memory, and where they are written.
+
+* :func:`training_flops_per_iteration` counts model FLOPs the way Megatron-LM's
+  ``num_floating_point_operations`` does for a dense GPT (GQA, SwiGLU, the output layer),
+  except that causal attention is counted at half (the upper triangle is never computed).
+* :func:`peak_tflops_for_device` is the dense bf16 peak used as the MFU denominator
+  (``--peak-tflops`` overrides it; on the CPU MFU is reported as n/a without it).
+* Memory (:func:`peak_memory_gib`): CUDA max allocated on GPU, peak RSS on the CPU; the
+  console shows the maximum over ranks.
+* :class:`MetricsWriter` writes what one logging rank reports: the Megatron-style console
+  line every ``--log-interval``, one JSON line per iteration (``--metrics-file``, read by
+  ``tools/compare_loss.py``) and TensorBoard scalars (``--tensorboard-dir``).
+
+Metrics-file records (one JSON object per line, ``kind`` says which)::
+
+    {"kind": "run", "layout": "TP1 U2 R2 DP1 PP1", "world_size": 4, "args": {...}}
+    {"kind": "train", "iteration": 7, "consumed_samples": 56, "lm_loss": 5.12, "grad_norm": 1.3,
+     "lr": 3e-4, "step_time_s": 0.21, "tokens_per_s": 2438.1, "tokens_per_s_per_gpu": 609.5,
+     "tflops_per_gpu": 0.01, "mfu": null, "mem_gib": 0.61, "skipped": false}
+    {"kind": "valid", "iteration": 10, "lm_loss": 5.01, "ppl": 149.9}
+
+A resumed run appends to the same file; readers keep the last record of each iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s per device, from the vendors'
+# datasheets. Matched in order against the lower-cased device name: variants first.
+# The H100/H200/A100/A800/L20 values are the planner's presets (megatron/usp/planner/
+# hardware.py); tests/unit/test_flops.py checks the two agree.
+PEAK_BF16_TFLOPS = (
+    ("h100 pcie", 756.0),
+    ("h100 nvl", 835.0),
+    ("h200 nvl", 835.0),
+    ("h800 pcie", 756.0),
+    ("gh200", 989.0),
+    ("h200", 989.0),
+    ("h100", 989.0),
+    ("h800", 989.0),
+    ("h20", 148.0),
+    ("gb200", 2500.0),
+    ("b200", 2250.0),
+    ("b100", 1750.0),
+    ("a100", 312.0),
+    ("a800", 312.0),
+    ("l40s", 362.0),
+    ("l40", 181.0),
+    ("l20", 119.5),
+    ("rtx 4090", 165.2),
+    ("a10", 125.0),
+    ("mi325x", 1307.4),
+    ("mi300x", 1307.4),
+)
+
+
+def peak_tflops_for_device(device_name: Optional[str]) -> Optional[float]:
+    """Dense bf16 peak of a device named like ``torch.cuda.get_device_name()``; None if
+    unknown (pass ``--peak-tflops``) or for the CPU."""
+    if not device_name:
+        return None
+    low = device_name.lower()
+    for pattern, peak in PEAK_BF16_TFLOPS:
+        if pattern in low:
+            return peak
+    return None
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The model dimensions FLOPs depend on (Megatron-LM argument names)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    seq_length: int
+    padded_vocab_size: int
+    swiglu: bool
+    causal: bool = True
+
+    @classmethod
+    def from_args(cls, args) -> "GPTShape":
+        return cls(
+            num_layers=args.num_layers, hidden_size=args.hidden_size,
+            ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+            num_query_groups=(args.num_query_groups if args.group_query_attention
+                              else args.num_attention_heads),
+            kv_channels=args.kv_channels, seq_length=args.seq_length,
+            padded_vocab_size=args.padded_vocab_size, swiglu=args.swiglu)
+
+
+def training_flops_per_iteration(shape: GPTShape, global_batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) over the global batch.
+
+    With h = hidden, n = query heads, g = KV groups, d = head dim, f = MLP width,
+    s = sequence length, V = padded vocabulary, L = layers, and 2 FLOPs per multiply-add,
+    one token's forward pass costs::
+
+        per layer:  QKV projection      2*h*(n + 2g)*d
+                    scores Q.K^T        2*s*n*d * c        (c = 1/2 causal, 1 full)
+                    context P.V         2*s*n*d * c
+                    output projection   2*n*d*h
+                    MLP                 2*h*f*(3 if SwiGLU else 2)   (gate+up+down / up+down)
+        output layer (logits)           2*h*V
+
+    Backward costs twice the forward, so the iteration costs::
+
+        3 * B * s * (L * (2hd(n+2g) + 4snd*c + 2ndh + 2hf*m) + 2hV)
+
+    which is Megatron-LM's ``num_floating_point_operations`` for a dense GPT with the
+    attention term halved for causal masks. Normalisations, softmax, RoPE and the
+    embedding lookup are not counted (they are not matrix multiplies).
+    """
+    h, n, g = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups
+    d, f, s = shape.kv_channels, shape.ffn_hidden_size, shape.seq_length
+    c = 0.5 if shape.causal else 1.0
+    mlp_mats = 3 if shape.swiglu else 2
+    per_layer = (2 * h * (n + 2 * g) * d + 4 * s * n * d * c + 2 * n * d * h
+                 + 2 * h * f * mlp_mats)
+    per_token_forward = shape.num_layers * per_layer + 2 * h * shape.padded_vocab_size
+    return 3.0 * global_batch_size * s * per_token_forward
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA max allocated, or the peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kib / 2**20
+
+
+@dataclass
+class StepStats:
+    """One iteration's numbers, as the training loop measured them."""
+
+    iteration: int
+    consumed_samples: int
+    lm_loss: float
+    grad_norm: Optional[float]
+    lr: float
+    step_time_s: float
+    skipped: bool
+    mem_gib: float
+
+
+class Throughput:
+    """Rates of a step from its wall time: tokens/s of the whole job and per device,
+    model TFLOP/s per device (:func:`training_flops_per_iteration`), MFU (None without a
+    peak)."""
+
+    def __init__(self, shape: GPTShape, global_batch_size: int, world_size: int,
+                 peak_tflops: Optional[float]) -> None:
+        self.tokens_per_iter = global_batch_size * shape.seq_length
+        self.flops_per_iter = training_flops_per_iteration(shape, global_batch_size)
+        self.world_size = world_size
+        self.peak_tflops = peak_tflops
+
+    def of(self, step_time_s: float) -> Dict[str, Optional[float]]:
+        t = max(step_time_s, 1e-9)
+        tflops = self.flops_per_iter / t / self.world_size / 1e12
+        mfu = tflops / self.peak_tflops if self.peak_tflops else None
+        tokens_per_s = self.tokens_per_iter / t
+        return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / self.world_size,
+                "tflops_per_gpu": tflops, "mfu": mfu}
+
+
+def _fmt_mfu(mfu: Optional[float]) -> str:
+    return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+
+
+class MetricsWriter:
+    """Console, JSONL and TensorBoard output of the logging rank (the others pass
+    ``enabled=False`` and every call is a no-op)."""
+
+    def __init__(self, enabled: bool, train_iters: int, log_interval: int,
+                 throughput: Throughput, metrics_file: Optional[str] = None,
+                 tensorboard_dir: Optional[str] = None, stream=None) -> None:
+        self.enabled = enabled
+        self.train_iters = train_iters
+        self.log_interval = log_interval
+        self.throughput = throughput
+        self.stream = stream or sys.stdout
+        self._jsonl = None
+        self._tb = None
+        self._window: list = []
+        if not enabled:
+            return
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            self._jsonl = open(metrics_file, "a", encoding="utf-8")
+        if tensorboard_dir:
+            self._tb = _tensorboard_writer(tensorboard_dir)
+
+    # ----------------------------------------------------------------- records
+    def _record(self, obj: Dict) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(obj) + "\n")
+            self._jsonl.flush()
+
+    def run_header(self, layout: str, world_size: int, args: Dict) -> None:
+        if self.enabled:
+            self._record({"kind": "run", "layout": layout, "world_size": world_size,
+                          "time": time.time(), "args": args})
+
+    def train_step(self, st: StepStats, max_mem_gib: Optional[float] = None) -> None:
+        """Record one iteration; print the interval's averages every ``log_interval``."""
+        if not self.enabled:
+            return
+        rates = self.throughput.of(st.step_time_s)
+        self._record({"kind": "train", "iteration": st.iteration,
+                      "consumed_samples": st.consumed_samples, "lm_loss": st.lm_loss,
+                      "grad_norm": st.grad_norm, "lr": st.lr, "step_time_s": st.step_time_s,
+                      **rates, "mem_gib": st.mem_gib, "skipped": st.skipped})
+        self._window.append(st)
+        if st.iteration % self.log_interval == 0 or st.iteration == self.train_iters:
+            self._print_interval(max_mem_gib if max_mem_gib is not None else st.mem_gib)
+            self._window = []
+
+    def _print_interval(self, mem_gib: float) -> None:
+        win = self._window
+        last = win[-1]
+        done = [s for s in win if not s.skipped]
+        loss = sum(s.lm_loss for s in done) / len(done) if done else float("nan")
+        norms = [s.grad_norm for s in done if s.grad_norm is not None]
+        step_time = sum(s.step_time_s for s in win) / len(win)
+        rates = self.throughput.of(step_time)
+        line = (
+            f" iteration {last.iteration:8d}/{self.train_iters:8d} |"
+            f" consumed samples: {last.consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {1000 * step_time:.1f} |"
+            f" tokens/s: {rates['tokens_per_s']:.1f} (per GPU {rates['tokens_per_s_per_gpu']:.1f}) |"
+            f" throughput per GPU (TFLOP/s/GPU): {rates['tflops_per_gpu']:.2f} |"
+            f" MFU: {_fmt_mfu(rates['mfu'])} |"
+            f" learning rate: {last.lr:.6E} |"
+            f" lm loss: {loss:.6E} |"
+            f" grad norm: {(sum(norms) / len(norms)) if norms else float('nan'):.3f} |"
+            f" number of skipped iterations: {len(win) - len(done):3d} |"
+            f" mem (GiB): {mem_gib:.2f} |"
+        )
+        print(line, file=self.stream, flush=True)
+        if self._tb is not None:
+            it = last.iteration
+            self._tb.add_scalar("lm loss", loss, it)
+            self._tb.add_scalar("learning-rate", last.lr, it)
+            if norms:
+                self._tb.add_scalar("grad-norm", norms[-1], it)
+            self._tb.add_scalar("throughput/tokens_per_s", rates["tokens_per_s"], it)
+            self._tb.add_scalar("throughput/tflops_per_gpu", rates["tflops_per_gpu"], it)
+            if rates["mfu"] is not None:
+                self._tb.add_scalar("throughput/mfu", rates["mfu"], it)
+            self._tb.add_scalar("memory/max_gib", mem_gib, it)
+            self._tb.flush()
+
+    def validation(self, iteration: int, lm_loss: float) -> None:
+        if not self.enabled:
+            return
+        ppl = math.exp(min(20.0, lm_loss))
+        self._record({"kind": "valid", "iteration": iteration, "lm_loss": lm_loss, "ppl": ppl})
+        bar = "-" * 80
+        print(f"{bar}\n validation loss at iteration {iteration} | lm loss value: "
+              f"{lm_loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}", file=self.stream, flush=True)
+        if self._tb is not None:
+            self._tb.add_scalar("lm loss validation", lm_loss, iteration)
+            self._tb.add_scalar("lm loss validation ppl", ppl, iteration)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError(
+            f"--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+            f"({exc})") from None
+    return SummaryWriter(log_dir=log_dir, max_queue=1000)

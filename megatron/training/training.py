@@ -1,0 +1,441 @@
+"""The pretraining loop: :func:`pretrain` is what ``pretrain_gpt.py`` calls.
+
+One iteration (:func:`train_step`)::
+
+    zero the DDP grad buffers and the optimizer
+    megatron-core schedule (get_forward_backward_func: no pipelining, or 1F1B with PP > 1):
+        for each of the G / (micro * DP) micro-batches (gradient accumulation):
+            forward_step -> per-token losses -> backward of the sum over loss tokens
+        finalize_model_grads: DP x CP all-reduce (or reduce-scatter with the distributed
+        optimizer), embedding / sequence-parallel reductions, divide by the global number
+        of loss tokens
+    lm loss = (sum of loss sums) / (sum of loss tokens) over micro-batches and DP x CP,
+        broadcast from the last pipeline stage: the same number on every rank
+    non-finite loss -> error naming the iteration, or (--skip-nan-steps) no update
+    optimizer.step(): grad-norm clipping, Adam, (ZeRO-1 parameter all-gather)
+    LR scheduler step (in samples, as Megatron-LM)
+
+Around it: validation every ``--eval-interval`` over ``--eval-iters`` global batches,
+checkpoints every ``--save-interval`` and at the end, a SIGTERM handler (when ``--save``
+is set) that saves at the end of the current iteration and returns, and the metrics of
+:mod:`megatron.training.metrics`.
+
+The loop never branches on the device: CPU runs go through the same megatron-core calls,
+with the stand-ins of :mod:`megatron.usp.cpu_shims` installed by start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.training import batch as batch_mod
+from megatron.training.checkpointing import (
+    TrainState,
+    load_checkpoint,
+    plain_args,
+    save_checkpoint,
+    set_rng_state,
+)
+from megatron.training.initialize import Runtime, data_config_from_args, initialize, shutdown
+from megatron.training.metrics import (
+    GPTShape,
+    MetricsWriter,
+    StepStats,
+    Throughput,
+    peak_memory_gib,
+    peak_tflops_for_device,
+)
+from megatron.training.model import build_model, count_parameters
+from megatron.usp.parallel_state import USPGroups
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the message names the iteration."""
+
+
+def _input_errors():
+    from megatron.training.arguments import ArgumentsError
+    from megatron.training.checkpointing import CheckpointError
+    from megatron.training.data import DataConfigError
+    from megatron.training.tokenizer import TokenizerError
+    from megatron.usp.config import USPConfigError
+
+    return (ArgumentsError, USPConfigError, DataConfigError, TokenizerError, CheckpointError)
+
+
+INPUT_ERRORS = _input_errors()
+"""Start-up errors caused by the user's input (flags, layout, data, ``--load``); raised
+identically on every rank before any collective that could hang."""
+
+
+@dataclass
+class TrainResult:
+    """What a run did (every rank returns the same numbers)."""
+
+    iteration: int
+    losses: Dict[int, float] = field(default_factory=dict)
+    valid_losses: Dict[int, float] = field(default_factory=dict)
+    skipped_iterations: List[int] = field(default_factory=list)
+    loaded_from: Optional[str] = None
+    saved: List[str] = field(default_factory=list)
+    stopped_by_signal: bool = False
+
+
+def print_rank_0(rt: Runtime, msg: str) -> None:
+    if rt.rank == 0:
+        print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------- setup
+def build_optimizer(args, model):
+    """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer)."""
+    from megatron.core import optimizer as mcore_optimizer
+
+    config = mcore_optimizer.OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad, bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather_with_optimizer_step=False,
+    )
+    return mcore_optimizer.get_megatron_optimizer(config, model)
+
+
+def build_scheduler(args, optimizer):
+    """Megatron-LM's OptimizerParamScheduler, counted in samples."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = args.global_batch_size
+    wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant", wsd_decay_steps=wsd,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def _wire_grad_sync(model) -> None:
+    """Hand megatron-core's schedules the DDP hooks (gradient accumulation without
+    reduction until the last micro-batch, then the DP x CP reduction)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model[0].config
+    config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if model[0].ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = model[0].start_grad_sync
+
+
+def build_data_iterators(args, rt: Runtime, state: TrainState):
+    """(train, valid) iterators of full-sequence micro-batches for this DP rank."""
+    from megatron.training.data import build_data_iterator, build_gpt_datasets
+
+    gbs = args.global_batch_size
+    evals = args.train_iters // args.eval_interval + 1
+    sizes = [args.train_iters * gbs, evals * args.eval_iters * gbs if args.eval_iters else None,
+             None]
+    train_ds, valid_ds, _ = build_gpt_datasets(data_config_from_args(args), rt.tokenizer, sizes)
+    dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
+    train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
+                                state.consumed_train_samples, args.num_workers)
+    valid = None
+    if args.eval_iters and valid_ds is not None:
+        valid = build_data_iterator(valid_ds, args.micro_batch_size, dp_rank, dp_size,
+                                    state.consumed_valid_samples, args.num_workers)
+    return train, valid
+
+
+def batch_context(rt: Runtime) -> batch_mod.BatchContext:
+    g = rt.groups
+    pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
+    return batch_mod.BatchContext(cp_rank=g.cp_rank, cp_size=dist.get_world_size(g.cp),
+                                  device=rt.device, first_stage=pp_rank == 0,
+                                  last_stage=pp_rank == pp_size - 1)
+
+
+# --------------------------------------------------------------------------- one step
+def reduce_lm_loss(losses: List[Dict[str, torch.Tensor]], groups: USPGroups,
+                   device: torch.device) -> torch.Tensor:
+    """[loss sum, loss tokens] over micro-batches and DP x CP, on every rank.
+
+    Only the last pipeline stage holds losses; it all-reduces over its DP x CP group and
+    broadcasts the pair to the other stages of its pipeline.
+    """
+    total = torch.zeros(2, dtype=torch.float32, device=device)
+    for report in losses:
+        total += report["lm loss"].to(device=device, dtype=torch.float32)
+    dist.all_reduce(total, group=groups.dp_cp)
+    pp_size = dist.get_world_size(groups.pp)
+    if pp_size > 1:
+        last = dist.get_global_rank(groups.pp, pp_size - 1)
+        dist.broadcast(total, src=last, group=groups.pp)
+    return total
+
+
+def _num_microbatches() -> int:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    return get_num_microbatches()
+
+
+def forward_backward(args, step_fn: Callable, data_iterator, model, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=step_fn, data_iterator=data_iterator, model=model,
+        num_microbatches=_num_microbatches(), seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+        forward_only=forward_only)
+
+
+def train_step(args, rt: Runtime, step_fn: Callable, data_iterator, model, optimizer,
+               iteration: int):
+    """One optimizer step; returns (lm loss, grad norm or None, skipped)."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = forward_backward(args, step_fn, data_iterator, model, forward_only=False)
+    total = reduce_lm_loss(losses, rt.groups, rt.device)
+    loss = (total[0] / total[1]).item()
+    if not math.isfinite(loss):
+        if not args.skip_nan_steps:
+            raise NonFiniteLossError(
+                f"iteration {iteration}: lm loss is {loss}; stopping before the optimizer "
+                f"step (lower --lr, check the data, or pass --skip-nan-steps to skip such "
+                f"steps)")
+        return loss, None, True
+    updated, grad_norm, _ = optimizer.step()
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise NonFiniteLossError(
+            f"iteration {iteration}: grad norm is {grad_norm} with a finite loss {loss}; the "
+            f"weights are no longer finite (lower --lr or set --clip-grad)")
+    return loss, grad_norm, not updated
+
+
+def evaluate(args, rt: Runtime, step_fn: Callable, data_iterator, model) -> float:
+    """Mean lm loss over ``--eval-iters`` global batches of the validation split."""
+    for chunk in model:
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float32, device=rt.device)
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = forward_backward(args, step_fn, data_iterator, model, forward_only=True)
+            total += reduce_lm_loss(losses, rt.groups, rt.device)
+    for chunk in model:
+        chunk.train()
+    return (total[0] / total[1]).item()
+
+
+# --------------------------------------------------------------------------- signals
+class SigtermFlag:
+    """Records a SIGTERM; every rank learns of it at the same iteration (all-reduce MAX)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def any_rank(self, device: torch.device) -> bool:
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# --------------------------------------------------------------------------- the loop
+def _layout(args) -> str:
+    return (f"TP{args.tensor_model_parallel_size} U{args.ulysses_degree} R{args.ring_degree} "
+            f"DP{args.data_parallel_size} PP{args.pipeline_model_parallel_size}")
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+@contextlib.contextmanager
+def params_in_sync(args, model):
+    """With ``--overlap-param-gather`` the distributed optimizer's parameter all-gather is
+    deferred to the next forward pass (forward pre-hooks); finish it, and switch the hooks
+    off, while the model is evaluated or saved (Megatron-LM does the same)."""
+    if not (args.use_distributed_optimizer and args.overlap_param_gather):
+        yield
+        return
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
+
+
+class _Loop:
+    """State of one training run; :meth:`run` is the loop."""
+
+    def __init__(self, args, rt: Runtime, model, optimizer, scheduler, state: TrainState,
+                 step_fn: Callable, writer: MetricsWriter, result: TrainResult) -> None:
+        self.args, self.rt, self.model = args, rt, model
+        self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
+        self.step_fn, self.writer, self.result = step_fn, writer, result
+        self.sigterm = SigtermFlag()
+
+    def _save(self) -> None:
+        with params_in_sync(self.args, self.model):
+            path = save_checkpoint(self.args, self.state, self.model, self.optimizer,
+                                   self.scheduler, self.rt.groups, self.rt.device)
+        self.result.saved.append(path)
+        print_rank_0(self.rt, f"saved checkpoint at iteration {self.state.iteration} to {path}")
+
+    def _one_iteration(self, train_iter) -> None:
+        args, st = self.args, self.state
+        it = st.iteration + 1
+        t0 = time.perf_counter()
+        loss, grad_norm, skipped = train_step(args, self.rt, self.step_fn, train_iter,
+                                              self.model, self.optimizer, it)
+        step_time = time.perf_counter() - t0
+        st.iteration = it
+        st.consumed_train_samples += args.global_batch_size
+        if skipped:
+            st.skipped_iterations += 1
+            self.result.skipped_iterations.append(it)
+            print_rank_0(self.rt, f"iteration {it}: lm loss {loss}, optimizer step skipped "
+                                  f"(--skip-nan-steps)")
+        else:
+            self.scheduler.step(increment=args.global_batch_size)
+        self.result.losses[it] = loss
+        mem = peak_memory_gib(self.rt.device)
+        at_log = it % args.log_interval == 0 or it == args.train_iters
+        max_mem = _max_over_ranks(mem, self.rt.device) if at_log else None
+        self.writer.train_step(StepStats(
+            iteration=it, consumed_samples=st.consumed_train_samples, lm_loss=loss,
+            grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
+            step_time_s=step_time, skipped=skipped, mem_gib=mem), max_mem)
+
+    def _validate(self, valid_iter) -> None:
+        args = self.args
+        with params_in_sync(args, self.model):
+            value = evaluate(args, self.rt, self.step_fn, valid_iter, self.model)
+        self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        self.result.valid_losses[self.state.iteration] = value
+        self.writer.validation(self.state.iteration, value)
+
+    def run(self, train_iter, valid_iter) -> TrainResult:
+        args, st = self.args, self.state
+        if args.save:
+            self.sigterm.install()
+        try:
+            while st.iteration < args.train_iters:
+                self._one_iteration(train_iter)
+                it = st.iteration
+                if valid_iter is not None and it % args.eval_interval == 0:
+                    self._validate(valid_iter)
+                saved_now = bool(args.save_interval) and it % args.save_interval == 0
+                if saved_now:
+                    self._save()
+                stop = bool(args.exit_interval) and it % args.exit_interval == 0
+                if args.save and self.sigterm.any_rank(self.rt.device):
+                    stop = self.result.stopped_by_signal = True
+                    print_rank_0(self.rt, f"SIGTERM received: saving at iteration {it} and "
+                                          f"exiting")
+                if stop:
+                    if args.save and not saved_now:
+                        self._save()
+                    return self.result
+            if valid_iter is not None and st.iteration % args.eval_interval != 0:
+                self._validate(valid_iter)
+            if args.save and not (args.save_interval and st.iteration % args.save_interval == 0):
+                self._save()
+            return self.result
+        finally:
+            self.sigterm.restore()
+
+
+def _log_setup(args, rt: Runtime, model, loaded: Optional[str], state: TrainState) -> None:
+    print_rank_0(rt, f"layout {_layout(args)} on {rt.world_size} {rt.device.type} "
+                     f"process(es); {args.num_microbatches} micro-batch(es) of "
+                     f"{args.micro_batch_size} per step; global batch {args.global_batch_size}")
+    for reason in rt.plan_reasons:
+        print_rank_0(rt, f"  planner: {reason}")
+    print_rank_0(rt, f"number of parameters on rank 0 (its TP shard of its stage): "
+                     f"{count_parameters(model)}")
+    if loaded:
+        print_rank_0(rt, f"loaded checkpoint {loaded} at iteration {state.iteration} "
+                         f"(consumed samples {state.consumed_train_samples})")
+
+
+def _make_writer(args, rt: Runtime) -> MetricsWriter:
+    peak = args.peak_tflops or peak_tflops_for_device(rt.device_name)
+    throughput = Throughput(GPTShape.from_args(args), args.global_batch_size, rt.world_size,
+                            peak)
+    return MetricsWriter(rt.is_logging_rank, args.train_iters, args.log_interval, throughput,
+                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir)
+
+
+def pretrain(args: argparse.Namespace,
+             forward_step_func: Optional[Callable] = None) -> TrainResult:
+    """Validate, initialise, build, resume, train, save; see the module docstring.
+
+    ``forward_step_func(ctx, data_iterator, model)`` replaces
+    :func:`megatron.training.batch.forward_step` (same contract). Works inside an already
+    initialised process group (tests) or creates one (torchrun, or a single process).
+    Raises the start-up errors of :func:`megatron.training.arguments.validate_args`, the
+    data and checkpoint checks, and :class:`NonFiniteLossError`.
+    """
+    rt = None
+    writer = None
+    try:
+        rt = initialize(args)
+        model = build_model(args, rt.groups)
+        _wire_grad_sync(model)
+        optimizer = build_optimizer(args, model)
+        scheduler = build_scheduler(args, optimizer)
+        resume = load_checkpoint(args, model, optimizer, scheduler)
+        state = resume.state
+        _log_setup(args, rt, model, resume.path, state)
+        result = TrainResult(iteration=state.iteration, loaded_from=resume.path)
+        if state.iteration >= args.train_iters:
+            print_rank_0(rt, f"the checkpoint is at iteration {state.iteration} >= "
+                             f"--train-iters {args.train_iters}: nothing to train")
+            return result
+        train_iter, valid_iter = build_data_iterators(args, rt, state)
+        if resume.rng_state is not None:
+            set_rng_state(resume.rng_state, rt.device)
+        writer = _make_writer(args, rt)
+        writer.run_header(_layout(args), rt.world_size, plain_args(args))
+        step_fn = partial(forward_step_func or batch_mod.forward_step, batch_context(rt))
+        _Loop(args, rt, model, optimizer, scheduler, state, step_fn, writer, result).run(
+            train_iter, valid_iter)
+        result.iteration = state.iteration
+        return result
+    finally:
+        if writer is not None:
+            writer.close()
+        shutdown(rt)

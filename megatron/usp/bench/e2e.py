@@ -1,0 +1,651 @@
+"""End-to-end training throughput through ``pretrain_gpt.py``, and the longest trainable sequence.
+
+For each sequence length and U x R split, :func:`run_training` launches
+``python -m torch.distributed.run --nproc-per-node N pretrain_gpt.py ...`` on synthetic tokens
+(``--mock-data``) for ``--iters`` iterations, reads the per-iteration metrics file the
+training loop writes (``--metrics-file``, JSONL, :mod:`megatron.training.metrics`), drops the
+first ``--warmup`` iterations and reports, over the rest:
+
+* ``iter_ms``: mean iteration time (the loop's ``step_time_s``);
+* ``tokens_per_s = global_batch * S / iter_time``;
+* ``tflops_per_gpu = model FLOPs per iteration / iter_time / GPUs`` and
+  ``mfu = tflops_per_gpu / peak``, the peak being ``--peak-tflops`` or else the one the
+  training loop took from its device table (989 TFLOP/s dense bf16 on H100/H200 SXM); n/a on
+  the CPU;
+* ``peak_mem_gib``: peak ``torch.cuda.max_memory_allocated`` of the logging rank.
+
+Model FLOPs are the training loop's count,
+:func:`megatron.training.metrics.training_flops_per_iteration`: Megatron-LM's
+``num_floating_point_operations`` with causal attention at half::
+
+    FLOPs/iteration = B * S * ( 18*L*H*F  +  12*L*H*q*(1 + g/a)  +  6*L*q*S  +  6*H*V )
+                      (SwiGLU MLP)        (QKV + output proj.)    (causal core) (logits)
+
+with ``B`` sequences per iteration, ``L`` layers, hidden ``H``, FFN ``F``, ``a`` heads of dim
+``d``, ``q = a*d``, ``g`` KV groups and ``V`` the padded vocabulary; recomputation is not
+counted. For the Llama-style 0.85B model this is ``6*N*S + 6*S^2*L*q`` per sequence with
+``N = 786,956,288`` parameters taking part in matmuls.
+
+Activation recompute (``--recompute``): ``none``, ``full`` (megatron's
+``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``), or
+``auto``: no recompute first, and full recompute if that runs out of memory (both outcomes
+are recorded).
+
+``--find-max-seq`` doubles the sequence length from ``--start-seq`` (full recompute,
+``--iters`` iterations each) until a run fails, and reports the longest that trained; an
+out-of-memory failure ends the search, any other failure is reported as an error.
+
+Each run's full log and metrics file stay under ``--log-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from megatron.usp.bench import report
+from megatron.usp.bench.cli import (
+    BenchConfigError,
+    parse_seq_len,
+    parse_seq_lens,
+    parse_splits,
+    seq_label,
+)
+from megatron.usp.bench.flops import tflops_per_gpu
+from megatron.usp.kernels import BACKEND_NAMES
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+PROGRESS_PREFIX = "[bench_e2e]"
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases) by its flags."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int          # the embedding's rows: a multiple of 128 (no padding)
+
+    def flops_shape(self, seq_len: int):
+        """The training loop's FLOP-count shape (:mod:`megatron.training.metrics`)."""
+        from megatron.training.metrics import GPTShape
+
+        return GPTShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                        ffn_hidden_size=self.ffn_hidden_size,
+                        num_attention_heads=self.num_attention_heads,
+                        num_query_groups=self.num_query_groups, kv_channels=self.kv_channels,
+                        seq_length=seq_len, padded_vocab_size=self.vocab_size, swiglu=True)
+
+
+MODELS: Dict[str, ModelPreset] = {
+    # issue 6: 16 layers, hidden 2048, 16 heads of dim 128, 4 KV groups, FFN 5632, vocab 32000
+    "llama-0.85b": ModelPreset(num_layers=16, hidden_size=2048, num_attention_heads=16,
+                               num_query_groups=4, kv_channels=128, ffn_hidden_size=5632,
+                               vocab_size=32000),
+    # A few-second CPU smoke model with the same structure.
+    "tiny": ModelPreset(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                        kv_channels=16, ffn_hidden_size=128, vocab_size=512),
+}
+
+RECOMPUTE_CHOICES = ("none", "full", "auto")
+
+# Log lines that mean "out of memory" (CUDA caching allocator, NCCL, host).
+OOM_MARKERS = ("outofmemoryerror", "out of memory", "cudaerrormemoryallocation",
+               "cannot allocate memory")
+
+
+@dataclass
+class E2EConfig:
+    """The command-line flags of ``tools/bench_e2e.py``, parsed."""
+
+    seq_lens: List[int]
+    model: str = "llama-0.85b"
+    splits: List[Tuple[int, int]] = field(default_factory=lambda: [(2, 1), (1, 2)])
+    nproc_per_node: int = 2
+    iters: int = 10
+    warmup: int = 3
+    micro_batch_size: int = 1
+    recompute: str = "auto"
+    attention_backend: str = "auto"
+    device: str = "auto"                 # auto | cuda | cpu
+    peak_tflops: Optional[float] = None
+    find_max_seq: bool = False
+    start_seq: int = 131072
+    max_seq: int = 2 * 1024 * 1024
+    timeout_s: float = 3600.0
+    log_dir: str = "runs/bench_e2e"
+    pretrain_script: str = str(REPO_ROOT / "pretrain_gpt.py")
+    extra_args: List[str] = field(default_factory=list)
+    seed: int = 1234
+    out: Optional[str] = None
+    markdown: Optional[str] = None
+
+    @property
+    def shape(self) -> ModelPreset:
+        return MODELS[self.model]
+
+    def use_cuda(self) -> bool:
+        if self.device == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return self.device == "cuda"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: a length, a split and a recompute setting."""
+
+    seq_len: int
+    ulysses: int
+    ring: int
+    recompute: str            # none | full
+    iters: int
+
+    @property
+    def name(self) -> str:
+        return f"S{self.seq_len}_U{self.ulysses}xR{self.ring}_{self.recompute}"
+
+
+@dataclass
+class RunOutcome:
+    """What a launched run left behind."""
+
+    status: str               # ok | oom | error | timeout
+    returncode: Optional[int]
+    records: List[dict]
+    log_path: str
+    command: List[str]
+    note: Optional[str] = None
+
+
+@dataclass
+class E2EResult:
+    """One row of the report (per-GPU figures are per GPU of the run)."""
+
+    seq_len: int
+    ulysses: int
+    ring: int
+    recompute: str
+    gpus: int
+    global_batch_size: int
+    status: str
+    note: Optional[str] = None
+    iterations_measured: int = 0
+    iter_ms: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    tflops_per_gpu: Optional[float] = None
+    mfu: Optional[float] = None
+    peak_mem_gib: Optional[float] = None
+    flops_per_iteration: Optional[float] = None
+    peak_tflops: Optional[float] = None
+    last_loss: Optional[float] = None
+    log_path: Optional[str] = None
+    command: Optional[str] = None
+
+
+# --------------------------------------------------------------------------- the command
+def global_batch_size(cfg: E2EConfig, spec: RunSpec) -> int:
+    """One micro-batch per data-parallel rank: ``mbs * nproc / (U*R)`` sequences."""
+    return cfg.micro_batch_size * cfg.nproc_per_node // (spec.ulysses * spec.ring)
+
+
+def model_flags(shape: ModelPreset) -> List[str]:
+    """Megatron-LM flags of a Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, untied, no bias).
+
+    ``--vocab-size`` is one less than the model's vocabulary: the NullTokenizer of
+    ``--mock-data`` adds the end-of-document id, so the embedding has exactly
+    ``shape.vocab_size`` rows (a multiple of 128: no padding).
+    """
+    flags = [
+        "--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
+        "--ffn-hidden-size", str(shape.ffn_hidden_size),
+        "--num-attention-heads", str(shape.num_attention_heads),
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(shape.vocab_size - 1),
+        "--swiglu",
+    ]
+    if shape.num_query_groups != shape.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(shape.num_query_groups)]
+    if shape.kv_channels * shape.num_attention_heads != shape.hidden_size:
+        flags += ["--kv-channels", str(shape.kv_channels)]
+    return flags
+
+
+def recompute_flags(recompute: str) -> List[str]:
+    """Megatron's full recompute of every layer (``uniform``, one layer per chunk), or none."""
+    if recompute == "none":
+        return []
+    if recompute == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"]
+    raise ValueError(f"recompute {recompute!r}: a run uses none or full")
+
+
+def pretrain_args(cfg: E2EConfig, spec: RunSpec, metrics_path: str) -> List[str]:
+    """The ``pretrain_gpt.py`` arguments of one run."""
+    args = model_flags(cfg.shape) + [
+        "--seq-length", str(spec.seq_len), "--max-position-embeddings", str(spec.seq_len),
+        "--micro-batch-size", str(cfg.micro_batch_size),
+        "--global-batch-size", str(global_batch_size(cfg, spec)),
+        "--train-iters", str(spec.iters), "--eval-iters", "0",
+        "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", "0", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--ulysses-degree", str(spec.ulysses), "--ring-degree", str(spec.ring),
+        "--attention-backend", cfg.attention_backend,
+        "--mock-data", "--log-interval", "1", "--seed", str(cfg.seed),
+        "--metrics-file", metrics_path,
+    ] + recompute_flags(spec.recompute)
+    if cfg.device != "auto":
+        args += ["--device", cfg.device]
+    if cfg.peak_tflops is not None:
+        args += ["--peak-tflops", str(cfg.peak_tflops)]
+    if cfg.use_cuda():
+        args += ["--bf16", "--use-distributed-optimizer"]
+    return args + list(cfg.extra_args)
+
+
+def launch_command(cfg: E2EConfig, spec: RunSpec, metrics_path: str, port: int) -> List[str]:
+    """``python -m torch.distributed.run ... pretrain_gpt.py ...`` for one run."""
+    return [sys.executable, "-m", "torch.distributed.run",
+            "--nproc-per-node", str(cfg.nproc_per_node),
+            "--master-addr", "127.0.0.1", "--master-port", str(port),
+            cfg.pretrain_script] + pretrain_args(cfg, spec, metrics_path)
+
+
+# --------------------------------------------------------------------------- one run
+def is_oom_log(text: str) -> bool:
+    low = text.lower()
+    return any(m in low for m in OOM_MARKERS)
+
+
+def read_metrics(path: str) -> List[dict]:
+    """Per-iteration records of a JSONL metrics file (missing file: none)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    records = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue                         # a line cut short by a crash
+    return records
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_to_end(cmd: List[str], env: dict, log, timeout_s: float) -> Optional[int]:
+    """Run ``cmd`` in its own session; its exit code, or None after killing it on timeout.
+
+    torchrun's workers are its children: on timeout the whole session is stopped (SIGTERM,
+    then SIGKILL), so no worker is left holding a GPU.
+    """
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None
+
+
+def run_training(cfg: E2EConfig, spec: RunSpec) -> RunOutcome:
+    """Launch one run, wait for it, classify how it ended; the log goes to ``--log-dir``."""
+    log_dir = Path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    metrics = log_dir / f"{spec.name}.metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    log_path = log_dir / f"{spec.name}.log"
+    cmd = launch_command(cfg, spec, str(metrics), _free_port())
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+        log.flush()
+        rc = _run_to_end(cmd, env, log, cfg.timeout_s)
+    records = read_metrics(str(metrics))
+    return classify(rc, Path(log_path).read_text(errors="replace"), records, str(log_path), cmd,
+                    spec.iters)
+
+
+def classify(returncode: Optional[int], log_text: str, records: List[dict], log_path: str,
+             cmd: List[str], iters: int) -> RunOutcome:
+    """ok: exit 0 and every iteration logged; oom / timeout / error otherwise."""
+    if returncode is None:
+        return RunOutcome("timeout", None, records, log_path, cmd, "timed out (--timeout)")
+    if returncode == 0 and _iterations(records) >= iters:
+        return RunOutcome("ok", 0, records, log_path, cmd)
+    if is_oom_log(log_text):
+        return RunOutcome("oom", returncode, records, log_path, cmd, "out of memory")
+    tail = [ln for ln in log_text.splitlines() if ln.strip()][-3:]
+    note = (f"exit {returncode}, {_iterations(records)}/{iters} iterations logged: "
+            + " / ".join(t.strip()[:160] for t in tail))
+    return RunOutcome("error", returncode, records, log_path, cmd, note)
+
+
+# --------------------------------------------------------------------------- metrics
+def train_steps(records: List[dict]) -> List[dict]:
+    """The ``kind == "train"`` records in iteration order, the last one of each iteration.
+
+    Schema of :mod:`megatron.training.metrics`: ``iteration``, ``step_time_s``, ``lm_loss``,
+    ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``, ``mem_gib`` (peak allocated so far on the
+    logging rank); a resumed run appends, so a later record of an iteration wins.
+    """
+    last = {r["iteration"]: r for r in records
+            if r.get("kind") == "train" and isinstance(r.get("iteration"), int)}
+    return [last[i] for i in sorted(last)]
+
+
+def _iterations(records: List[dict]) -> int:
+    return len(train_steps(records))
+
+
+def _number(record: dict, key: str) -> Optional[float]:
+    v = record.get(key)
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def peak_tflops_of_run(steps: List[dict]) -> Optional[float]:
+    """The MFU denominator the training loop used (its device table): tflops / mfu."""
+    for r in steps:
+        tflops, mfu = _number(r, "tflops_per_gpu"), _number(r, "mfu")
+        if tflops and mfu:
+            return tflops / mfu
+    return None
+
+
+def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
+    """Turn a run into a report row: the mean iteration time after ``--warmup``.
+
+    FLOPs per iteration are the training loop's own count
+    (:func:`megatron.training.metrics.training_flops_per_iteration`); MFU uses
+    ``--peak-tflops`` or else the peak the training loop itself used (none on the CPU).
+    """
+    from megatron.training.metrics import training_flops_per_iteration
+
+    gbs = global_batch_size(cfg, spec)
+    res = E2EResult(spec.seq_len, spec.ulysses, spec.ring, spec.recompute, cfg.nproc_per_node,
+                    gbs, outcome.status, outcome.note, log_path=outcome.log_path,
+                    command=" ".join(shlex.quote(c) for c in outcome.command))
+    res.flops_per_iteration = training_flops_per_iteration(cfg.shape.flops_shape(spec.seq_len),
+                                                           gbs)
+    steps = train_steps(outcome.records)
+    if steps:
+        res.last_loss = _number(steps[-1], "lm_loss")
+    mems = [m for m in (_number(r, "mem_gib") for r in steps) if m is not None]
+    res.peak_mem_gib = max(mems) if mems else None
+    times = [t for t in (_number(r, "step_time_s") for r in steps[cfg.warmup:]) if t]
+    if outcome.status != "ok" or not times:
+        if outcome.status == "ok":
+            res.status, res.note = "error", "no timed iterations after --warmup"
+        return res
+    res.iterations_measured = len(times)
+    seconds = sum(times) / len(times)
+    res.iter_ms = 1e3 * seconds
+    res.tokens_per_s = gbs * spec.seq_len / seconds
+    res.tflops_per_gpu = tflops_per_gpu(res.flops_per_iteration, seconds, cfg.nproc_per_node)
+    res.peak_tflops = cfg.peak_tflops or peak_tflops_of_run(steps)
+    res.mfu = res.tflops_per_gpu / res.peak_tflops if res.peak_tflops else None
+    return res
+
+
+# --------------------------------------------------------------------------- sweeps
+Runner = Callable[[E2EConfig, RunSpec], RunOutcome]
+
+
+def throughput_sweep(cfg: E2EConfig, runner: Runner = run_training,
+                     on_result: Callable[[E2EResult], None] = lambda r: None
+                     ) -> List[E2EResult]:
+    """Every (length, split), lengths in the given order.
+
+    ``--recompute auto``: a run without recompute that runs out of memory is reported and
+    repeated with full recompute; longer lengths of that split then start with full
+    recompute (they would run out of memory too), saving a failed launch each.
+    """
+    results: List[E2EResult] = []
+    needs_full = set()
+
+    def run(spec: RunSpec) -> E2EResult:
+        res = summarize(cfg, spec, runner(cfg, spec))
+        results.append(res)
+        on_result(res)
+        return res
+
+    for seq_len in cfg.seq_lens:
+        for u, r in cfg.splits:
+            first = cfg.recompute
+            if first == "auto":
+                first = "full" if (u, r) in needs_full else "none"
+            res = run(RunSpec(seq_len, u, r, first, cfg.iters))
+            if res.status == "oom" and cfg.recompute == "auto" and first == "none":
+                needs_full.add((u, r))
+                run(RunSpec(seq_len, u, r, "full", cfg.iters))
+    return results
+
+
+def find_max_seq(cfg: E2EConfig, runner: Runner = run_training,
+                 on_result: Callable[[E2EResult], None] = lambda r: None
+                 ) -> Tuple[List[E2EResult], Dict[str, Optional[int]]]:
+    """Double S from ``start_seq`` (full recompute) per split until a run fails.
+
+    Returns the runs and, per split ``"UxR"``, the longest length that trained (None if even
+    ``start_seq`` failed).
+    """
+    results, longest = [], {}
+    for u, r in cfg.splits:
+        key, best, seq = f"{u}x{r}", None, cfg.start_seq
+        while seq <= cfg.max_seq:
+            spec = RunSpec(seq, u, r, "full", cfg.iters)
+            res = summarize(cfg, spec, runner(cfg, spec))
+            results.append(res)
+            on_result(res)
+            if res.status != "ok":
+                break
+            best, seq = seq, seq * 2
+        longest[key] = best
+    return results, longest
+
+
+# --------------------------------------------------------------------------- output
+def progress_line(r: E2EResult) -> str:
+    head = (f"{PROGRESS_PREFIX} S={r.seq_len} U{r.ulysses}xR{r.ring} recompute={r.recompute:<4} "
+            f"{r.status}")
+    if r.status != "ok":
+        return f"{head}: {r.note or ''} (log {r.log_path})"
+    mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
+    mem = "n/a" if r.peak_mem_gib is None else f"{r.peak_mem_gib:.1f} GiB"
+    return (f"{head}: {r.iter_ms:.1f} ms/iter, {r.tokens_per_s:,.0f} tokens/s, "
+            f"{r.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {mfu}, peak {mem}")
+
+
+def _peaks(results: List[E2EResult]) -> str:
+    peaks = sorted({r.peak_tflops for r in results if r.peak_tflops})
+    return ", ".join(f"{p:g}" for p in peaks) or "n/a"
+
+
+def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
+                     longest: Optional[Dict[str, Optional[int]]] = None) -> str:
+    s = cfg.shape
+    title = (f"End to end, {cfg.model} ({s.num_layers} layers, hidden {s.hidden_size}, "
+             f"{s.num_attention_heads} heads, {s.num_query_groups} KV groups, FFN "
+             f"{s.ffn_hidden_size}, vocab {s.vocab_size}), {cfg.nproc_per_node} processes, "
+             f"mean of iterations {cfg.warmup + 1}..{cfg.iters}; MFU against "
+             f"{_peaks(results)} TFLOP/s\n\n")
+    headers = ["S", "U x R", "recompute", "status", "ms/iter", "tokens/s", "TFLOP/s/GPU", "MFU",
+               "peak GiB/GPU"]
+    rows = [[seq_label(r.seq_len), f"{r.ulysses}x{r.ring}", r.recompute,
+             r.status if r.status == "ok" else f"{r.status}: {r.note or ''}"[:80],
+             report.fmt(r.iter_ms), report.fmt(r.tokens_per_s, 0),
+             report.fmt(r.tflops_per_gpu), report.fmt(r.mfu, pct=True),
+             report.fmt(r.peak_mem_gib)] for r in results]
+    text = title + report.metadata_markdown(meta) + "\n" + report.markdown_table(headers, rows)
+    if longest is not None:
+        text += "\nLongest sequence that trained (full recompute): " + ", ".join(
+            f"{k}: {seq_label(v) if v else 'none'}" for k, v in longest.items()) + "\n"
+    return text
+
+
+# --------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_e2e.py",
+        description="End-to-end training throughput of pretrain_gpt.py (tokens/s, TFLOP/s per "
+                    "GPU, MFU) and the longest trainable sequence. Launches torchrun itself.")
+    p.add_argument("--model", default="llama-0.85b", choices=list(MODELS))
+    p.add_argument("--seq-lens", default="32k,64k,128k", help="comma-separated (k = 1024)")
+    p.add_argument("--splits", default="2x1,1x2", help="U x R splits, e.g. 2x1,1x2")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="processes (GPUs) per run")
+    p.add_argument("--iters", type=int, default=10, help="training iterations per run")
+    p.add_argument("--warmup", type=int, default=3, help="first iterations left out")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--recompute", default="auto", choices=list(RECOMPUTE_CHOICES))
+    p.add_argument("--attention-backend", default="auto", choices=list(BACKEND_NAMES),
+                   help="USP's local attention kernel (pretrain_gpt.py --attention-backend)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak dense TFLOP/s per GPU for MFU (default: the training loop's "
+                        "device table, e.g. 989 on H100/H200; n/a on CPU)")
+    p.add_argument("--find-max-seq", action="store_true",
+                   help="double S from --start-seq with full recompute until a run fails")
+    p.add_argument("--start-seq", default="128k")
+    p.add_argument("--max-seq", default="2m", help="stop doubling past this length")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--log-dir", default="runs/bench_e2e",
+                   help="per-run logs and metrics files (runs/ is git-ignored)")
+    p.add_argument("--pretrain-script", default=str(REPO_ROOT / "pretrain_gpt.py"))
+    p.add_argument("--extra-args", default="",
+                   help="more pretrain_gpt.py flags as one string, e.g. "
+                        "--extra-args='--num-workers 0'")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--markdown", default=None, help="markdown table file")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> E2EConfig:
+    seq_lens = parse_seq_lens(ns.seq_lens)
+    splits = parse_splits(ns.splits)
+    start = parse_seq_len(ns.start_seq, "--start-seq")
+    stop = parse_seq_len(ns.max_seq, "--max-seq")
+    return E2EConfig(
+        seq_lens=seq_lens, model=ns.model, splits=splits, nproc_per_node=ns.nproc_per_node,
+        iters=ns.iters, warmup=ns.warmup, micro_batch_size=ns.micro_batch_size,
+        recompute=ns.recompute, attention_backend=ns.attention_backend, device=ns.device,
+        peak_tflops=ns.peak_tflops, find_max_seq=ns.find_max_seq, start_seq=start,
+        max_seq=stop, timeout_s=ns.timeout, log_dir=ns.log_dir,
+        pretrain_script=ns.pretrain_script, extra_args=shlex.split(ns.extra_args),
+        seed=ns.seed, out=ns.out, markdown=ns.markdown)
+
+
+def validate_config(cfg: E2EConfig) -> None:
+    """Flag checks before anything is launched."""
+    if not Path(cfg.pretrain_script).exists():
+        raise BenchConfigError(f"--pretrain-script {cfg.pretrain_script} does not exist; "
+                               f"point it at the repository's pretrain_gpt.py")
+    if cfg.iters <= cfg.warmup or cfg.warmup < 0:
+        raise BenchConfigError(f"--iters {cfg.iters} must exceed --warmup {cfg.warmup} "
+                               f"(>= 0); try --iters {cfg.warmup + 5}")
+    if not cfg.splits:
+        raise BenchConfigError("--splits is empty; try --splits 2x1,1x2")
+    for u, r in cfg.splits:
+        if cfg.nproc_per_node % (u * r):
+            raise BenchConfigError(
+                f"--splits {u}x{r}: U*R = {u * r} must divide --nproc-per-node "
+                f"{cfg.nproc_per_node}; try --splits {cfg.nproc_per_node}x1")
+    if cfg.find_max_seq and cfg.start_seq > cfg.max_seq:
+        raise BenchConfigError(f"--start-seq {cfg.start_seq} exceeds --max-seq {cfg.max_seq}; "
+                               f"try --max-seq {2 * cfg.start_seq}")
+    lengths = [cfg.start_seq] if cfg.find_max_seq else cfg.seq_lens
+    flag = "--start-seq" if cfg.find_max_seq else "--seq-lens"
+    for s in lengths:
+        for u, r in cfg.splits:
+            if s % (2 * u * r):
+                raise BenchConfigError(f"{flag}: {s} must be divisible by 2*U*R = {2 * u * r} "
+                                       f"for --splits {u}x{r}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``tools/bench_e2e.py``: run the sweep (or the search), print and write the results."""
+    parser = build_parser()
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = config_from_args(parser.parse_args(args_list))
+        validate_config(cfg)
+    except BenchConfigError as exc:
+        parser.error(str(exc))
+    # The device is described after the runs: this process must not take GPU memory (a CUDA
+    # context) while they train.
+    meta = report.run_metadata(["tools/bench_e2e.py"] + args_list, None, cfg.nproc_per_node)
+    payload = {"tool": "bench_e2e", "schema_version": report.SCHEMA_VERSION, "metadata": meta,
+               "config": dict(asdict(cfg), shape=asdict(cfg.shape),
+                              splits=[f"{u}x{r}" for u, r in cfg.splits]),
+               "flops_formula": "B*S*(18*L*H*F + 12*L*H*q*(1+g/a) + 6*L*q*S + 6*H*V) "
+                                "(Megatron-LM, causal attention at half)",
+               "results": []}
+    done: List[E2EResult] = []
+
+    def on_result(res: E2EResult) -> None:
+        print(progress_line(res), flush=True)
+        done.append(res)
+        payload["results"] = [asdict(r) for r in done]
+        _write(cfg, payload, meta, done, None)
+
+    longest = None
+    if cfg.find_max_seq:
+        _, longest = find_max_seq(cfg, on_result=on_result)
+        payload["longest_seq"] = longest
+        print(f"{PROGRESS_PREFIX} longest sequence that trained: {longest}", flush=True)
+    else:
+        throughput_sweep(cfg, on_result=on_result)
+    meta["device"] = report.device_description(_device(cfg))
+    _write(cfg, payload, meta, done, longest)
+    return 0
+
+
+def _device(cfg: E2EConfig):
+    import torch
+
+    return torch.device("cuda", 0) if cfg.use_cuda() else torch.device("cpu")
+
+
+def _write(cfg: E2EConfig, payload: dict, meta: dict, results: List[E2EResult],
+           longest: Optional[Dict[str, Optional[int]]]) -> None:
+    if cfg.out:
+        report.write_json(cfg.out, payload)
+    if cfg.markdown:
+        report.write_text(cfg.markdown, results_markdown(meta, cfg, results, longest))

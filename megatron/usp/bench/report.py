@@ -1,0 +1,147 @@
+"""What a benchmark run writes: metadata (device, versions, date, command), JSON, markdown.
+
+Every JSON file the tools write has the same top level::
+
+    {"tool": str, "schema_version": int, "metadata": {...}, "config": {...},
+     "results": [ {...}, ... ], ...tool-specific keys}
+
+``metadata`` holds what ``docs/performance.md`` must state next to each number: the device,
+the software versions, the date and the exact command.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+SCHEMA_VERSION = 1
+
+
+def _package_version(name: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001 - any lookup failure means "unknown"
+        return None
+
+
+def _git_commit(repo_dir: Path) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def device_description(device: torch.device) -> Dict[str, Any]:
+    """Name, count and memory of the accelerator (or the CPU)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
+                "memory_gib": round(props.total_memory / (1 << 30), 1),
+                "capability": f"{props.major}.{props.minor}"}
+    return {"type": "cpu", "name": platform.processor() or platform.machine(),
+            "count": os.cpu_count()}
+
+
+def software_versions() -> Dict[str, Optional[str]]:
+    """torch, CUDA, cuDNN, NCCL, megatron-core, Python."""
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(str(p) for p in v) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001
+            nccl = None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": str(cudnn) if cudnn else None, "nccl": nccl,
+            "megatron_core": _package_version("megatron-core"),
+            "python": platform.python_version()}
+
+
+def run_metadata(argv: Sequence[str], device: Optional[torch.device], world_size: int
+                 ) -> Dict[str, Any]:
+    """Everything a published number must sit next to (``device=None``: described later)."""
+    repo = Path(__file__).resolve().parents[3]
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "world_size": world_size,
+        "device": None if device is None else device_description(device),
+        "versions": software_versions(),
+        "git_commit": _git_commit(repo),
+        "hostname": platform.node(),
+        "python_executable": sys.executable,
+    }
+
+
+def _json_safe(x: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_json(path: str, payload: Dict[str, Any]) -> None:
+    """Write ``payload`` atomically (a partial sweep never leaves a truncated file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n")
+    tmp.replace(target)
+
+
+def write_text(path: str, text: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+
+
+def fmt(x: Any, digits: int = 1, pct: bool = False) -> str:
+    """A table cell: ``n/a`` for missing values, percentages with ``pct``."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    if isinstance(x, float):
+        return f"{100 * x:.{digits}f}%" if pct else f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub markdown table of already formatted cells."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def metadata_markdown(meta: Dict[str, Any]) -> str:
+    """The header lines of a results table: device, versions, date, command."""
+    dev = meta["device"] or {"type": "unknown", "name": "not described yet"}
+    ver = meta["versions"]
+    dev_line = f"{dev.get('count', '?')} x {dev['name']}" if dev["type"] == "cuda" else (
+        f"{dev['type']} ({dev['name']})")
+    soft = ", ".join(f"{k} {v}" for k, v in ver.items() if v)
+    lines: List[str] = [
+        f"- device: {dev_line}, world size {meta['world_size']}",
+        f"- software: {soft}",
+        f"- date (UTC): {meta['date_utc']}; commit: {meta.get('git_commit') or 'unknown'}",
+        f"- command: `{meta['command']}`",
+    ]
+    return "\n".join(lines) + "\n"

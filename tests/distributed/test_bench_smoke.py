@@ -1,0 +1,143 @@
+"""CPU smoke tests of the benchmark tools: they run on gloo ranks and write valid output.
+
+Timings are never asserted. What is asserted: the JSON has the documented fields, every
+case of the sweep is there with a status, the numbers that must exist are finite and
+positive, and (``--check``) USP's output equals the single-device kernel's to fp32 rounding,
+so the benchmark times the right computation. PyTorch's native context parallel cannot run on
+the CPU (its CPU SDPA op has no context-parallel handler), so its cases must say ``skipped``
+with that reason; it is exercised on the GPU machine.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = ["--heads", "4", "--head-dim", "16", "--dtype", "fp32", "--iters", "1"]
+
+
+def _attention_sweeps(rank, world, out_dir):
+    from megatron.usp.bench.attention_bench import main
+
+    main(["--seq-lens", "64,128", *TINY, "--warmup", "1", "--check",
+          "--out", f"{out_dir}/causal.json", "--markdown", f"{out_dir}/causal.md"])
+    # GQA, full attention, no SDPA anchor; the process group is reused, not re-created
+    main(["--seq-lens", "64", *TINY, "--kv-heads", "2", "--warmup", "0", "--no-causal",
+          "--no-sdpa-anchor", "--check", "--out", f"{out_dir}/full.json"])
+    # bad input stops every rank before any case, naming the flag (argparse exits with 2)
+    try:
+        main(["--seq-lens", "64", *TINY, "--splits", "2x2"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--splits 2x2 on 2 ranks was accepted")
+
+
+def _ok_numbers(r):
+    for key in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops_per_gpu", "fwd_bwd_tflops_per_gpu"):
+        assert r[key] is not None and math.isfinite(r[key]) and r[key] > 0, (r["label"], key)
+    assert len(r["fwd_times_ms"]) == len(r["fwd_bwd_times_ms"]) >= 1
+
+
+def _check_payload(payload, seq_lens, causal, methods):
+    assert payload["tool"] == "bench_attention" and payload["schema_version"] == 1
+    meta = payload["metadata"]
+    for key in ("date_utc", "command", "device", "versions", "world_size"):
+        assert key in meta
+    assert meta["versions"]["torch"] and meta["world_size"] == 2
+    assert meta["command"].startswith("tools/bench_attention.py --seq-lens")
+    cfg = payload["config"]
+    assert cfg["causal"] is causal and cfg["effective_splits"] == ["2x1", "1x2"]
+    results = payload["results"]
+    assert [r["seq_len"] for r in results] == [s for s in seq_lens for _ in methods]
+    assert [r["method"] for r in results] == methods * len(seq_lens)
+    for r in results:
+        if r["method"] == "native-cp":
+            assert r["status"] == "skipped" and "CUDA only" in r["note"]
+            continue
+        assert r["status"] == "ok", r
+        _ok_numbers(r)
+        assert r["peak_mem_gib"] is None               # CPU: no allocator statistic
+        if r["method"] == "usp":
+            assert r["efficiency"] > 0 and r["gpus"] == 2
+    return results
+
+
+def test_bench_attention_on_two_gloo_ranks(dist_run, tmp_path):
+    dist_run(_attention_sweeps, 2, str(tmp_path), timeout=300)
+
+    methods = ["single-gpu-kernel", "sdpa", "usp", "usp", "native-cp", "native-cp"]
+    causal = _check_payload(json.loads((tmp_path / "causal.json").read_text()), [64, 128],
+                            True, methods)
+    usp = [r for r in causal if r["method"] == "usp"]
+    assert [(r["ulysses"], r["ring"]) for r in usp] == [(2, 1), (1, 2)] * 2
+    # --check at the first length only: USP equals the single-device kernel (fp32)
+    assert all(r["check_rel_err"] < 1e-5 for r in usp[:2])
+    assert all(r["check_rel_err"] is None for r in usp[2:])
+    md = (tmp_path / "causal.md").read_text()
+    assert md.count("| 64 |") == len(methods) and md.count("| 128 |") == len(methods)
+    assert "USP U1xR2 (pure ring)" in md and "skipped" in md
+
+    full = _check_payload(json.loads((tmp_path / "full.json").read_text()), [64], False,
+                          ["single-gpu-kernel", "usp", "usp", "native-cp", "native-cp"])
+    assert all(r["check_rel_err"] < 1e-5 for r in full if r["method"] == "usp")
+
+
+def test_bench_attention_script_under_torchrun(tmp_path):
+    """The real entry point: tools/bench_attention.py launched by torchrun, env:// init."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "tools/bench_attention.py", "--seq-lens", "64", *TINY, "--warmup", "0",
+           "--peers", "none", "--no-sdpa-anchor", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    progress = [ln for ln in res.stdout.splitlines() if ln.startswith("[bench_attention] S=")]
+    assert len(progress) == 3, res.stdout        # single GPU, U2xR1, U1xR2
+    results = json.loads(out.read_text())["results"]
+    assert [r["label"] for r in results] == [
+        "single GPU (torch kernel)", "USP U2xR1 (pure Ulysses)", "USP U1xR2 (pure ring)"]
+    for r in results:
+        _ok_numbers(r)
+
+
+@pytest.mark.skipif(not (REPO / "pretrain_gpt.py").exists(),
+                    reason="pretrain_gpt.py (issue 5) is not in this checkout yet")
+def test_bench_e2e_tiny_model_under_torchrun(tmp_path):
+    """tools/bench_e2e.py launching pretrain_gpt.py on 2 CPU ranks (R=2), 2 iterations.
+
+    One launch of pretrain_gpt.py (~20 s on 2 cores); the sweep logic over lengths, splits and
+    recompute is tested without processes in tests/unit/test_bench_tools.py.
+    """
+    out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
+    cmd = [sys.executable, "tools/bench_e2e.py", "--model", "tiny", "--seq-lens", "128",
+           "--splits", "1x2", "--nproc-per-node", "2", "--iters", "2", "--warmup", "1",
+           "--extra-args", "--num-workers 0",
+           "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--markdown", str(md)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["tool"] == "bench_e2e"
+    runs = payload["results"]
+    assert [(r["seq_len"], r["ulysses"], r["ring"], r["recompute"]) for r in runs] == [
+        (128, 1, 2, "none")]
+    r = runs[0]
+    assert r["status"] == "ok", r
+    assert r["iterations_measured"] == 1 and r["global_batch_size"] == 1
+    for key in ("tokens_per_s", "tflops_per_gpu", "iter_ms", "flops_per_iteration", "last_loss"):
+        assert r[key] is not None and r[key] > 0, key
+    assert r["mfu"] is None                         # CPU: no peak rate to compare with
+    assert (tmp_path / "logs" / "S128_U1xR2_none.metrics.jsonl").exists()
+    assert payload["metadata"]["device"]["type"] == "cpu"
+    assert "| 128 | 1x2 | none | ok |" in md.read_text()
+    assert res.stdout.count("[bench_e2e] S=128 U1xR2") == 1

@@ -1,0 +1,200 @@
+"""pretrain_gpt.py's flags: Megatron-LM's names, grouped --help, derived values, 'auto'."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.arguments import (
+    build_parser,
+    default_ffn_hidden_size,
+    padded_vocab_size,
+    parse_args,
+    resolve_auto_layout,
+    validate_args,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The flags issue 5 lists by their Megatron-LM names, with a value where they take one.
+MEGATRON_FLAGS = [
+    ("--tensor-model-parallel-size", "1"), ("--pipeline-model-parallel-size", "1"),
+    ("--num-layers", "4"), ("--hidden-size", "256"), ("--ffn-hidden-size", "512"),
+    ("--num-attention-heads", "8"), ("--group-query-attention", None),
+    ("--num-query-groups", "2"), ("--seq-length", "128"), ("--max-position-embeddings", "128"),
+    ("--micro-batch-size", "2"), ("--global-batch-size", "16"), ("--lr", "3e-4"),
+    ("--min-lr", "3e-5"), ("--lr-decay-style", "cosine"), ("--lr-warmup-iters", "10"),
+    ("--train-iters", "100"), ("--weight-decay", "0.1"), ("--clip-grad", "1.0"),
+    ("--bf16", None), ("--use-distributed-optimizer", None),
+    ("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
+    ("--recompute-num-layers", "1"), ("--sequence-parallel", None),
+    ("--position-embedding-type", "rope"), ("--rotary-base", "500000"), ("--swiglu", None),
+    ("--normalization", "RMSNorm"), ("--untie-embeddings-and-output-weights", None),
+    ("--data-path", "/data/a_text_document"), ("--split", "98,1,1"), ("--mock-data", None),
+    ("--tokenizer-type", "SentencePieceTokenizer"), ("--tokenizer-model", "/tok.model"),
+    ("--save", "/ckpt"), ("--load", "/ckpt"), ("--save-interval", "50"),
+    ("--eval-interval", "50"), ("--eval-iters", "5"), ("--log-interval", "10"),
+    ("--seed", "42"), ("--tensorboard-dir", "/tb"),
+]
+OURS = ["--ulysses-degree", "--ring-degree", "--attention-backend", "--metrics-file",
+        "--peak-tflops", "--skip-nan-steps", "--device"]
+GROUPS = ["model", "parallelism", "data", "training", "learning rate", "checkpointing",
+          "logging"]
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+        "--seq-length", "64", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+        "--vocab-size", "1000"]
+
+
+def _valid(extra, world=4, cuda=False):
+    return validate_args(parse_args(BASE + extra), world, cuda_available=cuda)
+
+
+def test_every_megatron_flag_parses_to_its_megatron_dest():
+    argv = []
+    for flag, value in MEGATRON_FLAGS:
+        argv += [flag] + ([value] if value is not None else [])
+    args = parse_args(argv)
+    for flag, value in MEGATRON_FLAGS:
+        dest = flag[2:].replace("-", "_")
+        got = getattr(args, dest)
+        if value is None:
+            assert got is True, flag
+        elif flag == "--data-path":
+            assert got == [value]
+        else:
+            assert str(got) == value or float(got) == float(value), (flag, got)
+
+
+def test_help_is_grouped_and_lists_every_flag():
+    text = build_parser().format_help()
+    for title in GROUPS:
+        assert f"\n{title}:" in text, title
+    for flag, _ in MEGATRON_FLAGS:
+        assert flag in text, flag
+    for flag in OURS:
+        assert flag in text, flag
+    # The parallelism group sits between model and data, in that order.
+    assert text.index("\nmodel:") < text.index("\nparallelism:") < text.index("\ndata:")
+
+
+def test_pretrain_gpt_help_runs():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--ulysses-degree" in proc.stdout and "\nparallelism:" in proc.stdout
+
+
+def test_derived_values():
+    args = _valid(["--ulysses-degree", "2", "--ring-degree", "2", "--swiglu",
+                   "--micro-batch-size", "2", "--global-batch-size", "8", "--save", "/ck"])
+    assert args.data_parallel_size == 1 and args.context_parallel_size == 4
+    assert args.num_microbatches == 4
+    assert args.kv_channels == 8
+    assert args.ffn_hidden_size == default_ffn_hidden_size(64, True) == 128
+    assert args.max_position_embeddings == 64
+    assert args.metrics_file == os.path.join("/ck", "metrics.jsonl")
+    assert args.device == "cpu" and args.distributed_backend == "gloo"
+    assert args.use_cpu_initialization and args.params_dtype == "float32"
+    assert args.lr_decay_iters == 10
+    args = _valid([], world=4)
+    assert args.data_parallel_size == 4 and args.global_batch_size == 4
+    assert args.ffn_hidden_size == 256  # 4h without SwiGLU
+    assert args.metrics_file is None
+
+
+def test_metrics_file_defaults_to_tensorboard_dir():
+    args = _valid(["--tensorboard-dir", "/tb", "--save", "/ck"])
+    assert args.metrics_file == os.path.join("/tb", "metrics.jsonl")
+    args = _valid(["--metrics-file", "/m.jsonl", "--save", "/ck"])
+    assert args.metrics_file == "/m.jsonl"
+
+
+def test_gpu_defaults():
+    args = _valid(["--bf16"], world=8, cuda=True)
+    assert args.device == "cuda" and args.distributed_backend == "nccl"
+    assert args.params_dtype == "bfloat16" and not args.use_cpu_initialization
+
+
+def test_sequence_parallel_without_tp_is_dropped():
+    assert _valid(["--sequence-parallel"]).sequence_parallel is False
+    assert _valid(["--sequence-parallel", "--tensor-model-parallel-size", "2"]
+                  ).sequence_parallel is True
+
+
+def test_warmup_fraction():
+    args = _valid(["--lr-warmup-fraction", "0.3"])
+    assert args.lr_warmup_iters == 3
+
+
+def test_validation_is_idempotent():
+    """'auto' degrees validate twice (before and after the planner): same result."""
+    args = _valid(["--lr-warmup-fraction", "0.3", "--swiglu", "--save", "/ck",
+                   "--ulysses-degree", "2"])
+    before = dict(vars(args))
+    validate_args(args, 4, cuda_available=False)
+    assert vars(args) == before
+
+
+def test_vocab_padding_is_megatrons():
+    assert padded_vocab_size(8000, 128, 1) == 8064
+    assert padded_vocab_size(8000, 128, 2) == 8192
+    assert padded_vocab_size(8000, 32, 2) == 8000
+    assert padded_vocab_size(50257, 128, 8) == 51200
+
+
+def test_auto_layout_uses_the_planner():
+    args = parse_args(["--num-layers", "16", "--hidden-size", "2048",
+                       "--num-attention-heads", "16", "--group-query-attention",
+                       "--num-query-groups", "4", "--ffn-hidden-size", "5632", "--swiglu",
+                       "--seq-length", "65536", "--train-iters", "10", "--lr", "1e-4",
+                       "--mock-data", "--vocab-size", "32000", "--ulysses-degree", "auto",
+                       "--ring-degree", "auto", "--global-batch-size", "8",
+                       "--gpus-per-node", "8", "--use-distributed-optimizer"])
+    validate_args(args, 16, cuda_available=True)
+    assert args.ulysses_degree == "auto"  # left for the planner
+    reasons = resolve_auto_layout(args, 16, 32000, "NVIDIA H200")
+    u, r = args.ulysses_degree, args.ring_degree
+    assert isinstance(u, int) and isinstance(r, int)
+    assert 16 % (u * r) == 0 and 16 % u == 0
+    assert args.data_parallel_size == 16 // (u * r)
+    assert reasons[0].startswith(f"planner chose TP1 U{u} R{r}")
+    assert len(reasons) > 1
+
+
+def test_auto_layout_without_a_preset_asks_for_hardware():
+    from megatron.training.arguments import ArgumentsError
+
+    args = parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree", "auto"])
+    validate_args(args, 4, cuda_available=False)
+    with pytest.raises(ArgumentsError, match="--hardware"):
+        resolve_auto_layout(args, 4, 1000, None)
+
+
+def test_unknown_attention_backend_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--attention-backend", "xformers"])
+    assert "--attention-backend" in capsys.readouterr().err
+
+
+def _train_with_auto_layout(rank, world_size):
+    import math
+
+    from megatron.training.training import pretrain
+
+    args = parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree", "auto",
+                              "--hardware", "h200", "--gpus-per-node", "4",
+                              "--num-workers", "0", "--train-iters", "2", "--eval-iters", "0",
+                              "--global-batch-size", "4"])
+    result = pretrain(args)
+    u, r = args.ulysses_degree, args.ring_degree
+    assert isinstance(u, int) and isinstance(r, int)
+    assert u * r * args.data_parallel_size == world_size
+    assert result.iteration == 2 and all(math.isfinite(v) for v in result.losses.values())
+
+
+def test_auto_layout_trains(dist_run):
+    """pretrain() with 'auto' degrees asks the planner on every rank (deterministically the
+    same answer, no communication), then trains under the chosen layout."""
+    dist_run(_train_with_auto_layout, 4, timeout=180)

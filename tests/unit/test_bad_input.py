@@ -1,0 +1,260 @@
+"""Bad input fails at start-up, on every rank alike, with a message naming the flag.
+
+* Conflicting or impossible flags and world-size mismatches: ``validate_args`` (pure, run
+  by every rank before any process group is created) raises; checked here directly, and
+  through ``pretrain`` on 2 gloo ranks, which must both raise without hanging.
+* An unreadable ``--load`` (missing directory, no tracker, corrupt tracker, tracker naming
+  a missing or incomplete directory, truncated data file): rank 0 decides, every rank
+  raises the same ``CheckpointError``.
+* A NaN loss stops the run with a message naming the iteration, on every rank; with
+  ``--skip-nan-steps`` that step is skipped (no optimizer or scheduler step) and the run
+  goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+from megatron.usp.config import USPConfigError
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--train-iters", "5", "--lr", "1e-3", "--mock-data",
+        "--vocab-size", "512"]
+
+# (extra flags, world size, flag the message must name)
+BAD = [
+    (["--num-query-groups", "2"], 4, "--group-query-attention"),
+    (["--group-query-attention"], 4, "--num-query-groups"),
+    (["--group-query-attention", "--num-query-groups", "3"], 4, "--num-query-groups"),
+    (["--ulysses-degree", "3"], 4, "world size"),
+    (["--ulysses-degree", "2", "--ring-degree", "2", "--tensor-model-parallel-size", "2"], 4,
+     "world size"),
+    (["--ulysses-degree", "8"], 8, "--ulysses-degree"),
+    (["--ulysses-degree", "2", "--ring-degree", "2", "--seq-length", "60"], 4, "--seq-length"),
+    (["--context-parallel-size", "2", "--ulysses-degree", "2", "--ring-degree", "2"], 4,
+     "--context-parallel-size"),
+    (["--ulysses-degree", "auto"], 4, "--ring-degree auto"),
+    (["--ulysses-degree", "0"], 4, "--ulysses-degree"),
+    (["--global-batch-size", "6"], 4, "--global-batch-size"),
+    (["--micro-batch-size", "0"], 4, "--micro-batch-size"),
+    (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4, "--num-layers"),
+    (["--bf16"], 4, "--bf16"),
+    (["--device", "cuda"], 4, "--device"),
+    (["--attention-dropout", "0.1"], 4, "--attention-dropout"),
+    (["--min-lr", "1e-2"], 4, "--min-lr"),
+    (["--lr-warmup-iters", "5"], 4, "--lr-warmup-iters"),
+    (["--lr-decay-style", "WSD"], 4, "--lr-wsd-decay-iters"),
+    (["--recompute-granularity", "full"], 4, "--recompute-method"),
+    (["--recompute-method", "uniform"], 4, "--recompute-granularity"),
+    (["--save-interval", "10"], 4, "--save"),
+    (["--ckpt-step", "3"], 4, "--load"),
+    (["--finetune"], 4, "--load"),
+    (["--data-path", "/x"], 4, "--mock-data"),
+    (["--overlap-param-gather"], 4, "--overlap-param-gather"),
+    (["--max-position-embeddings", "32"], 4, "--max-position-embeddings"),
+    (["--peak-tflops", "0"], 4, "--peak-tflops"),
+]
+
+
+@pytest.mark.parametrize("extra,world,flag", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_flags_name_the_flag(extra, world, flag):
+    with pytest.raises((ArgumentsError, USPConfigError)) as info:
+        validate_args(parse_args(BASE + extra), world, cuda_available=False)
+    assert flag in str(info.value), str(info.value)
+
+
+def test_missing_required_flags_are_listed():
+    with pytest.raises(ArgumentsError, match="--num-layers.*--hidden-size"):
+        validate_args(parse_args(["--lr", "1e-3", "--train-iters", "3"]), 1,
+                      cuda_available=False)
+    with pytest.raises(ArgumentsError, match="--lr"):
+        validate_args(parse_args([a for a in BASE if a not in ("--lr", "1e-3")]), 1,
+                      cuda_available=False)
+
+
+def test_tokenizer_model_without_data_path():
+    argv = [a for a in BASE if a not in ("--mock-data",)] + ["--tokenizer-model", "/t.model"]
+    with pytest.raises(ArgumentsError, match="--data-path"):
+        validate_args(parse_args(argv), 1, cuda_available=False)
+
+
+def test_command_line_reports_one_error_line():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py")] + BASE
+                          + ["--ulysses-degree", "3"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2
+    assert "pretrain_gpt.py: error: world size 1 is not divisible" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- on ranks
+def _bad_flags_on_ranks(rank, world_size):
+    from megatron.training.training import pretrain
+
+    for extra, kind, flag in (
+        (["--ulysses-degree", "3"], USPConfigError, "world size"),
+        (["--num-attention-heads", "6", "--ulysses-degree", "4", "--hidden-size", "96"],
+         USPConfigError, "--ulysses-degree"),
+        (["--global-batch-size", "3"], ArgumentsError, "--global-batch-size"),
+        # Refused while the layer spec's norms cannot do Megatron sequence parallelism.
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ArgumentsError,
+         "--sequence-parallel"),
+    ):
+        with pytest.raises(kind, match=flag):
+            pretrain(parse_args(BASE + ["--num-workers", "0"] + extra))
+
+
+def test_bad_flags_fail_on_every_rank_without_hanging(dist_run):
+    dist_run(_bad_flags_on_ranks, 2, timeout=120)
+
+
+def _fake_complete_checkpoint(path):
+    """A complete checkpoint directory as far as the file checks go: a real PyTorch DCP
+    save (.metadata and data files) plus megatron-core's metadata.json and common.pt."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    os.makedirs(path)
+    dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, checkpoint_id=path, no_dist=True)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    torch.save({"iteration": 3}, os.path.join(path, "common.pt"))
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _bad_load_on_ranks(rank, world_size, root):
+    import torch.distributed as dist
+
+    from megatron.training.checkpointing import (
+        CheckpointError,
+        iteration_dir,
+        locate_checkpoint_on_all_ranks,
+    )
+    from megatron.training.training import pretrain
+
+    def args(load, save=None, step=None):
+        return parse_args(BASE + ["--load", load] + (["--save", save] if save else [])
+                          + (["--ckpt-step", str(step)] if step is not None else []))
+
+    cases = {}
+    if rank == 0:
+        good = os.path.join(root, "good")
+        _fake_complete_checkpoint(iteration_dir(good, 3))
+        write_tracker_args = (good, 3)
+        from megatron.training.checkpointing import write_tracker
+
+        write_tracker(*write_tracker_args)
+        empty = os.path.join(root, "empty")
+        os.makedirs(empty)
+        garbage = os.path.join(root, "garbage")
+        os.makedirs(garbage)
+        _write(os.path.join(garbage, "latest_checkpointed_iteration.txt"), "iter_3?\n")
+        dangling = os.path.join(root, "dangling")
+        os.makedirs(dangling)
+        _write(os.path.join(dangling, "latest_checkpointed_iteration.txt"), "7\n")
+        nometa = os.path.join(root, "nometa")
+        _fake_complete_checkpoint(iteration_dir(nometa, 2))
+        os.remove(os.path.join(iteration_dir(nometa, 2), "metadata.json"))
+        _write(os.path.join(nometa, "latest_checkpointed_iteration.txt"), "2\n")
+        truncated = os.path.join(root, "truncated")
+        _fake_complete_checkpoint(iteration_dir(truncated, 5))
+        data = [f for f in os.listdir(iteration_dir(truncated, 5)) if f.endswith(".distcp")]
+        with open(os.path.join(iteration_dir(truncated, 5), data[0]), "r+b") as f:
+            f.truncate(100)
+        _write(os.path.join(truncated, "latest_checkpointed_iteration.txt"), "5\n")
+        untracked = os.path.join(root, "untracked")
+        _fake_complete_checkpoint(iteration_dir(untracked, 4))
+    dist.barrier()
+    j = lambda name: os.path.join(root, name)  # noqa: E731
+    cases = [
+        (args(j("missing")), "no such directory"),
+        (args(j("empty")), "no latest_checkpointed_iteration.txt"),
+        (args(j("garbage")), "corrupt"),
+        (args(j("dangling")), "iter_0000007 does not exist"),
+        (args(j("nometa")), "metadata.json is missing"),
+        (args(j("truncated")), "corrupt"),
+        (args(j("untracked")), "--ckpt-step 4"),
+        (args(j("good"), step=9), "iter_0000009 does not exist"),
+    ]
+    for a, message in cases:
+        with pytest.raises(CheckpointError, match=message):
+            locate_checkpoint_on_all_ranks(a)
+    # The same directory as --save: a missing or empty one is a fresh start.
+    assert locate_checkpoint_on_all_ranks(args(j("missing"), save=j("missing"))) is None
+    assert locate_checkpoint_on_all_ranks(args(j("empty"), save=j("empty"))) is None
+    found = locate_checkpoint_on_all_ranks(args(j("good")))
+    assert found == (3, iteration_dir(j("good"), 3))
+    assert locate_checkpoint_on_all_ranks(args(j("untracked"), step=4))[0] == 4
+    # And through pretrain: the error reaches every rank before the load's collectives.
+    with pytest.raises(CheckpointError, match="no such directory"):
+        pretrain(parse_args(BASE + ["--num-workers", "0", "--load", j("missing")]))
+
+
+def test_unreadable_load_fails_on_every_rank(dist_run, tmp_path):
+    dist_run(_bad_load_on_ranks, 2, str(tmp_path), timeout=180)
+
+
+# --------------------------------------------------------------------------- NaN
+NAN_ITERATION = 3
+
+
+def _poisoned_forward_step(num_microbatches):
+    """The default forward step, with a NaN loss in every micro-batch of NAN_ITERATION."""
+    from megatron.training import batch
+
+    calls = [0]
+
+    def step(ctx, data_iterator, model):
+        output, loss_func = batch.forward_step(ctx, data_iterator, model)
+        iteration = calls[0] // num_microbatches + 1
+        calls[0] += 1
+        if iteration == NAN_ITERATION and ctx.last_stage:
+            output = output * float("nan")
+        return output, loss_func
+
+    return step
+
+
+def _nan_on_ranks(rank, world_size, metrics_dir):
+    from megatron.training.training import NonFiniteLossError, pretrain
+
+    common = BASE + ["--num-workers", "0", "--ulysses-degree", "2", "--micro-batch-size", "1",
+                     "--global-batch-size", "2", "--eval-iters", "0",
+                     "--lr-warmup-iters", "4"]
+    with pytest.raises(NonFiniteLossError, match=f"iteration {NAN_ITERATION}: lm loss is nan"):
+        pretrain(parse_args(common), forward_step_func=_poisoned_forward_step(2))
+
+    metrics = os.path.join(metrics_dir, "skip.jsonl")
+    result = pretrain(parse_args(common + ["--skip-nan-steps", "--metrics-file", metrics]),
+                      forward_step_func=_poisoned_forward_step(2))
+    assert result.iteration == 5
+    assert result.skipped_iterations == [NAN_ITERATION]
+    assert math.isnan(result.losses[NAN_ITERATION])
+    assert all(math.isfinite(v) for k, v in result.losses.items() if k != NAN_ITERATION)
+    if rank == world_size - 1:  # the logging rank wrote the metrics
+        with open(metrics) as f:
+            rec = {r["iteration"]: r for r in map(json.loads, f) if r["kind"] == "train"}
+        assert rec[NAN_ITERATION]["skipped"] is True
+        assert rec[NAN_ITERATION]["grad_norm"] is None
+        # Warmup is linear in optimizer steps: the skipped step did not advance the LR.
+        assert rec[NAN_ITERATION]["lr"] == rec[NAN_ITERATION - 1]["lr"]
+        assert rec[NAN_ITERATION + 1]["lr"] > rec[NAN_ITERATION]["lr"]
+
+
+def test_nan_loss_stops_or_is_skipped(dist_run, tmp_path):
+    dist_run(_nan_on_ranks, 2, str(tmp_path), timeout=240)

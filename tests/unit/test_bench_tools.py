@@ -1,0 +1,425 @@
+"""Benchmark tools without processes: parsing, validation, FLOP counts, comparisons, output.
+
+Nothing here asserts a timing; ``tests/distributed/test_bench_smoke.py`` runs the tools.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron.usp.bench import attention_bench as ab
+from megatron.usp.bench import cli, e2e, flops, native_cp, report, timing
+from megatron.usp.layout import positions_for_cp_rank
+
+
+# --------------------------------------------------------------------------- parsing
+@pytest.mark.parametrize("text,value", [("32k", 32768), ("256K", 262144), ("1m", 1 << 20),
+                                        ("4096", 4096), (" 64 ", 64)])
+def test_parse_seq_len(text, value):
+    assert cli.parse_seq_len(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "k", "32q", "-4", "0", "1.5k"])
+def test_parse_seq_len_rejects_with_flag_name(text):
+    with pytest.raises(cli.BenchConfigError, match="--seq-lens"):
+        cli.parse_seq_len(text)
+
+
+def test_parse_splits_and_auto_pure_settings():
+    assert cli.parse_splits("2x1, 1X2,") == [(2, 1), (1, 2)]
+    assert cli.parse_splits("") == []
+    # requested first, then pure Ulysses and pure ring, no repeats
+    assert ab.all_splits([(2, 2)], 4) == [(2, 2), (4, 1), (1, 4)]
+    assert ab.all_splits([(1, 2), (2, 1)], 2) == [(1, 2), (2, 1)]
+    with pytest.raises(cli.BenchConfigError, match="--splits"):
+        cli.parse_splits("2x")
+
+
+def _cfg(**kw):
+    base = dict(seq_lens=[64], heads=4, kv_heads=4, head_dim=16, dtype="fp32")
+    base.update(kw)
+    return ab.AttentionBenchConfig(**base)
+
+
+def test_validate_accepts_a_good_config():
+    ab.validate_config(_cfg(splits=[(2, 2)], seq_lens=[64, 128]), world=4)
+
+
+@pytest.mark.parametrize("kw,world,flag", [
+    (dict(splits=[(2, 2)]), 2, "--splits 2x2"),              # does not multiply to 2
+    (dict(heads=3, kv_heads=3), 2, "--splits 2x1"),          # 3 heads over U=2
+    (dict(seq_lens=[66]), 2, "--seq-lens"),                  # not a multiple of 2N=4
+    (dict(kv_heads=3), 2, "--kv-heads"),                     # 3 does not divide 4
+    (dict(iters=0), 2, "--iters"),
+    (dict(peers=["deepspeed"]), 2, "--peers"),
+    (dict(native_cp_rotate=["ring"]), 2, "--native-cp-rotate"),
+    (dict(seq_lens=[]), 2, "--seq-lens"),
+    (dict(batch=0), 2, "--batch-size"),
+    (dict(backend="cudnn-please"), 2, "--attention-backend"),
+])
+def test_validate_names_the_flag(kw, world, flag):
+    with pytest.raises(cli.BenchConfigError, match=flag.replace("-", r"\-")):
+        ab.validate_config(_cfg(**kw), world)
+
+
+def test_command_line_round_trip():
+    ns = ab.build_parser().parse_args(
+        ["--seq-lens", "32k,64k", "--kv-heads", "8", "--splits", "2x1", "--no-causal",
+         "--peers", "none", "--native-cp-rotate", "alltoall"])
+    cfg = ab.config_from_args(ns)
+    assert cfg.seq_lens == [32768, 65536] and cfg.kv_heads == 8 and cfg.heads == 32
+    assert cfg.splits == [(2, 1)] and cfg.causal is False and cfg.peers == []
+    assert cfg.native_cp_rotate == ["alltoall"] and cfg.torch_dtype == torch.bfloat16
+    assert ab.config_from_args(ab.build_parser().parse_args([])).kv_heads == 32
+
+
+# --------------------------------------------------------------------------- FLOPs
+def test_attention_flops_convention():
+    # anchors.md: forward 4*b*h*S^2*d/2 causal, forward+backward 3.5x that
+    fwd = flops.attention_fwd_flops(1, 32, 131072, 128, causal=True)
+    assert fwd == 4 * 32 * 131072 ** 2 * 128 / 2
+    assert flops.attention_fwd_flops(2, 32, 1024, 128, causal=False) == 4 * 2 * 32 * 1024 ** 2 * 128
+    assert flops.attention_fwd_bwd_flops(1, 32, 131072, 128, True) == 3.5 * fwd
+    # per-GPU rate divides the whole problem's work over the GPUs sharing it
+    assert flops.tflops_per_gpu(2e12, 0.5, 2) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        flops.tflops_per_gpu(1.0, 0.0, 1)
+
+
+# --------------------------------------------------------------------------- comparisons
+def _res(method, fwd_bwd_ms, gpus=2, ring=None, mem=None, status="ok", seq=1024):
+    r = ab.CaseResult(seq, method, method, gpus, ring=ring, status=status)
+    if status == "ok":
+        r.fwd_times_ms, r.fwd_bwd_times_ms = [fwd_bwd_ms / 3.5], [fwd_bwd_ms, fwd_bwd_ms, 1e9]
+        ab._fill_rates(r, _cfg(heads=32, head_dim=128))
+        r.peak_mem_gib = mem
+    return r
+
+
+def test_add_comparisons():
+    single = _res("single-gpu-kernel", 10.0, gpus=1)
+    u2 = _res("usp", 5.5, ring=1, mem=4.0)
+    r2 = _res("usp", 6.0, ring=2, mem=4.2)
+    n1 = _res("native-cp", 7.0, mem=8.0)
+    n2 = _res("native-cp", 6.6, mem=9.0)
+    broken = _res("native-cp", 0, status="error")
+    ab.add_comparisons([single, u2, r2, n1, n2, broken])
+    # median of [x, x, 1e9] is x: one outlier does not move the reported time
+    assert u2.fwd_bwd_ms == 5.5
+    # per-GPU rate over the single GPU's rate: (W/2/5.5) / (W/10) = 10/11
+    assert u2.efficiency == pytest.approx(10 / 11)
+    assert n1.efficiency == pytest.approx(10 / 14)
+    assert single.efficiency is None and broken.efficiency is None
+    # against the best native-CP variant (6.6 ms, 9 GiB)
+    assert r2.speedup_vs_native_cp == pytest.approx(6.6 / 6.0)
+    assert r2.mem_vs_native_cp == pytest.approx(4.2 / 9.0)
+    assert r2.mem_vs_pure_ulysses == pytest.approx(4.2 / 4.0)
+    assert u2.mem_vs_pure_ulysses == pytest.approx(1.0)
+
+
+def test_add_comparisons_without_baseline_leaves_na():
+    u2 = _res("usp", 5.0, ring=1, mem=None)
+    ab.add_comparisons([u2])
+    assert u2.efficiency is None and u2.speedup_vs_native_cp is None
+    assert u2.mem_vs_pure_ulysses is None     # CPU: no memory statistic
+
+
+def test_progress_line_and_markdown():
+    single = _res("single-gpu-kernel", 10.0, gpus=1, mem=3.0)
+    u2 = _res("usp", 5.5, ring=1, mem=4.0)
+    oom = _res("native-cp", 0, status="oom")
+    oom.note = "does not fit"
+    ab.add_comparisons([single, u2, oom])
+    line = ab.progress_line(u2)
+    assert line.startswith(ab.PROGRESS_PREFIX) and "eff 90.9%" in line and "4.00 GiB" in line
+    assert "oom: does not fit" in ab.progress_line(oom)
+    meta = report.run_metadata(["tools/bench_attention.py", "--seq-lens", "1k"],
+                               torch.device("cpu"), 2)
+    md = ab.results_markdown(meta, _cfg(heads=32, head_dim=128, iters=3), [single, u2, oom])
+    assert "| S | method | GPUs |" in md and "| 1K | usp | 2 |" in md
+    assert "90.9%" in md and "oom" in md
+    assert "command: `tools/bench_attention.py --seq-lens 1k`" in md
+    assert "torch " + torch.__version__ in md
+
+
+# --------------------------------------------------------------------------- report / timing
+def test_write_json_is_valid_and_nan_free(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    report.write_json(str(path), {"a": float("nan"), "b": [1.0, float("inf")], "c": "x"})
+    assert json.loads(path.read_text()) == {"a": None, "b": [1.0, None], "c": "x"}
+    assert not (tmp_path / "sub" / "r.json.tmp").exists()
+
+
+def test_markdown_table_and_fmt():
+    md = report.markdown_table(["a", "b"],
+                               [[1, "x"], [report.fmt(None), report.fmt(0.5, pct=True)]])
+    assert md.splitlines() == ["| a | b |", "| --- | --- |", "| 1 | x |", "| n/a | 50.0% |"]
+    assert report.fmt(float("nan")) == "n/a" and report.fmt(1.234, 2) == "1.23"
+
+
+def test_time_iterations_counts_calls_on_cpu():
+    calls = []
+    times = timing.time_iterations(lambda: calls.append(1), warmup=2, iters=3,
+                                   device=torch.device("cpu"), distributed=False)
+    assert len(calls) == 5 and len(times) == 3 and all(t >= 0 for t in times)
+    assert timing.median_ms([3.0, 1.0, 2.0]) == 2.0
+    assert timing.peak_memory_gib(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="--iters"):
+        timing.time_iterations(lambda: None, warmup=0, iters=0, device=torch.device("cpu"))
+
+
+def test_out_of_memory_detection():
+    assert timing.is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert not timing.is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not timing.is_out_of_memory(ValueError("out of range"))
+
+
+# --------------------------------------------------------------------------- the peer
+def test_native_cp_is_reported_unavailable_on_cpu():
+    reason = native_cp.unavailable_reason(torch.device("cpu"))
+    assert reason and "CUDA only" in reason
+
+
+def test_native_cp_load_balancer_matches_usp_layout():
+    # "Same inputs": torch's head-tail balancer hands rank i the positions USP's layout does.
+    mod = pytest.importorskip("torch.distributed.tensor.experimental._attention")
+    balancer_cls = getattr(mod, "_HeadTailLoadBalancer", None)
+    if balancer_cls is None:
+        pytest.skip(f"torch {torch.__version__} has no _HeadTailLoadBalancer")
+    for world, seq in ((2, 16), (4, 64), (8, 128)):
+        order = balancer_cls(seq, world, "cpu")._generate_indices()[0].tolist()
+        per_rank = seq // world
+        for rank in range(world):
+            assert order[rank * per_rank:(rank + 1) * per_rank] == positions_for_cp_rank(
+                seq, rank, world)
+
+
+def test_rel_err():
+    ref = torch.ones(4, 4)
+    assert ab.rel_err(ref.clone(), ref) == 0.0
+    assert ab.rel_err(ref * 1.01, ref) == pytest.approx(0.01, rel=1e-4)
+    assert math.isfinite(ab.rel_err(ref, torch.zeros(4, 4)))
+
+
+# --------------------------------------------------------------------------- end to end
+def _e2e_cfg(tmp_path=None, **kw):
+    base = dict(seq_lens=[32768, 65536], splits=[(2, 1), (1, 2)], iters=5, warmup=2,
+                device="cuda")
+    if tmp_path is not None:
+        base["log_dir"] = str(tmp_path)
+    base.update(kw)
+    return e2e.E2EConfig(**base)
+
+
+@pytest.mark.parametrize("device,split,recompute", [("cuda", (2, 1), "none"),
+                                                    ("cuda", (1, 2), "full"),
+                                                    ("cpu", (1, 2), "none")])
+def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
+    """The command bench_e2e builds parses and validates with pretrain_gpt.py's own code."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    cfg = _e2e_cfg(device=device)
+    spec = e2e.RunSpec(65536, *split, recompute, 5)
+    args = arguments.parse_args(e2e.pretrain_args(cfg, spec, "/tmp/m.jsonl"))
+    arguments.validate_args(args, world_size=2, cuda_available=device == "cuda")
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (16, 2048, 16)
+    assert (args.num_query_groups, args.kv_channels, args.ffn_hidden_size) == (4, 128, 5632)
+    assert args.swiglu and args.untie_embeddings_and_output_weights and args.mock_data
+    assert args.normalization == "RMSNorm" and args.position_embedding_type == "rope"
+    # NullTokenizer adds the EOD id: the embedding has exactly 32000 rows, no padding
+    assert arguments.padded_vocab_size(args.vocab_size + 1, 128, 1) == 32000
+    assert (args.ulysses_degree, args.ring_degree) == split
+    assert args.global_batch_size == 1 and args.seq_length == 65536
+    assert args.metrics_file == "/tmp/m.jsonl" and args.train_iters == 5
+    assert args.bf16 is (device == "cuda") and args.use_distributed_optimizer is (device == "cuda")
+    assert (args.recompute_granularity == "full") is (recompute == "full")
+
+
+def test_launch_command_is_torchrun_of_pretrain_gpt():
+    cfg = _e2e_cfg(extra_args=["--num-workers", "0"])
+    cmd = e2e.launch_command(cfg, e2e.RunSpec(32768, 2, 1, "none", 5), "m.jsonl", 29500)
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"]
+    assert cmd[cmd.index("--master-port") + 1] == "29500"
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert cmd[cmd.index(cfg.pretrain_script) + 1] == "--num-layers"
+    assert cmd[-2:] == ["--num-workers", "0"]
+    assert e2e.global_batch_size(_e2e_cfg(nproc_per_node=4), e2e.RunSpec(1, 2, 1, "none", 1)) == 2
+
+
+def _records(times_ms, mem=10.0, loss=9.0, mfu_peak=989.0):
+    """Records in the schema of megatron.training.metrics (a run header, train steps)."""
+    out = [{"kind": "run", "layout": "TP1 U2 R1 DP1 PP1", "world_size": 2, "args": {}}]
+    for i, t in enumerate(times_ms):
+        out.append({"kind": "train", "iteration": i + 1, "step_time_s": t / 1e3,
+                    "lm_loss": loss - i, "tokens_per_s": 1.0, "tflops_per_gpu": 100.0,
+                    "mfu": None if mfu_peak is None else 100.0 / mfu_peak, "mem_gib": mem + i,
+                    "skipped": False})
+    return out
+
+
+def test_classify_outcomes():
+    recs = _records([1.0] * 5)
+    assert e2e.classify(0, "", recs, "l", [], 5).status == "ok"
+    assert e2e.classify(1, "torch.OutOfMemoryError: CUDA out of memory", recs[:1], "l", [],
+                        5).status == "oom"
+    err = e2e.classify(1, "Traceback\nValueError: --foo bad\n", [], "l", [], 5)
+    assert err.status == "error" and "--foo bad" in err.note and "0/5" in err.note
+    # exit 0 but iterations missing from the metrics file is not a success
+    assert e2e.classify(0, "", recs[:3], "l", [], 5).status == "error"
+    assert e2e.classify(None, "", [], "l", [], 5).status == "timeout"
+
+
+def test_summarize_excludes_warmup_and_counts_megatron_flops():
+    pytest.importorskip("megatron.training.metrics")
+    cfg = _e2e_cfg(warmup=2)
+    spec = e2e.RunSpec(32768, 2, 1, "none", 5)
+    recs = _records([5000.0, 900.0, 100.0, 100.0, 130.0])
+    recs.append({"kind": "valid", "iteration": 5, "lm_loss": 1.0})     # not a train step
+    outcome = e2e.RunOutcome("ok", 0, recs, "l", ["python"])
+    r = e2e.summarize(cfg, spec, outcome)
+    assert r.iterations_measured == 3 and r.iter_ms == pytest.approx(110.0)
+    assert r.tokens_per_s == pytest.approx(32768 / 0.110)
+    # 0.85B model at 32K: per token 6 * 786,956,288 matmul params + 6*S*L*(heads*dim)
+    # = 4,721,737,728 + 6,442,450,944 FLOPs (the anchors' Hugging Face formula, which also
+    # gives their 431 TFLOP/s at 38.6K tokens/s)
+    per_param = 16 * (2048 * 2048 + 2 * 2048 * 512 + 2048 * 2048 + 3 * 2048 * 5632) + 2048 * 32000
+    assert per_param == 786_956_288
+    per_token = 6 * per_param + 6 * 32768 * 16 * 2048
+    assert per_token == 11_164_188_672 and 38.6e3 * per_token / 1e12 == pytest.approx(431, abs=1)
+    assert r.flops_per_iteration == pytest.approx(32768 * per_token, rel=1e-12)
+    assert r.tflops_per_gpu == pytest.approx(32768 * per_token / 0.110 / 2 / 1e12)
+    # MFU against the peak the training loop used (tflops / mfu of its records)
+    assert r.peak_tflops == pytest.approx(989.0) and r.mfu == pytest.approx(r.tflops_per_gpu / 989)
+    assert r.peak_mem_gib == 14.0 and r.last_loss == 5.0
+    # --peak-tflops overrides; no peak anywhere (CPU): MFU is n/a, not a made-up number
+    assert e2e.summarize(_e2e_cfg(peak_tflops=500.0), spec, outcome).mfu == pytest.approx(
+        r.tflops_per_gpu / 500)
+    cpu = e2e.RunOutcome("ok", 0, _records([100.0] * 5, mfu_peak=None), "l", [])
+    assert e2e.summarize(_e2e_cfg(device="cpu"), spec, cpu).mfu is None
+    failed = e2e.summarize(cfg, spec, e2e.RunOutcome("oom", 1, [], "l", [], "out of memory"))
+    assert failed.status == "oom" and failed.tokens_per_s is None
+
+
+def test_train_steps_keep_the_last_record_of_each_iteration():
+    recs = _records([100.0, 200.0])
+    recs.append(dict(recs[2], step_time_s=0.5))          # iteration 2 again (a resumed run)
+    steps = e2e.train_steps(recs)
+    assert [r["iteration"] for r in steps] == [1, 2] and steps[1]["step_time_s"] == 0.5
+
+
+def _fake_runner(fails):
+    """A runner whose run fails with ``fails(spec)`` (a status) or succeeds."""
+    calls = []
+
+    def run(cfg, spec):
+        calls.append(spec)
+        status = fails(spec)
+        if status:
+            return e2e.RunOutcome(status, 1, [], "l", [], status)
+        return e2e.RunOutcome("ok", 0, _records([100.0] * spec.iters), "l", [])
+
+    return run, calls
+
+
+def test_auto_recompute_retries_after_oom():
+    run, calls = _fake_runner(lambda s: "oom" if s.seq_len > 32768 and s.recompute == "none"
+                              else None)
+    results = e2e.throughput_sweep(_e2e_cfg(seq_lens=[32768, 65536, 131072]), runner=run)
+    assert [(c.seq_len, c.ring, c.recompute) for c in calls] == [
+        (32768, 1, "none"), (32768, 2, "none"),
+        (65536, 1, "none"), (65536, 1, "full"), (65536, 2, "none"), (65536, 2, "full"),
+        # a split that needed recompute starts the longer lengths with it
+        (131072, 1, "full"), (131072, 2, "full")]
+    assert [r.status for r in results] == ["ok", "ok", "oom", "ok", "oom", "ok", "ok", "ok"]
+    assert [r.recompute for r in results[2:4]] == ["none", "full"]
+    run, calls = _fake_runner(lambda s: None)
+    e2e.throughput_sweep(_e2e_cfg(recompute="full", seq_lens=[32768]), runner=run)
+    assert [c.recompute for c in calls] == ["full", "full"]
+    run, calls = _fake_runner(lambda s: "error")     # not a memory problem: no retry
+    assert [r.status for r in e2e.throughput_sweep(_e2e_cfg(seq_lens=[32768]), runner=run)] == [
+        "error", "error"]
+
+
+def test_find_max_seq_doubles_until_failure():
+    run, calls = _fake_runner(lambda s: "oom" if s.seq_len > 512 * 1024 else None)
+    cfg = _e2e_cfg(find_max_seq=True, start_seq=131072, max_seq=4 << 20, iters=2, warmup=1)
+    results, longest = e2e.find_max_seq(cfg, runner=run)
+    assert [c.seq_len for c in calls[:4]] == [131072, 262144, 524288, 1048576]
+    assert all(c.recompute == "full" for c in calls)
+    assert longest == {"2x1": 524288, "1x2": 524288}
+    assert [r.status for r in results[:4]] == ["ok", "ok", "ok", "oom"]
+    run, _ = _fake_runner(lambda s: "error")
+    assert e2e.find_max_seq(cfg, runner=run)[1] == {"2x1": None, "1x2": None}
+    run, calls = _fake_runner(lambda s: None)         # never fails: stops at --max-seq
+    cfg.max_seq = 262144
+    assert e2e.find_max_seq(cfg, runner=run)[1]["2x1"] == 262144
+
+
+def test_e2e_bad_input_names_the_flag(tmp_path):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    ok = dict(pretrain_script=str(script))
+    e2e.validate_config(_e2e_cfg(**ok))
+    for kw, flag in [(dict(splits=[(4, 1)]), "--splits 4x1"),
+                     (dict(iters=2, warmup=2), "--iters"),
+                     (dict(seq_lens=[1002], splits=[(2, 1)]), "--seq-lens"),
+                     (dict(find_max_seq=True, start_seq=1001), "--start-seq"),
+                     (dict(find_max_seq=True, start_seq=4096, max_seq=2048), "--max-seq"),
+                     (dict(splits=[]), "--splits")]:
+        with pytest.raises(cli.BenchConfigError, match=flag):
+            e2e.validate_config(_e2e_cfg(**dict(ok, **kw)))
+    with pytest.raises(cli.BenchConfigError, match="--pretrain-script"):
+        e2e.validate_config(_e2e_cfg(pretrain_script=str(tmp_path / "missing.py")))
+    ns = e2e.build_parser().parse_args(["--seq-lens", "32k", "--start-seq", "256k",
+                                        "--extra-args", "--num-workers 0"])
+    cfg = e2e.config_from_args(ns)
+    assert cfg.seq_lens == [32768] and cfg.start_seq == 262144
+    assert cfg.extra_args == ["--num-workers", "0"] and cfg.splits == [(2, 1), (1, 2)]
+    with pytest.raises(cli.BenchConfigError, match="--max-seq"):
+        e2e.config_from_args(e2e.build_parser().parse_args(["--max-seq", "lots"]))
+
+
+def test_e2e_markdown_and_progress():
+    pytest.importorskip("megatron.training.metrics")
+    cfg = _e2e_cfg()
+    spec = e2e.RunSpec(65536, 1, 2, "full", 5)
+    ok = e2e.summarize(cfg, spec, e2e.RunOutcome("ok", 0, _records([100.0] * 5), "l", []))
+    oom = e2e.summarize(cfg, spec, e2e.RunOutcome("oom", 1, [], "l", [], "out of memory"))
+    meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 2)
+    md = e2e.results_markdown(meta, cfg, [ok, oom], {"1x2": 524288})
+    assert "| 64K | 1x2 | full | ok |" in md and "oom: out of memory" in md
+    assert "MFU against 989 TFLOP/s" in md
+    assert "1x2: 512K" in md
+    assert "MFU" in e2e.progress_line(ok) and "oom" in e2e.progress_line(oom)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_run_past_its_timeout_is_stopped_with_its_children(tmp_path):
+    """torchrun's workers must not outlive a timed-out run (they would hold the GPUs)."""
+    child = "import time; time.sleep(120)"
+    parent = ("import subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+              "print(p.pid, flush=True); time.sleep(120)")
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        rc = e2e._run_to_end([sys.executable, "-c", parent], dict(os.environ), log, timeout_s=3)
+    assert rc is None
+    worker = int(log_path.read_text().split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)
+    with open(log_path, "w") as log:
+        assert e2e._run_to_end([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ),
+                               log, timeout_s=30) == 3

@@ -1,0 +1,159 @@
+"""FLOPs per iteration against a hand count, the MFU peak table, and the metrics writer."""
+
+import json
+
+import pytest
+
+from megatron.training.metrics import (
+    GPTShape,
+    MetricsWriter,
+    StepStats,
+    Throughput,
+    peak_tflops_for_device,
+    training_flops_per_iteration,
+)
+
+
+def _hand_count(L, h, n, g, d, f, s, V, swiglu, causal, B):
+    """Every matrix multiply of one forward pass over B sequences, 2*m*k*n FLOPs each,
+    written out one GEMM at a time; backward = 2x forward."""
+    tokens = B * s
+    gemms = []
+    for _ in range(L):
+        gemms.append((tokens, h, n * d))          # Q projection
+        gemms.append((tokens, h, g * d))          # K projection
+        gemms.append((tokens, h, g * d))          # V projection
+        for _ in range(B * n):                    # per sequence and query head
+            pairs = s * (s + 1) // 2 if causal else s * s   # (query, key) pairs computed
+            gemms.append((pairs, d, 1))           # scores: one d-long dot product per pair
+            gemms.append((pairs, 1, d))           # context: one d-vector update per pair
+        gemms.append((tokens, n * d, h))          # output projection
+        if swiglu:
+            gemms.append((tokens, h, f))          # gate
+            gemms.append((tokens, h, f))          # up
+        else:
+            gemms.append((tokens, h, f))          # up
+        gemms.append((tokens, f, h))              # down
+    gemms.append((tokens, h, V))                  # logits
+    forward = sum(2 * m * k * nn for m, k, nn in gemms)
+    return 3 * forward
+
+
+@pytest.mark.parametrize("swiglu,causal,groups", [(True, True, 2), (False, False, 8),
+                                                  (True, False, 1)])
+def test_flops_match_a_hand_count(swiglu, causal, groups):
+    shape = GPTShape(num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attention_heads=8,
+                     num_query_groups=groups, kv_channels=8, seq_length=32,
+                     padded_vocab_size=1000, swiglu=swiglu, causal=causal)
+    want = _hand_count(3, 64, 8, groups, 8, 176, 32, 1000, swiglu, causal, B=5)
+    got = training_flops_per_iteration(shape, 5)
+    # The hand count of causal attention includes the diagonal (s(s+1)/2 pairs), the
+    # formula counts exactly s^2/2: s/2 pairs per sequence and head, 4d FLOPs per pair
+    # (scores and context), times 3 for forward + backward.
+    L, B, n, s, d = 3, 5, 8, 32, 8
+    diagonal = 3 * (L * B * n) * (s // 2) * 4 * d if causal else 0
+    assert got == pytest.approx(want - diagonal, rel=1e-12)
+
+
+def test_full_attention_equals_megatron_lms_formula():
+    """Megatron-LM's num_floating_point_operations for a dense GPT, as published:
+    12*B*s*L*h^2 * ((1 + g/n + s/h) * (n*d/h) + (f/h) * (3/2 if SwiGLU else 1))
+    + 6*B*s*h*V. Our count with causal=False must equal it."""
+    B, s, L, h, n, g, d, f, V = 4, 2048, 32, 4096, 32, 8, 128, 14336, 128256
+    megatron = 12 * B * s * L * h * h * (
+        (1 + g / n + s / h) * (n * d / h) + (f / h) * 1.5) + 6 * B * s * h * V
+    shape = GPTShape(L, h, f, n, g, d, s, V, swiglu=True, causal=False)
+    assert training_flops_per_iteration(shape, B) == pytest.approx(megatron, rel=1e-12)
+    causal = GPTShape(L, h, f, n, g, d, s, V, swiglu=True, causal=True)
+    halved_attention = 12 * B * s * L * h * h * (s / h) * (n * d / h) / 2
+    assert training_flops_per_iteration(causal, B) == pytest.approx(megatron - halved_attention,
+                                                                    rel=1e-12)
+
+
+def test_shape_from_args_uses_gqa_only_when_asked():
+    from megatron.training.arguments import parse_args, validate_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--seq-length", "64", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+            "--vocab-size", "100"]
+    for extra, groups in ((["--group-query-attention", "--num-query-groups", "2"], 2), ([], 8)):
+        args = validate_args(parse_args(base + extra), 1, cuda_available=False)
+        args.padded_vocab_size = 128
+        shape = GPTShape.from_args(args)
+        assert (shape.num_query_groups, shape.kv_channels, shape.padded_vocab_size) == \
+            (groups, 8, 128)
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA H200 NVL", 835.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A800 80GB PCIe", 312.0),
+    ("NVIDIA L20", 119.5), ("NVIDIA L40S", 362.0), ("NVIDIA H20", 148.0), ("NVIDIA B200", 2250.0),
+    ("NVIDIA GeForce RTX 4090", 165.2), ("Some Future GPU", None), (None, None),
+])
+def test_peak_table(name, peak):
+    assert peak_tflops_for_device(name) == peak
+
+
+def test_peak_table_agrees_with_the_planner():
+    from megatron.usp.planner import get_hardware
+
+    for device, preset in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                           ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A800-SXM4-80GB", "a800"),
+                           ("NVIDIA L20", "l20")):
+        assert peak_tflops_for_device(device) == get_hardware(preset).peak_tflops, device
+
+
+def test_throughput_and_mfu():
+    shape = GPTShape(2, 64, 256, 4, 4, 16, 128, 1024, swiglu=False)
+    flops = training_flops_per_iteration(shape, 8)
+    t = Throughput(shape, 8, world_size=4, peak_tflops=100.0)
+    rates = t.of(2.0)
+    assert rates["tokens_per_s"] == pytest.approx(8 * 128 / 2.0)
+    assert rates["tokens_per_s_per_gpu"] == pytest.approx(8 * 128 / 2.0 / 4)
+    assert rates["tflops_per_gpu"] == pytest.approx(flops / 2.0 / 4 / 1e12)
+    assert rates["mfu"] == pytest.approx(rates["tflops_per_gpu"] / 100.0)
+    assert Throughput(shape, 8, 4, None).of(2.0)["mfu"] is None
+
+
+def test_metrics_writer(tmp_path):
+    import io
+
+    shape = GPTShape(2, 64, 256, 4, 4, 16, 128, 1024, swiglu=False)
+    out = io.StringIO()
+    metrics = tmp_path / "m" / "metrics.jsonl"
+    tb = tmp_path / "tb"
+    w = MetricsWriter(True, train_iters=4, log_interval=2,
+                      throughput=Throughput(shape, 8, 4, 989.0), metrics_file=str(metrics),
+                      tensorboard_dir=str(tb), stream=out)
+    w.run_header("TP1 U2 R2 DP1 PP1", 4, {"seed": 1})
+    for it in range(1, 5):
+        w.train_step(StepStats(iteration=it, consumed_samples=8 * it, lm_loss=9.0 - it,
+                               grad_norm=1.5, lr=1e-3, step_time_s=0.5, skipped=it == 3,
+                               mem_gib=1.25), max_mem_gib=2.5 if it % 2 == 0 else None)
+    w.validation(4, 4.5)
+    w.close()
+    text = out.getvalue().splitlines()
+    iteration_lines = [line for line in text if "iteration" in line and "lm loss:" in line]
+    assert len(iteration_lines) == 2
+    line = iteration_lines[1]
+    for part in ("iteration        4/       4", "consumed samples:           32",
+                 "lm loss: 5.000000E+00", "grad norm: 1.500", "learning rate: 1.000000E-03",
+                 "tokens/s: 2048.0 (per GPU 512.0)", "TFLOP/s/GPU", "MFU: 0.0%", "mem (GiB): 2.50",
+                 "number of skipped iterations:   1"):
+        assert part in line, (part, line)
+    assert any("validation loss at iteration 4" in line for line in text)
+    records = [json.loads(r) for r in metrics.read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["run", "train", "train", "train", "train", "valid"]
+    assert records[3]["skipped"] is True and records[1]["mfu"] > 0
+    assert records[-1] == {"kind": "valid", "iteration": 4, "lm_loss": 4.5,
+                           "ppl": pytest.approx(90.0171313)}
+    assert any(p.name.startswith("events.out.tfevents") for p in tb.iterdir())
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+    shape = GPTShape(2, 64, 256, 4, 4, 16, 128, 1024, swiglu=False)
+    w = MetricsWriter(False, 4, 2, Throughput(shape, 8, 4, None),
+                      metrics_file=str(tmp_path / "x.jsonl"), tensorboard_dir=str(tmp_path / "tb"))
+    w.train_step(StepStats(1, 8, 1.0, 1.0, 1e-3, 0.1, False, 1.0))
+    w.close()
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,22 @@
+"""End-to-end training throughput of pretrain_gpt.py, and the longest trainable sequence.
+
+Throughput of the Llama-style 0.85B model on 2 GPUs, U=2 and R=2 (launches torchrun itself)::
+
+    python tools/bench_e2e.py --seq-lens 32k,64k,128k --splits 2x1,1x2 --nproc-per-node 2 \\
+        --iters 10 --warmup 3 --out docs/perf/e2e.json --markdown docs/perf/e2e.md
+
+The longest sequence that trains (full recompute, doubling from 128K)::
+
+    python tools/bench_e2e.py --find-max-seq --start-seq 128k --splits 1x2 --iters 2 \\
+        --warmup 1 --out docs/perf/max_seq.json --markdown docs/perf/max_seq.md
+
+FLOPs are counted as Megatron-LM counts them with causal attention at half; the formula, the
+flags and the method are in :mod:`megatron.usp.bench.e2e` and ``docs/performance.md``.
+"""
+
+import sys
+
+from megatron.usp.bench.e2e import main
+
+if __name__ == "__main__":
+    sys.exit(main())
