@@ -2,6 +2,8 @@
 # Tensor parallelism x Unified Sequence Parallelism: TP (heads and MLP split, innermost,
 # on NVLink) x Ulysses (U) x Ring (R); DP = GPUS_PER_NODE x NNODES / (TP x U x R).
 # Heads per TP rank must be divisible by U (32 heads, TP 2: 16 per rank; U may be 2, 4, 8).
+# With Megatron sequence parallelism (--sequence-parallel) norms and residuals hold 1/TP of
+# each CP rank's tokens: --seq-length / (U x R) must be divisible by TP (ignored at TP 1).
 #
 #   bash examples/pretrain_tp_usp.sh [extra pretrain_gpt.py flags, which win over these]
 #
@@ -32,7 +34,7 @@ TRAINING=(--micro-batch-size 1 --global-batch-size 8 --train-iters 1000
           --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 50
           --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer
           --recompute-granularity selective)
-PARALLEL=(--tensor-model-parallel-size "$TP_SIZE"
+PARALLEL=(--tensor-model-parallel-size "$TP_SIZE" --sequence-parallel
           --ulysses-degree "$ULYSSES_DEGREE" --ring-degree "$RING_DEGREE")
 PRECISION_ARGS=()
 if [ "$PRECISION" = bf16 ]; then

@@ -7,13 +7,16 @@
 #   bash examples/quickstart_cpu.sh [extra pretrain_gpt.py flags for both runs]
 #
 # Environment: QUICKSTART_DIR (runs/quickstart; its dp4/ and u2r2/ are replaced)
-# TRAIN_ITERS (60) TOLERANCE (1e-5, the largest relative per-step loss difference)
+# TRAIN_ITERS (40) TOLERANCE (1e-5, the largest relative per-step loss difference). The two
+# layouts sum in different orders, so fp32 rounding differences (~1e-7) grow chaotically after
+# ~50 steps to ~1e-3 by step 100 and stay there: for longer runs use TOLERANCE 5e-3 (see
+# docs/perf/cpu_300steps/).
 # PYTHON (python3, for the venv) MASTER_PORT (6000). About 2 minutes on 2 cores.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 OUT=${QUICKSTART_DIR:-runs/quickstart}
-TRAIN_ITERS=${TRAIN_ITERS:-60}
+TRAIN_ITERS=${TRAIN_ITERS:-40}
 TOLERANCE=${TOLERANCE:-1e-5}
 
 # 1. Install into .venv, exactly as run_tests.sh does (same stamp: either reuses the other's).

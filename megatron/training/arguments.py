@@ -120,8 +120,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=None,
                    help="optional; must equal U*R (megatron-core's name for the CP size)")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism inside the TP group (needs TP > 1 and "
-                        "a layer spec whose norms support it: refused with torch's norms)")
+                   help="Megatron sequence parallelism inside the TP group: norms, dropout and "
+                        "residuals hold 1/TP of each CP rank's tokens (all-gather before QKV / "
+                        "FC1, reduce-scatter after the projections). Silently off at TP = 1, "
+                        "as in Megatron-LM. --seq-length / (U*R) must be divisible by TP")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="ZeRO-1: optimizer state sharded over DP x CP (megatron-core's "
                         "DistributedOptimizer)")
@@ -379,6 +381,8 @@ def _validate_parallel(args, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split
+    if args.sequence_parallel:
+        _validate_sequence_parallel_split(args.seq_length, tp, cfg.cp_size)
     if pp > 1 and args.num_layers % pp:
         ok = [d for d in range(1, args.num_layers + 1) if args.num_layers % d == 0]
         raise ArgumentsError(
@@ -386,6 +390,20 @@ def _validate_parallel(args, world_size: int) -> None:
             f"{pp}; use one of {ok}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _validate_sequence_parallel_split(seq_length: int, tp: int, cp: int) -> None:
+    """Each CP rank's ``seq_length / cp`` tokens are split over the TP ranks."""
+    if (seq_length // cp) % tp == 0:
+        return
+    step = math.lcm(2 * cp if cp > 1 else 1, cp * tp)
+    lower = seq_length // step * step
+    sugg = f"{lower + step}" if lower == 0 else f"{lower} or {lower + step}"
+    raise ArgumentsError(
+        f"--sequence-parallel: the {seq_length // cp} tokens per context-parallel rank "
+        f"(--seq-length {seq_length} / U*R {cp}) do not split over "
+        f"--tensor-model-parallel-size {tp}; try --seq-length {sugg}, or drop "
+        f"--sequence-parallel")
 
 
 def _validate_batch(args) -> None:

@@ -2,11 +2,19 @@
 
 :func:`transformer_config_from_args` maps Megatron-LM flags onto megatron-core's
 ``TransformerConfig``; :func:`build_model` builds this pipeline stage's ``GPTModel`` with the
-layer spec of :func:`megatron.usp.layer_specs.get_usp_gpt_layer_spec` (used for every layout,
-U = R = 1 included, so the DP baseline runs the same kernels) and the process groups of
+block spec of :func:`megatron.usp.layer_specs.get_usp_gpt_block_spec` (USP core attention and
+the norms of :mod:`megatron.usp.norms`, final norm included; used for every layout, U = R = 1
+included, so the DP baseline runs the same kernels) and the process groups of
 :func:`megatron.usp.parallel_state.initialize_usp_parallel` (``pg_collection``: attention finds
 its Ulysses and Ring groups in ``pg_collection.hcp``), then wraps it in megatron-core's
 ``DistributedDataParallel``, which reduces gradients over the DP x CP group.
+
+Megatron sequence parallelism (``--sequence-parallel``, TP > 1): outside attention and the MLP
+a rank holds ``[s/(CP*TP), b, h]``, its 1/TP of its CP rank's tokens (megatron-core's
+embedding scatters, its column- / row-parallel linears all-gather / reduce-scatter over TP);
+USP attention sees ``[s/CP, b, heads/TP, d]`` exactly as without it. The norms' weight
+gradients are partial per TP rank and are summed over TP by ``finalize_model_grads``, which
+finds them by their ``sequence_parallel`` attribute.
 
 Loss scaling contract: ``calculate_per_token_loss=True``. Each rank back-propagates the *sum*
 of its tokens' losses; DDP sums gradients over DP x CP and ``finalize_model_grads`` divides
@@ -78,40 +86,22 @@ def transformer_config_from_args(args):
 
 
 def _pipeline_stage(groups: USPGroups):
+    """(pp_rank, pre_process, post_process) of this rank's pipeline stage."""
     import torch.distributed as dist
 
     rank, size = dist.get_rank(groups.pp), dist.get_world_size(groups.pp)
-    return rank == 0, rank == size - 1
-
-
-def _check_sequence_parallel_support(args, spec) -> None:
-    """Megatron sequence parallelism needs norms that mark their weights for the TP
-    all-reduce; torch's own norms (megatron-core's ``WrappedTorchNorm``) refuse it."""
-    if not args.sequence_parallel:
-        return
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from megatron.training.arguments import ArgumentsError
-
-    norm = getattr(spec.submodules, "input_layernorm", None)
-    norm = getattr(norm, "module", norm)
-    if norm is WrappedTorchNorm:
-        raise ArgumentsError(
-            "--sequence-parallel: the layer spec's norm is megatron-core's WrappedTorchNorm "
-            "(torch.nn.RMSNorm/LayerNorm), which does not support Megatron sequence "
-            "parallelism; drop --sequence-parallel (TP still splits heads and MLP)")
+    return rank, rank == 0, rank == size - 1
 
 
 def build_gpt_model(args, config, groups: USPGroups):
     """This pipeline stage's ``GPTModel`` (unwrapped), on ``args.device``."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron.usp.layer_specs import get_usp_gpt_layer_spec
+    from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
-    pre_process, post_process = _pipeline_stage(groups)
-    spec = get_usp_gpt_layer_spec(attention_backend=args.attention_backend,
-                                  normalization=args.normalization)
-    _check_sequence_parallel_support(args, spec)
+    pp_rank, pre_process, post_process = _pipeline_stage(groups)
+    spec = get_usp_gpt_block_spec(config, pp_rank=pp_rank,
+                                  attention_backend=args.attention_backend)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -50,6 +50,17 @@ which sends those requests to the CPU (see its docstring); nothing else is alter
   ``dist_checkpointing``): the writer's ``torch.cuda.synchronize()`` after staging, the
   save finalisation's failure flag on ``torch.cuda.current_device()``, the exchange
   buffers of the load.
+
+Megatron sequence-parallel shims (``--sequence-parallel``; the same wrapper, so a model run
+outside the schedules, e.g. a forward-parity test, works on the CPU too):
+
+* ``tensor_parallel.mappings._gather_along_first_dim`` and
+  ``tensor_parallel.mappings._reduce_scatter_along_first_dim`` (the sequence all-gather /
+  reduce-scatter of the embedding, the row-parallel linears and their backward; output on
+  ``torch.cuda.current_device()``).
+* ``tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward`` (the
+  column-parallel linears' input-gradient reduce-scatter buffer on
+  ``torch.cuda.current_device()``).
 """
 
 from __future__ import annotations
@@ -275,6 +286,21 @@ def _apply_training_loop_shims() -> None:
         _APPLIED.append(f"dist_checkpointing.serialization.{name}")
 
 
+def _apply_sequence_parallel_shims() -> None:
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for name in ("_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
+        # Called through the module's globals by the autograd Functions there.
+        setattr(mappings, name, _on_cpu(getattr(mappings, name)))
+        _APPLIED.append(f"tensor_parallel.mappings.{name}")
+
+    linear = layers.LinearWithGradAccumulationAndAsyncCommunication
+    # autograd looks ``backward`` up on the Function class at every backward pass.
+    linear.backward = staticmethod(_on_cpu(vars(linear)["backward"].__func__))
+    _APPLIED.append("tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication"
+                    ".backward")
+
+
 def apply_cpu_shims() -> List[str]:
     """Install the shims when CUDA is absent; return the names of what is replaced."""
     if torch.cuda.is_available() or _APPLIED:
@@ -328,4 +354,5 @@ def apply_cpu_shims() -> List[str]:
     _APPLIED.append("tensor_parallel.random._set_all_rng_states")
 
     _apply_training_loop_shims()
+    _apply_sequence_parallel_shims()
     return applied_shims()

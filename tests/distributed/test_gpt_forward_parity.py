@@ -1,20 +1,31 @@
-"""A whole GPT forward on U x R ranks equals the single-rank forward on the whole sequence.
+"""A whole GPT forward on TP x U x R ranks equals the single-rank forward on the whole sequence.
 
 Reference: one rank, megatron-core's own local GPT layer spec (``DotProductAttention``, no
 Megatron-USP code in the attention path), Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, no
 bias) in float64 with CPU initialisation. It saves its weights, the batch, the logits, the
-per-token losses and the weight gradients of ``loss.sum()``.
+per-token losses and the weight gradients of ``(logits * probe).sum()`` for a fixed random
+``probe [b, s, V]``: a float64 functional of the logits (megatron-core's vocab-parallel cross
+entropy computes in float32, so its gradient would carry float32 rounding).
 
-USP: U*R ranks build the same model with :func:`get_usp_gpt_layer_spec` and the groups of
-:func:`initialize_usp_parallel` (``pg_collection``), load the reference weights, feed each CP
-rank its shard of tokens / labels / position ids (``layout.shard_for_cp_rank``), gather the
-logits and losses over the CP group, rebuild the full sequence
-(``layout.unshard_from_cp_ranks``) and compare. Weight gradients are summed over the CP group
-(what DDP's gradient all-reduce over DP x CP does) and compared too.
+USP: TP*U*R ranks build the same model with :func:`get_usp_gpt_block_spec` (USP attention,
+Megatron-USP's norms, final norm included) and the groups of :func:`initialize_usp_parallel`
+(``pg_collection``), load the reference weights (TP-sharded the way megatron-core's CPU
+initialisation splits them: ``partition_dim`` / ``partition_stride`` of each parameter), feed
+each CP rank its shard of tokens / labels / position ids (``layout.shard_for_cp_rank``),
+gather the vocab-parallel logits over TP and logits and losses over the CP group, rebuild the
+full sequence (``layout.unshard_from_cp_ranks``) and compare. Each rank back-propagates its
+(CP, TP) block of the probe functional. Weight gradients are summed over
+the CP group (what DDP's gradient all-reduce over DP x CP does) and, for parameters marked
+``sequence_parallel`` (the norms, with ``--sequence-parallel``), over the TP group (what
+``finalize_model_grads`` does), then compared with the reference's TP shard.
 
-Tolerance: float64, 1e-9 absolute and relative (a 2-layer model; ~1e-14 observed).
-Layouts: 1x2, 2x1 (world 2), 2x2 (world 4), 4x2 and 2x4 (world 8). With 8 query heads and
-2 KV heads, U = 4 also exercises the KV-head replication path.
+Tolerance: float64, 1e-9 absolute and relative (a 2-layer model; ~1e-14 observed), except the
+per-token losses with TP > 1: megatron-core's cross entropy casts the logits to float32 and
+the TP split changes the order of its sum over the vocabulary, so they agree to float32
+rounding (1e-6 relative; ~2e-7 observed).
+Layouts (TP, U, R, sequence parallel): 1x1x2, 1x2x1 (world 2), 1x2x2 and 2x2x1 with sequence
+parallelism (world 4), 1x4x2 and 1x2x4 (world 8). With 8 query heads and 2 KV heads, U = 4
+and TP2 x U2 (1 KV head per TP rank) exercise the KV-head replication path.
 """
 
 from __future__ import annotations
@@ -30,11 +41,15 @@ from megatron.usp.config import USPParallelConfig
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 
 TOL = dict(atol=1e-9, rtol=1e-9)
+FLOAT32_LOSS_TOL = dict(atol=1e-9, rtol=1e-6)
 SEQ, BATCH, VOCAB, SEED = 64, 2, 96, 1234
-LAYOUTS = {2: [(1, 2), (2, 1)], 4: [(2, 2)], 8: [(4, 2), (2, 4)]}
+# world size -> [(TP, U, R, sequence parallel)]
+LAYOUTS = {2: [(1, 1, 2, False), (1, 2, 1, False)],
+           4: [(1, 2, 2, False), (2, 2, 1, True)],
+           8: [(1, 4, 2, False), (1, 2, 4, False)]}
 
 
-def _config(cp: int, ulysses: int, ring: int):
+def _config(cp: int, ulysses: int, ring: int, tp: int = 1, sequence_parallel: bool = False):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -47,6 +62,7 @@ def _config(cp: int, ulysses: int, ring: int):
         persist_layer_norm=False, use_cpu_initialization=True, params_dtype=torch.float64,
         context_parallel_size=cp,
         hierarchical_context_parallel_sizes=[ulysses, ring] if cp > 1 else None,
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
     )
 
 
@@ -60,11 +76,12 @@ def _model(spec, config, pg_collection):
     ).double()
 
 
-def _forward(model, tokens, position_ids, labels):
-    """(logits [b, s, V], per-token loss [b, s]) for one batch, loss.sum() back-propagated."""
+def _forward(model, tokens, position_ids, labels, probe):
+    """(logits [b, s, V], per-token loss [b, s]) for one batch; (logits * probe).sum()
+    back-propagated (shapes: this rank's sequence shard and vocabulary shard)."""
     logits = model(tokens, position_ids, None)
+    (logits * probe).sum().backward()
     loss = model(tokens, position_ids, None, labels=labels)
-    loss.sum().backward()
     return logits.detach(), loss.detach()
 
 
@@ -83,46 +100,87 @@ def _reference(rank, world_size, out_dir):
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ).contiguous()
-    logits, loss = _forward(model, tokens, position_ids, labels)
+    probe = torch.randn(BATCH, SEQ, VOCAB, generator=gen, dtype=torch.float64)
+    logits, loss = _forward(model, tokens, position_ids, labels, probe)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     torch.save(dict(state=model.state_dict(), tokens=tokens, labels=labels,
-                    position_ids=position_ids, logits=logits, loss=loss, grads=grads),
+                    position_ids=position_ids, probe=probe, logits=logits, loss=loss,
+                    grads=grads),
                os.path.join(out_dir, "reference.pt"))
+
+
+def _gather(x: torch.Tensor, group, size: int) -> list:
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
 
 
 def _gather_seq(x: torch.Tensor, groups) -> torch.Tensor:
     """All-gather [b, s_local, ...] over the CP group and rebuild the full sequence."""
-    parts = [torch.empty_like(x) for _ in range(groups.shape.cp)]
-    dist.all_gather(parts, x.contiguous(), group=groups.cp)
-    return layout.unshard_from_cp_ranks(parts, seq_dim=1)
+    return layout.unshard_from_cp_ranks(_gather(x, groups.cp, groups.shape.cp), seq_dim=1)
 
 
-def _check_layout(ulysses: int, ring: int, ref: dict) -> None:
+def _gather_vocab(logits: torch.Tensor, groups) -> torch.Tensor:
+    """All-gather vocab-parallel logits [b, s_local, V/TP] over TP: [b, s_local, V]."""
+    return torch.cat(_gather(logits, groups.tp, groups.shape.tp), dim=-1)
+
+
+def _tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: int):
+    """This TP rank's part of a full (TP = 1) tensor, split as megatron-core's CPU
+    initialisation splits it: ``partition_stride`` slices per rank, strided over ranks."""
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    dim, stride = param.partition_dim, param.partition_stride
+    pieces = torch.split(full, param.shape[dim] // stride, dim=dim)
+    return torch.cat(pieces[tp_rank::tp], dim=dim)
+
+
+def _check_norms(model, sequence_parallel: bool) -> None:
+    from megatron.usp.norms import RMSNorm
+
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert model.decoder.final_layernorm in norms
+    assert len(norms) == 2 * len(model.decoder.layers) + 1
+    for norm in norms:
+        assert norm.weight.sequence_parallel is sequence_parallel
+    marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
+    assert all("layernorm" in n for n in marked), marked
+
+
+def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, ref: dict) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.usp.layer_specs import get_usp_gpt_layer_spec
+    from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
-    groups = initialize_usp_parallel(USPParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
+    groups = initialize_usp_parallel(USPParallelConfig(
+        tensor_model_parallel_size=tp, ulysses_degree=ulysses, ring_degree=ring))
     model_parallel_cuda_manual_seed(SEED)
-    cp, cp_rank = ulysses * ring, groups.cp_rank
-    model = _model(get_usp_gpt_layer_spec(), _config(cp, ulysses, ring), groups.pg_collection)
-    model.load_state_dict(ref["state"])
+    cp, cp_rank, tp_rank = ulysses * ring, groups.cp_rank, dist.get_rank(groups.tp)
+    config = _config(cp, ulysses, ring, tp, sp)
+    model = _model(get_usp_gpt_block_spec(config, pp_rank=0), config, groups.pg_collection)
+    _check_norms(model, sp)
+    params = dict(model.named_parameters())
+    model.load_state_dict({k: _tp_shard(v, params[k], tp_rank, tp) if k in params else v
+                           for k, v in ref["state"].items()})
+    where = f"TP={tp} U={ulysses} R={ring} SP={sp}"
 
     def shard(t):
         return layout.shard_for_cp_rank(t, 1, cp_rank, cp)
 
-    def close(got, want, what):
-        torch.testing.assert_close(got, want, **TOL,
-                                   msg=lambda m: f"U={ulysses} R={ring} {what}: {m}")
+    def close(got, want, what, tol=TOL):
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{where} {what}: {m}")
 
+    probe = shard(ref["probe"]).chunk(tp, dim=-1)[tp_rank]
     logits, loss = _forward(model, shard(ref["tokens"]), shard(ref["position_ids"]),
-                            shard(ref["labels"]))
-    close(_gather_seq(logits, groups), ref["logits"], "logits")
-    close(_gather_seq(loss, groups), ref["loss"], "loss")
-    for name, param in model.named_parameters():
+                            shard(ref["labels"]), probe)
+    close(_gather_seq(_gather_vocab(logits, groups), groups), ref["logits"], "logits")
+    close(_gather_seq(loss, groups), ref["loss"], "loss", TOL if tp == 1 else FLOAT32_LOSS_TOL)
+    for name, param in params.items():
         grad = param.grad.detach().clone()
         dist.all_reduce(grad, group=groups.cp)
-        close(grad, ref["grads"][name], f"grad {name}")
+        if getattr(param, "sequence_parallel", False):
+            dist.all_reduce(grad, group=groups.tp)
+        close(grad, _tp_shard(ref["grads"][name], param, tp_rank, tp), f"grad {name}")
     destroy_usp_parallel()
 
 
@@ -131,8 +189,8 @@ def _usp_layouts(rank, world_size, layouts, out_dir):
 
     apply_cpu_shims()
     ref = torch.load(os.path.join(out_dir, "reference.pt"))
-    for ulysses, ring in layouts:
-        _check_layout(ulysses, ring, ref)
+    for tp, ulysses, ring, sp in layouts:
+        _check_layout(tp, ulysses, ring, sp, ref)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Loss parity gate: DP=4 vs U2xR2 vs U1xR4 vs U4xR1 vs TP2xU2 train the same loss curve.
+"""Loss parity gate: DP=4 vs U2xR2 vs U1xR4 vs U4xR1 vs TP2xU2 (without and with Megatron
+sequence parallelism) train the same loss curve.
 
 A tiny Llama-style model (RMSNorm, SwiGLU, RoPE, GQA 4 query heads / 2 KV heads, untied
 output layer, no biases) on the built-in default corpus, CPU float32, 4 gloo ranks, the
@@ -60,6 +61,10 @@ LAYOUTS = {
              "--overlap-grad-reduce", "--overlap-param-gather"],
     "tp2u2": ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
               "--micro-batch-size", "4", "--use-distributed-optimizer"],
+    # Norms, residuals and dropout on 16 of each CP rank's 32 tokens; the norm-weight
+    # gradients are summed over TP by finalize_model_grads.
+    "tp2u2sp": ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
+                "--sequence-parallel", "--micro-batch-size", "4"],
 }
 
 

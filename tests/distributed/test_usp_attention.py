@@ -394,8 +394,12 @@ def test_layer_spec_swaps_only_core_attention():
     assert core.params.get("overlap_chunks") is None      # auto unless a flag sets it
     mine = spec.submodules.self_attention.submodules
     theirs = upstream.submodules.self_attention.submodules
-    for field in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"):
+    for field in ("linear_qkv", "linear_proj"):
         assert getattr(mine, field) == getattr(theirs, field), field
+    # Norms are ours (megatron/usp/norms.py): same math, and they support --sequence-parallel.
+    from megatron.usp.norms import RMSNorm
+
+    assert mine.q_layernorm is RMSNorm and mine.k_layernorm is RMSNorm
     assert spec.submodules.mlp == upstream.submodules.mlp
     with pytest.raises(ValueError, match="--attention-backend 'cudnn'"):
         get_usp_gpt_layer_spec(attention_backend="cudnn")

@@ -121,6 +121,21 @@ def test_sequence_parallel_without_tp_is_dropped():
     assert _valid(["--sequence-parallel"]).sequence_parallel is False
     assert _valid(["--sequence-parallel", "--tensor-model-parallel-size", "2"]
                   ).sequence_parallel is True
+    # The --help says so (Megatron-LM's behaviour).
+    help_text = " ".join(build_parser().format_help().split())
+    assert "Silently off at TP = 1, as in Megatron-LM" in help_text
+
+
+def test_sequence_parallel_combines_with_usp():
+    args = _valid(["--sequence-parallel", "--tensor-model-parallel-size", "2",
+                   "--ulysses-degree", "2"])
+    assert args.sequence_parallel is True and args.context_parallel_size == 2
+    # Each CP rank's 64 / 2 = 32 tokens split over TP 2; 36 / 2 = 18 over TP 2 too.
+    assert _valid(["--sequence-parallel", "--tensor-model-parallel-size", "2",
+                   "--ring-degree", "2", "--seq-length", "36"]).sequence_parallel is True
+    # Without --sequence-parallel the split does not matter.
+    assert _valid(["--tensor-model-parallel-size", "4", "--seq-length", "66"]
+                  ).sequence_parallel is False
 
 
 def test_warmup_fraction():

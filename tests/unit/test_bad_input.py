@@ -58,6 +58,9 @@ BAD = [
     (["--overlap-param-gather"], 4, "--overlap-param-gather"),
     (["--max-position-embeddings", "32"], 4, "--max-position-embeddings"),
     (["--peak-tflops", "0"], 4, "--peak-tflops"),
+    # 2*U*R = 4 divides 68, but each CP rank's 34 tokens do not split over TP 4.
+    (["--tensor-model-parallel-size", "4", "--ulysses-degree", "2", "--num-attention-heads",
+      "8", "--sequence-parallel", "--seq-length", "68"], 8, "try --seq-length 64 or 72"),
 ]
 
 
@@ -107,9 +110,9 @@ def _bad_flags_on_ranks(rank, world_size):
         (["--num-attention-heads", "6", "--ulysses-degree", "4", "--hidden-size", "96"],
          USPConfigError, "--ulysses-degree"),
         (["--global-batch-size", "3"], ArgumentsError, "--global-batch-size"),
-        # Refused while the layer spec's norms cannot do Megatron sequence parallelism.
-        (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ArgumentsError,
-         "--sequence-parallel"),
+        # 65 tokens do not split over TP 2 (sequence parallelism).
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "65"],
+         ArgumentsError, "--sequence-parallel: the 65 tokens.*try --seq-length 64 or 66"),
     ):
         with pytest.raises(kind, match=flag):
             pretrain(parse_args(BASE + ["--num-workers", "0"] + extra))

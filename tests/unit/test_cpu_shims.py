@@ -31,7 +31,10 @@ def test_shims_are_named_and_idempotent():
                  "rope_utils.get_pos_emb_on_this_cp_rank",
                  "utils.GlobalMemoryBuffer.get_tensor",
                  "tensor_parallel.random.CudaRNGStatesTracker.add",
-                 "tensor_parallel.random.model_parallel_cuda_manual_seed"]:
+                 "tensor_parallel.random.model_parallel_cuda_manual_seed",
+                 "tensor_parallel.mappings._gather_along_first_dim",
+                 "tensor_parallel.mappings._reduce_scatter_along_first_dim",
+                 "optimizer.get_megatron_optimizer"]:
         assert name in first
     # Each shim names its upstream function in the module docstring.
     for name in first:
