@@ -46,6 +46,19 @@ def _degree(value: str):
     return out
 
 
+def _chunks(value: str):
+    """``--usp-overlap-chunks``: a positive integer or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        out = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither an integer nor 'auto'") from None
+    if out < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1 (1 turns the pipeline off)")
+    return out
+
+
 # --------------------------------------------------------------------------- parser
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default when it has a meaningful one (not None, not a switch)."""
@@ -133,6 +146,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="overlap the distributed optimizer's parameter all-gather with forward")
     g.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
                    help="local attention kernel of USP attention")
+    g.add_argument("--usp-overlap-chunks", type=_chunks, default="auto",
+                   help="head chunks pipelining USP's all-to-alls with attention: 1 (off), a "
+                        "divisor of the KV heads per Ulysses rank, or auto (2 when only one of "
+                        "U and R is > 1 and each chunk keeps >= 8 query heads per rank)")
     g.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="auto: CUDA when available, else CPU (gloo, float32)")
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
@@ -363,6 +380,24 @@ def _validate_model(args) -> None:
         raise ArgumentsError(f"--hidden-dropout {args.hidden_dropout} must be in [0, 1)")
 
 
+def _validate_overlap_chunks(args, cfg) -> None:
+    """``--usp-overlap-chunks`` must split the heads of each Ulysses rank into whole KV heads."""
+    chunks = getattr(args, "usp_overlap_chunks", "auto")
+    if chunks == "auto":
+        return
+    from megatron.usp.attention import resolve_overlap_chunks
+
+    tp = cfg.tensor_model_parallel_size
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    try:
+        resolve_overlap_chunks(args.num_attention_heads // tp, max(1, groups // tp),
+                               cfg.ulysses_degree, cfg.ring_degree, requested=chunks)
+    except ValueError as exc:
+        raise ArgumentsError(
+            str(exc).replace("overlap_chunks=", "--usp-overlap-chunks ", 1)
+            .replace("(or None for auto)", "(or auto)")) from None
+
+
 def _validate_parallel(args, world_size: int) -> None:
     auto = [f for f, v in (("--ulysses-degree", args.ulysses_degree),
                            ("--ring-degree", args.ring_degree)) if v == "auto"]
@@ -379,6 +414,7 @@ def _validate_parallel(args, world_size: int) -> None:
     args.context_parallel_size = cfg.cp_size
     args.data_parallel_size = cfg.data_parallel_size(world_size)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _validate_overlap_chunks(args, cfg)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split
     if args.sequence_parallel:

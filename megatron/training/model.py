@@ -100,8 +100,10 @@ def build_gpt_model(args, config, groups: USPGroups):
     from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
     pp_rank, pre_process, post_process = _pipeline_stage(groups)
+    chunks = getattr(args, "usp_overlap_chunks", "auto")
     spec = get_usp_gpt_block_spec(config, pp_rank=pp_rank,
-                                  attention_backend=args.attention_backend)
+                                  attention_backend=args.attention_backend,
+                                  overlap_chunks=None if chunks == "auto" else chunks)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -36,8 +36,14 @@ from megatron.usp.kernels import BACKEND_NAMES
 from megatron.usp.norms import norm_class
 
 
-def usp_core_attention_spec(attention_backend: str = "auto") -> ModuleSpec:
-    """``ModuleSpec`` of :class:`megatron.usp.attention.USPAttention` with the given backend."""
+def usp_core_attention_spec(attention_backend: str = "auto",
+                            overlap_chunks: Optional[int] = None) -> ModuleSpec:
+    """``ModuleSpec`` of :class:`megatron.usp.attention.USPAttention` with the given backend.
+
+    ``overlap_chunks`` (``--usp-overlap-chunks``): head chunks of the all-to-all/attention
+    pipeline; ``None`` lets USP attention choose (auto). It is checked against the heads when
+    the layer is built, so a bad value fails at start-up.
+    """
     from megatron.usp.attention import USPAttention
 
     if attention_backend not in BACKEND_NAMES:
@@ -45,13 +51,17 @@ def usp_core_attention_spec(attention_backend: str = "auto") -> ModuleSpec:
             f"--attention-backend {attention_backend!r} is not known; choose one of "
             f"{list(BACKEND_NAMES)}"
         )
-    return ModuleSpec(module=USPAttention, params={"attention_backend": attention_backend})
+    params = {"attention_backend": attention_backend}
+    if overlap_chunks is not None:
+        params["overlap_chunks"] = overlap_chunks
+    return ModuleSpec(module=USPAttention, params=params)
 
 
 def get_usp_gpt_layer_spec(
     attention_backend: str = "auto",
     qk_layernorm: bool = False,
     normalization: str = "RMSNorm",
+    overlap_chunks: Optional[int] = None,
 ) -> ModuleSpec:
     """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
     norms of :mod:`megatron.usp.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
@@ -65,6 +75,7 @@ def get_usp_gpt_layer_spec(
             fails at model construction with the ``pip install`` command to run.
         qk_layernorm: normalise queries and keys per head (``TransformerConfig.qk_layernorm``).
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
+        overlap_chunks: as for :func:`usp_core_attention_spec`.
     """
     norm = norm_class(normalization)
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
@@ -78,7 +89,8 @@ def get_usp_gpt_layer_spec(
             f"TransformerLayerSubmodules / SelfAttentionSubmodules")
     attn_norms = dict(q_layernorm=norm, k_layernorm=norm) if qk_layernorm else {}
     attn.submodules = dataclasses.replace(
-        attn.submodules, core_attention=usp_core_attention_spec(attention_backend), **attn_norms
+        attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks),
+        **attn_norms
     )
     spec.submodules = dataclasses.replace(layer, input_layernorm=norm, pre_mlp_layernorm=norm)
     return spec
@@ -89,6 +101,7 @@ def get_usp_gpt_block_spec(
     pp_rank: int,
     attention_backend: str = "auto",
     vp_stage: Optional[int] = None,
+    overlap_chunks: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
     """Decoder-block spec of one pipeline stage: its layers and the final norm, both USP's.
 
@@ -103,9 +116,11 @@ def get_usp_gpt_block_spec(
             ``vp_stage`` it decides how many layers this stage builds.
         attention_backend: as for :func:`get_usp_gpt_layer_spec`.
         vp_stage: virtual pipeline stage, or None.
+        overlap_chunks: as for :func:`usp_core_attention_spec`.
     """
     layer = get_usp_gpt_layer_spec(attention_backend, qk_layernorm=config.qk_layernorm,
-                                   normalization=config.normalization)
+                                   normalization=config.normalization,
+                                   overlap_chunks=overlap_chunks)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=norm_class(config.normalization))

@@ -213,3 +213,25 @@ def test_auto_layout_trains(dist_run):
     """pretrain() with 'auto' degrees asks the planner on every rank (deterministically the
     same answer, no communication), then trains under the chosen layout."""
     dist_run(_train_with_auto_layout, 4, timeout=180)
+
+
+def test_usp_overlap_chunks_flag_reaches_the_layer_spec():
+    from megatron.usp.layer_specs import get_usp_gpt_layer_spec
+
+    assert parse_args(BASE).usp_overlap_chunks == "auto"
+    assert parse_args(BASE + ["--usp-overlap-chunks", "2"]).usp_overlap_chunks == 2
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            parse_args(BASE + ["--usp-overlap-chunks", bad])
+    core = get_usp_gpt_layer_spec(overlap_chunks=2).submodules.self_attention.submodules
+    assert core.core_attention.params["overlap_chunks"] == 2
+    auto = get_usp_gpt_layer_spec().submodules.self_attention.submodules
+    assert "overlap_chunks" not in auto.core_attention.params
+
+
+def test_usp_overlap_chunks_checked_against_the_heads_at_start_up():
+    from megatron.training.arguments import ArgumentsError
+
+    with pytest.raises(ArgumentsError) as e:
+        _valid(["--usp-overlap-chunks", "3"])
+    assert "--usp-overlap-chunks 3" in str(e.value) and "choose one of" in str(e.value)
