@@ -252,9 +252,9 @@ def test_ring_step_volume_is_the_kv_block_a_ring_rank_holds():
     assert fwd == 2 * kv_block * 2
     assert bwd == kv_block * (2 * 2 + 2 * 4)   # K, V again + fp32 dK, dV
     # ... and the accumulator's R-th hop home (megatron/usp/ring_attention.py).
-    assert cm.ring_last_hop_bytes(model, lay, sh, cm.DEFAULT_ASSUMPTIONS) == 2 * kv_block * 4
+    assert cm.ring_last_hop_bytes(model, lay, sh, cm.DEFAULT_ASSUMPTIONS) == 2 * kv_block * 2  # bf16 last hop
     e = estimate(Workload(model, s, 8, 8), replace(lay, dp=1, zero_stage=1), get_hardware("h100"))
-    assert e.volumes["ring_p2p"] == model.num_layers * (3 * (fwd + bwd) + 2 * kv_block * 4)
+    assert e.volumes["ring_p2p"] == model.num_layers * (3 * (fwd + bwd) + 2 * kv_block * 2)
     assert cm.ring_step_bytes(model, Layout(1, 8, 1, 1, 1), sh, cm.DEFAULT_ASSUMPTIONS) == (0, 0)
 
 

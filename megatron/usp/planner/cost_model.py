@@ -351,10 +351,12 @@ def ring_step_bytes(model: ModelSpec, layout: Layout, sh: RankShapes,
 
 def ring_last_hop_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
     """The R-th hop of the dK/dV accumulator after the last backward step: ``2 * n*kv_u*d``
-    elements of ``ring_dkv_bytes``; nothing is left to overlap it with."""
+    elements. The sum is final by then, so megatron/usp/ring_attention.py casts it to the
+    activation dtype before sending (``act_bytes``, not ``ring_dkv_bytes``); nothing is left
+    to overlap it with."""
     if layout.ring == 1:
         return 0.0
-    return 2 * sh.n * sh.kv_u * model.head_dim * a.ring_dkv_bytes
+    return 2 * sh.n * sh.kv_u * model.head_dim * a.act_bytes
 
 
 def tp_collective_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
