@@ -246,8 +246,9 @@ def peak_memory_gib(fn, device) -> float:
 
 def fwd_bwd_flops(cfg: CheckConfig, seq_len: int, heads: int) -> float:
     """4*b*h*S^2*d forward (halved causal), times 3.5 for forward + backward."""
-    fwd = 4.0 * cfg.batch * heads * seq_len * seq_len * cfg.head_dim
-    return 3.5 * (fwd / 2 if cfg.causal else fwd)
+    from megatron.usp.bench.flops import attention_fwd_bwd_flops
+
+    return attention_fwd_bwd_flops(cfg.batch, heads, seq_len, cfg.head_dim, cfg.causal)
 
 
 # --------------------------------------------------------------------------- one case

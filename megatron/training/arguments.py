@@ -48,13 +48,8 @@ def _degree(value: str):
 
 def _chunks(value: str):
     """``--usp-overlap-chunks``: a positive integer or ``auto``."""
-    if value == "auto":
-        return value
-    try:
-        out = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither an integer nor 'auto'") from None
-    if out < 1:
+    out = _degree(value)
+    if out != "auto" and out < 1:
         raise argparse.ArgumentTypeError(f"{value!r} must be >= 1 (1 turns the pipeline off)")
     return out
 
