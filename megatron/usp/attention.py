@@ -27,10 +27,11 @@ all-to-all of chunk g-1 are in flight; only chunk 0's input and chunk G-1's outp
 are exposed. Backward, the mirror image: the dOut all-to-all of chunk g+1 and the dQ/dK/dV
 all-to-all of chunk g-1 run while chunk g's backward computes. With R > 1 the ring's last
 dK/dV hop of chunk g (see :mod:`megatron.usp.ring_attention`) is left in flight across chunk
-g+1's backward instead, and chunk g's dQ/dK/dV all-to-all, which needs it, overlaps chunk
-g+2's: one more exposed all-to-all (the last two chunks' are) for one hidden ring hop, the
-better trade whenever the ring link is not faster than the Ulysses link (U = 1: no all-to-all
-at all; U x R: the ring usually spans nodes). Every transfer is issued with
+g+1's backward, and chunk g's gradients go home in two all-to-alls: dQ at once (overlapping
+chunk g+1's backward, as without a ring), dK/dV, which need that hop, one chunk later
+(overlapping chunk g+2's): one more exposed all-to-all (the last chunk's dK/dV) for one hidden
+ring hop, the better trade whenever the ring link is not faster than the Ulysses link (U = 1:
+no all-to-all at all; U x R: the ring usually spans nodes). Every transfer is issued with
 ``async_op=True`` *before* the compute it should overlap is queued: on CUDA, NCCL's stream
 then waits only for the work queued so far (the packing copy), and ``wait()`` makes the
 compute stream wait only where the data is needed. G = 1 is the plain sequence (all-to-all,
@@ -196,18 +197,10 @@ def usp_attention_forward(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule
     return out, saved
 
 
-def _send_grads_home(chunk: int, grads: RingGrads, outgoing: Optional[PendingAllToAll],
-                     dests: Sequence[Tensor], sched: USPSchedule) -> PendingAllToAll:
-    """Start chunk ``chunk``'s dQ/dK/dV all-to-all into ``dests`` = (dq, dk, dv) [s, b, *, d].
-
-    Waits for the ring's last dK/dV hop of this chunk and for the previous chunk's transfer
-    (which keeps at most one gradient all-to-all in flight).
-    """
-    dk_h, dv_h = grads.dkv()
-    if outgoing is not None:
-        outgoing.wait()
-    return start_heads_to_seq((grads.dq, dk_h, dv_h), (1, sched.kv_rep, sched.kv_rep),
-                              sched.ulysses, dests, chunk, sched.chunks)
+def _wait_all(transfers: List[PendingAllToAll]) -> None:
+    for transfer in transfers:
+        transfer.wait()
+    transfers.clear()
 
 
 def usp_attention_backward(dout: Tensor, saved: Sequence[SavedChunk], kv_shape: torch.Size,
@@ -220,30 +213,45 @@ def usp_attention_backward(dout: Tensor, saved: Sequence[SavedChunk], kv_shape: 
         kv_shape: k's shape [s, b, hk, d].
     Returns:
         dq [s, b, h, d], dk, dv [s, b, hk, d], contiguous, dout's dtype (= q's = k's).
-    Communication: per chunk one dOut and one dQ/dK/dV all-to-all over the Ulysses group, and
-    the ring backward's messages, each 1/G of the unchunked volume.
+    Communication: per chunk one dOut all-to-all and the gradients' all-to-all over the
+    Ulysses group (dQ, dK, dV in one; with a ring dQ in one and dK/dV in another), and the ring
+    backward's messages, each 1/G of the unchunked volume.
     """
-    G = sched.chunks
+    G, rep = sched.chunks, sched.kv_rep
     dq = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)
     dk, dv = (torch.empty(kv_shape, dtype=dout.dtype, device=dout.device) for _ in range(2))
-    # With a ring, chunk g's last dK/dV hop is hidden behind chunk g+1's backward: its
-    # gradients go home one chunk later.
-    lag = 1 if sched.ring.size > 1 else 0
+    # With a ring, chunk g's last dK/dV hop is hidden behind chunk g+1's backward: dQ goes
+    # home at once, dK/dV one chunk later (so only they, not dQ, wait through that chunk).
+    lagging = sched.ring.size > 1
     incoming = start_seq_to_heads((dout,), (1,), sched.ulysses, 0, G)
-    ring_done: List[Tuple[int, RingGrads]] = []
-    outgoing: Optional[PendingAllToAll] = None
+    held: Optional[Tuple[int, RingGrads]] = None   # chunk whose dK/dV are on their last hop
+    outgoing: List[PendingAllToAll] = []            # gradient transfers of the previous chunk
+
+    def send_home(chunk, grads, reps, dests):
+        outgoing.append(start_heads_to_seq(grads, reps, sched.ulysses, dests, chunk, G))
+
     for g in range(G):
         upcoming = start_seq_to_heads((dout,), (1,), sched.ulysses, g + 1, G) if g + 1 < G else None
         (dout_h,) = incoming.wait()                              # [b, h/(UG), S_r, d]
-        q_h, kv_h, out_h, lse = saved[g]
-        ring_done.append((g, ring_attention_backward(dout_h, q_h, kv_h, out_h, lse, sched.ring,
-                                                     sched.kernel, sched.causal, sched.scale)))
-        if len(ring_done) > lag:
-            outgoing = _send_grads_home(*ring_done.pop(0), outgoing, (dq, dk, dv), sched)
         incoming = upcoming
-    while ring_done:
-        outgoing = _send_grads_home(*ring_done.pop(0), outgoing, (dq, dk, dv), sched)
-    outgoing.wait()
+        q_h, kv_h, out_h, lse = saved[g]
+        grads = ring_attention_backward(dout_h, q_h, kv_h, out_h, lse, sched.ring,
+                                        sched.kernel, sched.causal, sched.scale)
+        del dout_h
+        # The previous chunk's transfers had this chunk's backward to hide behind.
+        _wait_all(outgoing)
+        if not lagging:
+            send_home(g, (grads.dq, *grads.dkv()), (1, rep, rep), (dq, dk, dv))
+            continue
+        if held is not None:
+            send_home(held[0], held[1].dkv(), (rep, rep), (dk, dv))
+        send_home(g, (grads.dq,), (1,), (dq,))
+        grads.dq = None
+        held = (g, grads)
+    _wait_all(outgoing)
+    if held is not None:
+        send_home(held[0], held[1].dkv(), (rep, rep), (dk, dv))
+        _wait_all(outgoing)
     return dq, dk, dv
 
 

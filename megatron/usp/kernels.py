@@ -124,12 +124,15 @@ def merge_block_(acc_out: Tensor, acc_lse: Tensor, block_out: Tensor, block_lse:
     Log-sum-exp rule: ``lse' = log(e^lse + e^block_lse)``,
     ``out' = e^(lse - lse') * out + e^(block_lse - lse') * block_out``. The two weights sum to
     one, so with ``w = e^(block_lse - lse')`` this is ``out' = out + w * (block_out - out)``: one
-    ``lerp_`` (PyTorch's lerp is accurate at both ends: w = 0 gives ``out``, w = 1 gives
+    ``lerp`` (PyTorch's lerp is accurate at both ends: w = 0 gives ``out``, w = 1 gives
     ``block_out`` exactly).
 
     Args:
-        acc_out: [b, h, s, d] float32 (float64) accumulator (may be a strided view), updated
-            in place.
+        acc_out: [b, h, s, d] accumulator (may be a strided view), updated in place. float32
+            (float64) accumulates in place; a bf16/fp16 accumulator is merged in float32 and
+            rounded once, so merging two blocks gives the bits a float32 accumulator rounded at
+            the end gives (what a ring of two uses, see
+            :func:`megatron.usp.ring_attention.ring_accum_dtype`).
         acc_lse: [b, h, s] float32 (float64) accumulator, updated in place.
         block_out: [b, h, s, d] any float dtype; its rows with ``block_lse = -inf`` are ignored
             (even if they hold NaN).
@@ -137,18 +140,37 @@ def merge_block_(acc_out: Tensor, acc_lse: Tensor, block_out: Tensor, block_lse:
 
     Rows masked in both inputs stay ``out = 0, lse = -inf``; no NaN is produced.
     Memory traffic: two passes over out-sized tensors (the NaN-safe selection of the block,
-    written in the accumulator dtype, then the lerp), plus lse-sized work.
+    then the lerp), plus lse-sized work. A low-precision accumulator is merged a few heads at a
+    time, so its float32 temporaries stay near ``MERGE_SLICE_ELEMENTS`` elements.
     """
     block_lse = block_lse.to(acc_lse.dtype)
     new_lse = torch.logaddexp(acc_lse, block_lse)
     # Shift by 0 where both are -inf so that the weight comes out exp(-inf) = 0, not NaN.
     shift = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)
     w_blk = torch.exp(block_lse - shift).unsqueeze(-1)
+    acc_lse.copy_(new_lse)
+    if acc_out.dtype == acc_lse.dtype:
+        _lerp_merge_(acc_out, block_out, w_blk)
+        return
+    heads = acc_out.shape[1]
+    per_head = max(1, acc_out[:, :1].numel())
+    step = max(1, min(heads, MERGE_SLICE_ELEMENTS // per_head))
+    for h0 in range(0, heads, step):
+        part = acc_out[:, h0:h0 + step]
+        wide = part.to(acc_lse.dtype)
+        _lerp_merge_(wide, block_out[:, h0:h0 + step], w_blk[:, h0:h0 + step])
+        part.copy_(wide)
+
+
+MERGE_SLICE_ELEMENTS = 1 << 25
+
+
+def _lerp_merge_(acc: Tensor, block: Tensor, w_blk: Tensor) -> None:
+    """``acc += w * (block - acc)`` in acc's dtype, skipping the block where ``w == 0``."""
     # Where the block has no weight take the accumulator itself: lerp then leaves the row
     # untouched, and a NaN in a fully masked block row never reaches it.
-    blk = torch.where(w_blk > 0, block_out, acc_out)
-    acc_out.lerp_(blk, w_blk)
-    acc_lse.copy_(new_lse)
+    blk = torch.where(w_blk > 0, block, acc)      # promotes a bf16 block to acc's dtype
+    acc.lerp_(blk, w_blk)
 
 
 def new_accumulators(like_out: Tensor) -> Tuple[Tensor, Tensor]:

@@ -47,8 +47,17 @@ of the accumulator dtype, 4 bytes for fp16/bf16/fp32 and 8 for fp64):
 
 Backward recomputes nothing of the forward but each block's attention probabilities inside
 the kernel's backward, using the saved final ``out`` and ``lse`` (see
-:mod:`megatron.usp.kernels`). dQ is accumulated locally in float32, dK/dV in the travelling
-float32 accumulator.
+:mod:`megatron.usp.kernels`). dQ is accumulated locally, dK/dV in the travelling accumulator.
+
+Accumulator precision (:func:`ring_accum_dtype`). With R > 2 the output, dQ and dK/dV
+accumulators are float32 (float64 for float64 inputs): a sum of up to R partial results is
+rounded once, at the end. With R = 2 every sum has exactly two terms (the local block and one
+remote block), and the sum of two bf16/fp16 values computed in float32 and rounded once is what
+a float32 accumulator rounded at the end gives too, bit for bit; so with R = 2 the accumulators
+keep the input dtype, computing each merge and addition in float32 (PyTorch's ``add_`` on
+bf16/fp16 does; :func:`megatron.usp.kernels.merge_block_` does for the output). That halves the
+ring's dK/dV traffic and removes the float32 copies of out, dQ, dK and dV from the peak memory;
+``tests/distributed/test_ring_attention.py`` checks the bits against float32 accumulators.
 
 Local memory traffic per step besides the kernel (elements of out-sized [b, hq, rows, d]
 tensors): the forward merge reads the block output and the accumulator and rewrites the
@@ -127,9 +136,24 @@ def _cols(kv: Tensor, plan: BlockPlan) -> Tensor:
     return kv[:, :, :, : kv.shape[3] // 2]
 
 
+# --------------------------------------------------------------------------- precision
+def ring_accum_dtype(dtype: torch.dtype, ring_size: int,
+                     force_wide: bool = False) -> torch.dtype:
+    """Dtype of the output / dQ / dK-dV accumulators for a ring of ``ring_size`` (module doc).
+
+    ``dtype`` itself when ``ring_size <= 2`` (every sum then has at most two terms, computed in
+    float32 and rounded once either way), else :func:`megatron.usp.kernels.accum_dtype`.
+    ``force_wide`` always returns the wide dtype (tests compare the two).
+    """
+    if ring_size <= 2 and not force_wide:
+        return dtype
+    return accum_dtype(dtype)
+
+
 # --------------------------------------------------------------------------- forward / backward
 def ring_attention_forward(
-    q: Tensor, kv: Tensor, comm: RingComm, kernel: AttentionKernel, causal: bool, scale: float
+    q: Tensor, kv: Tensor, comm: RingComm, kernel: AttentionKernel, causal: bool, scale: float,
+    acc_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Zigzag ring attention forward.
 
@@ -137,29 +161,35 @@ def ring_attention_forward(
         q: [b, hq, 2c, d] local queries in zigzag order.
         kv: [2, b, hk, 2c, d] contiguous local K and V (same order).
         comm: the Ring group's communicator (size 1: no communication).
+        acc_dtype: the output accumulator's dtype; default :func:`ring_accum_dtype`.
     Returns:
         out [b, hq, 2c, d] in q's dtype, lse [b, hq, 2c] float32 (float64 for float64 q).
     Communication: R-1 steps, each sending and receiving ``kv.numel()`` elements over the Ring
     group, overlapped with the step's block.
     """
     size = comm.size
-    acc = accum_dtype(q.dtype)
+    lse_dtype = accum_dtype(q.dtype)
     if size == 1:
         out, lse = kernel.forward(q, kv[0], kv[1], causal, scale)
-        return out, lse.to(acc)
+        return out, lse.to(lse_dtype)
+    acc = acc_dtype or ring_accum_dtype(q.dtype, size)
     kv_cur = kv
     for step in range(size):
         pending = _pass_kv_on(comm, kv_cur, step)
         plan = zigzag_block_plan(step, comm.rank, size, causal)
         kv_blk = _cols(kv_cur, plan)
         out_b, lse_b = kernel.forward(_rows(q, plan), kv_blk[0], kv_blk[1], plan.causal, scale)
+        del kv_blk
+        if pending is None:
+            kv_cur = None      # last step: the received K/V are used up, free them now
         if step == 0:
             # Step 0 covers every row and every row sees its own diagonal: start from it. The
             # kernel's outputs are fresh tensors, so they may become the accumulators (no copy
             # when they already have the accumulator dtype).
-            acc_out, acc_lse = out_b.to(acc), lse_b.to(acc)
+            acc_out, acc_lse = out_b.to(acc), lse_b.to(lse_dtype)
         else:
             merge_block_(_rows(acc_out, plan), _rows(acc_lse, plan), out_b, lse_b)
+        del out_b, lse_b
         if pending is not None:
             kv_cur = pending.wait()
     return acc_out.to(q.dtype), acc_lse
@@ -205,24 +235,25 @@ def _start_dkv_accumulator(dk: Tensor, dv: Tensor, acc: torch.dtype) -> Tensor:
 
 def ring_attention_backward(
     dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, comm: RingComm,
-    kernel: AttentionKernel, causal: bool, scale: float,
+    kernel: AttentionKernel, causal: bool, scale: float, acc_dtype: Optional[torch.dtype] = None,
 ) -> RingGrads:
     """Zigzag ring attention backward.
 
     Args:
         dout, q, out: [b, hq, 2c, d]; kv: [2, b, hk, 2c, d]; lse: [b, hq, 2c] (from forward).
+        acc_dtype: the dQ and dK/dV accumulators' dtype; default :func:`ring_accum_dtype`.
     Returns:
         :class:`RingGrads`: dq [b, hq, 2c, d] in q's dtype; ``dkv()`` gives dk, dv
         [b, hk, 2c, d] in kv's dtype once the last hop has arrived.
     Communication over the Ring group: R-1 K/V exchanges (``kv.numel()`` elements of kv's
     dtype per step) and R hops of the dK/dV accumulator (``kv.numel()`` elements each; the
-    first R-1 in float32 (float64), the last, still in flight on return, in kv's dtype).
+    first R-1 in the accumulator dtype, the last, still in flight on return, in kv's dtype).
     """
     size = comm.size
     if size == 1:
         dq, dk, dv = kernel.backward(dout, q, kv[0], kv[1], out, lse, causal, scale)
         return RingGrads(dq, dkv=(dk, dv))
-    acc = accum_dtype(q.dtype)
+    acc = acc_dtype or ring_accum_dtype(q.dtype, size)
     kv_cur = kv
     pending_dkv: Optional[PendingExchange] = None
     for step in range(size):
@@ -233,6 +264,11 @@ def ring_attention_backward(
             _rows(dout, plan), _rows(q, plan), kv_blk[0], kv_blk[1], _rows(out, plan),
             _rows(lse, plan), plan.causal, scale,
         )
+        del kv_blk
+        if pending_kv is None:
+            # Last step: the received K/V are used up. Freeing them before the dK/dV hop lets
+            # the caching allocator hand their memory to that hop's receive buffer.
+            kv_cur = None
         if step == 0:
             # Step 0 covers all rows and all of our own K/V: it starts both accumulators,
             # the dK/dV one on its journey round the ring.
@@ -245,6 +281,8 @@ def ring_attention_backward(
             dkv_blk = _cols(dkv_acc, plan)
             dkv_blk[0].add_(dk_b)
             dkv_blk[1].add_(dv_b)
+            del dkv_blk
+        del dq_b, dk_b, dv_b
         if step == size - 1:
             # Every share is in: the next hop only delivers the sum to its owner, who wants it
             # in kv's dtype. Casting before the send gives the same bits with half the bytes

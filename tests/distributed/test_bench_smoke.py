@@ -110,6 +110,38 @@ def test_bench_attention_script_under_torchrun(tmp_path):
         _ok_numbers(r)
 
 
+def test_bench_attention_chunk_sweep_and_profiles(tmp_path):
+    """--overlap-chunks times every valid G per split (invalid ones are reported as skipped)
+    and --profile-dir writes a kernel table and a Chrome trace per distributed case."""
+    out, prof = tmp_path / "r.json", tmp_path / "prof"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "tools/bench_attention.py", "--seq-lens", "64", "--heads", "4", "--kv-heads", "2",
+           "--head-dim", "8", "--dtype", "fp32", "--iters", "1", "--warmup", "0",
+           "--peers", "none", "--no-sdpa-anchor", "--no-single-gpu",
+           "--overlap-chunks", "auto,1,2", "--profile-dir", str(prof), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    got = [(r["label"], r["status"], r["overlap_chunks"]) for r in results]
+    # 2 KV heads: U2 leaves 1 KV head per rank (only G = 1); the ring of 2 can cut 2.
+    assert got == [
+        ("USP U2xR1 Gauto (pure Ulysses)", "ok", 1), ("USP U2xR1 G1 (pure Ulysses)", "ok", 1),
+        ("USP U2xR1 G2 (pure Ulysses)", "skipped", None),
+        ("USP U1xR2 Gauto (pure ring)", "ok", 1), ("USP U1xR2 G1 (pure ring)", "ok", 1),
+        ("USP U1xR2 G2 (pure ring)", "ok", 2)], got
+    assert "choose one of [1]" in results[2]["note"]
+    stems = sorted(p.name for p in prof.iterdir())
+    assert stems == sorted(f"64_USP_U{u}xR{r}_G{g}_pure_{kind}.{ext}"
+                           for u, r, kind, gs in ((2, 1, "Ulysses", ("auto", "1")),
+                                                  (1, 2, "ring", ("auto", "1", "2")))
+                           for g in gs for ext in ("txt", "json")), stems
+    table = (prof / "64_USP_U1xR2_G2_pure_ring.txt").read_text()
+    assert "wall" in table and "Self CPU" in table
+    json.loads((prof / "64_USP_U1xR2_G2_pure_ring.json").read_text())
+
+
 @pytest.mark.skipif(not (REPO / "pretrain_gpt.py").exists(),
                     reason="pretrain_gpt.py (issue 5) is not in this checkout yet")
 def test_bench_e2e_tiny_model_under_torchrun(tmp_path):

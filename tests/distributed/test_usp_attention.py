@@ -12,7 +12,7 @@ Tolerance: 1e-10 absolute and relative (float64; the orders of summation differ,
 
 Communication is counted too: no all-to-all when U = 1 and no ring exchange when R = 1; else
 exactly two all-to-alls each way and R-1 (forward) + R-1 (backward) K/V exchanges plus R
-dK/dV accumulator exchanges (R-1 in float, the last in the input dtype), with K/V messages
+dK/dV accumulator exchanges (R-1 in the accumulator dtype, the last in the input dtype), with K/V messages
 sized by the KV head count (never Q's); all of it per head chunk when the default
 ``overlap_chunks`` pipelines (``tests/distributed/test_usp_overlap.py`` covers chunking).
 
@@ -36,6 +36,7 @@ from megatron.usp import layout
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.config import USPParallelConfig
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+from megatron.usp.ring_attention import ring_accum_dtype
 
 TOL = dict(atol=1e-10, rtol=1e-10)
 NUM_HEADS = 8
@@ -142,22 +143,26 @@ def check_communication(comm, groups, q_l, k_l, chunks=1):
 
     With ``chunks`` = G head chunks every message is 1/G of the unchunked one and there are G
     times as many, so the total volume does not depend on G. The ring's dK/dV accumulator
-    travels R-1 hops in float32 (float64) and the last one in the inputs' dtype.
+    travels R-1 hops in the accumulator dtype (float32/float64 for R > 2, the inputs' own for
+    R = 2: ``ring_accum_dtype``) and the last one in the inputs' dtype.
     """
     ulysses, ring = groups.shape.ulysses, groups.shape.ring
     s, b, h, d = q_l.shape
     hk_sent = max(k_l.shape[2], ulysses)          # KV heads after replication (hk < U)
     if ulysses == 1:
         assert comm.a2a == []
-    else:   # forward: Q,K,V in one, output back; backward: the reverse two; per chunk
+    else:   # forward: Q,K,V in one, output back; backward: dOut in, then dQ/dK/dV back in
+        # one (no ring) or dQ and dK/dV in two (ring: dK/dV wait for the last hop); per chunk
         qkv, out = s * b * (h + 2 * hk_sent) * d, s * b * h * d
-        assert sorted(comm.a2a) == sorted([qkv // chunks, out // chunks] * 2 * chunks), comm.a2a
+        grads = [qkv] if ring == 1 else [out, qkv - out]
+        expected = [qkv, out, out] + grads
+        assert sorted(comm.a2a) == sorted([m // chunks for m in expected] * chunks), comm.a2a
         assert sum(comm.a2a) == 2 * (qkv + out)
     if ring == 1:
         assert comm.p2p == []
         return
     kv = 2 * b * (hk_sent // ulysses) * (ulysses * s) * d // chunks
-    acc = torch.float64 if q_l.dtype == torch.float64 else torch.float32
+    acc = ring_accum_dtype(q_l.dtype, ring)
 
     def msg(dtype):
         return [("isend", kv, dtype), ("irecv", kv, dtype)]
@@ -235,6 +240,41 @@ def _all_layouts(rank, world_size, layouts):
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_usp_attention_matches_single_device(dist_run, world_size):
     dist_run(_all_layouts, world_size, LAYOUTS[world_size], timeout=300)
+
+
+def _narrow_accumulators_bitwise(rank, world_size):
+    """R = 2, bf16: input-dtype accumulators give the bits float32 accumulators give."""
+    from megatron.usp.kernels import get_kernel
+    from megatron.usp.ring_attention import ring_attention_backward, ring_attention_forward
+    from megatron.usp.ring_comm import RingComm
+
+    groups = initialize_usp_parallel(USPParallelConfig(ring_degree=2))
+    comm, kernel = RingComm(groups.ring), get_kernel("auto")
+    assert ring_accum_dtype(torch.bfloat16, 2) == torch.bfloat16
+    assert ring_accum_dtype(torch.bfloat16, 3) == torch.float32
+    gen = torch.Generator().manual_seed(99 + rank)
+    b, hq, hk, s2, d = 2, 4, 2, 24, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+
+    q, kv, dout = rand(b, hq, s2, d), rand(2, b, hk, s2, d), rand(b, hq, s2, d)
+    for causal in (True, False):
+        runs = {}
+        for name, acc in (("narrow", None), ("wide", torch.float32)):
+            out, lse = ring_attention_forward(q, kv, comm, kernel, causal, 0.25, acc_dtype=acc)
+            grads = ring_attention_backward(dout, q, kv, out, lse, comm, kernel, causal, 0.25,
+                                            acc_dtype=acc)
+            runs[name] = (out, lse, grads.dq, *grads.dkv())
+        for field, a, w in zip(("out", "lse", "dq", "dk", "dv"), runs["narrow"], runs["wide"]):
+            assert a.dtype == w.dtype, (field, a.dtype, w.dtype)
+            assert torch.equal(a, w), f"causal={causal} {field}: {(a.float() - w.float()).abs().max()}"
+    destroy_usp_parallel()
+
+
+def test_ring_of_two_accumulates_in_input_dtype_bit_for_bit(dist_run):
+    """The R = 2 memory saving (``ring_accum_dtype``) changes no bit of out, lse, dq, dk, dv."""
+    dist_run(_narrow_accumulators_bitwise, 2, timeout=120)
 
 
 def test_case_matrix_covers_the_issue():

@@ -211,10 +211,18 @@ def check_overlap_schedule(groups, chunks, seq_len):
     a2a = [e[1:] for e in log.events if e[0] == "start" and e[1] == "a2a"]
     inputs = [t for t in a2a if t[1] < a2a_fwd and t[2] == qkv]      # forward, in chunk order
     outputs = [t for t in a2a if t[1] < a2a_fwd and t[2] == o]
-    douts = [t for t in a2a if t[1] >= a2a_fwd and t[2] == o]        # backward
-    grads = [t for t in a2a if t[1] >= a2a_fwd and t[2] == qkv]
-    assert len(a2a) == (4 * chunks if U > 1 else 0)
-    lag = 1 if R > 1 else 0
+    # Backward, issue order: dOut of chunk 0, then per chunk g the dOut of chunk g+1 and, with
+    # a ring, g's dQ (its dK/dV go one chunk later); without a ring g's dQ/dK/dV together.
+    backward_o = iter([t for t in a2a if t[1] >= a2a_fwd and t[2] == o])
+    douts, dqs = [next(backward_o, None)], []
+    for g in range(chunks):
+        if g + 1 < chunks:
+            douts.append(next(backward_o, None))
+        if R > 1:
+            dqs.append(next(backward_o, None))
+    grads = [t for t in a2a if t[1] >= a2a_fwd and t[2] == qkv]      # no ring: dQ/dK/dV
+    dkvs = [t for t in a2a if t[1] >= a2a_fwd and t[2] == qkv - o]   # ring: dK/dV
+    assert len(a2a) == ((4 if R == 1 else 5) * chunks if U > 1 else 0)
     for g in range(chunks):
         fwd, bwd = _kernel_span(fwd_events, "fwd", g, R), _kernel_span(bwd_events, "bwd", g, R)
         bwd = (bwd[0] + len(fwd_events), bwd[1] + len(fwd_events))
@@ -223,9 +231,12 @@ def check_overlap_schedule(groups, chunks, seq_len):
             _assert_overlaps(log.events, douts[g + 1], bwd, f"dOut of chunk {g + 1}")
         if U > 1 and g >= 1:
             _assert_overlaps(log.events, outputs[g - 1], fwd, f"output of chunk {g - 1}")
-        if U > 1 and g >= 1 + lag:
-            _assert_overlaps(log.events, grads[g - 1 - lag], bwd,
-                             f"dQ/dK/dV of chunk {g - 1 - lag}")
+        if U > 1 and R == 1 and g >= 1:
+            _assert_overlaps(log.events, grads[g - 1], bwd, f"dQ/dK/dV of chunk {g - 1}")
+        if U > 1 and R > 1 and g >= 1:
+            _assert_overlaps(log.events, dqs[g - 1], bwd, f"dQ of chunk {g - 1}")
+        if U > 1 and R > 1 and g >= 2:
+            _assert_overlaps(log.events, dkvs[g - 2], bwd, f"dK/dV of chunk {g - 2}")
         if R > 1 and g >= 1:
             # the backward issues 2R-1 exchanges per chunk; the last is the dK/dV hop home
             hop = ("p2p", p2p_fwd + (2 * R - 1) * g - 1)

@@ -6,6 +6,8 @@ One module per concern:
   Megatron-LM counts it) and MFU.
 * :mod:`~megatron.usp.bench.timing`: device-aware timing (CUDA events or ``perf_counter``),
   peak memory, freeing memory between cases.
+* :mod:`~megatron.usp.bench.profile`: torch.profiler captures written as a kernel table and a
+  Chrome trace (``--profile-dir`` of the attention bench, ``--profile`` of the training loop).
 * :mod:`~megatron.usp.bench.report`: run metadata (device, versions, date, command), JSON and
   markdown output.
 * :mod:`~megatron.usp.bench.native_cp`: the peer, PyTorch's native context parallel

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -48,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.usp.bench import native_cp, report, timing
+from megatron.usp.bench import native_cp, profile, report, timing
 from megatron.usp.bench.cli import BenchConfigError, parse_seq_lens, parse_splits, seq_label
 from megatron.usp.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, tflops_per_gpu
 from megatron.usp.config import USPConfigError, USPParallelConfig
@@ -88,6 +89,8 @@ class AttentionBenchConfig:
     seed: int = 1234
     out: Optional[str] = None
     markdown: Optional[str] = None
+    overlap_chunks: List[Optional[int]] = field(default_factory=lambda: [None])
+    profile_dir: Optional[str] = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -96,7 +99,31 @@ class AttentionBenchConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["splits"] = [f"{u}x{r}" for u, r in self.splits]
+        d["overlap_chunks"] = [chunks_label(g) for g in self.overlap_chunks]
         return d
+
+
+def chunks_label(requested: Optional[int]) -> str:
+    """``auto`` for None, else the number (``--overlap-chunks`` values)."""
+    return "auto" if requested is None else str(requested)
+
+
+def parse_overlap_chunks(text: str) -> List[Optional[int]]:
+    """``auto,1,2`` -> [None, 1, 2]; raises BenchConfigError naming --overlap-chunks."""
+    values: List[Optional[int]] = []
+    for item in (t.strip().lower() for t in text.split(",")):
+        if item == "auto":
+            value = None
+        elif item.isdigit() and int(item) >= 1:
+            value = int(item)
+        else:
+            raise BenchConfigError(f"--overlap-chunks {text!r}: each value is 'auto' or a "
+                                   f"positive integer; try --overlap-chunks auto,1,2")
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise BenchConfigError("--overlap-chunks is empty; try --overlap-chunks auto")
+    return values
 
 
 def all_splits(requested: Sequence[Tuple[int, int]], world: int) -> List[Tuple[int, int]]:
@@ -185,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time plain SDPA (cuDNN forced on CUDA) on rank 0")
     p.add_argument("--check", action="store_true",
                    help="compare outputs at the first length with the single-GPU kernel")
+    p.add_argument("--overlap-chunks", default="auto",
+                   help="USP head chunks G to time per split, e.g. auto,1,2,4 (values a split "
+                        "cannot use are reported as skipped)")
+    p.add_argument("--profile-dir", default=None,
+                   help="after timing each distributed case, profile one more forward+backward "
+                        "with torch.profiler: rank 0 writes a kernel table (.txt) and a Chrome "
+                        "trace (.json) per case here")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--markdown", default=None, help="markdown table file")
@@ -202,7 +236,8 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
         native_cp_rotate=[m.strip() for m in ns.native_cp_rotate.split(",") if m.strip()],
         native_cp_backend=ns.native_cp_backend, backend=ns.attention_backend,
         single_gpu=ns.single_gpu, sdpa_anchor=ns.sdpa_anchor, check=ns.check, seed=ns.seed,
-        out=ns.out, markdown=ns.markdown)
+        out=ns.out, markdown=ns.markdown, overlap_chunks=parse_overlap_chunks(ns.overlap_chunks),
+        profile_dir=ns.profile_dir)
 
 
 # --------------------------------------------------------------------------- results
@@ -217,6 +252,8 @@ class CaseResult:
     ulysses: Optional[int] = None
     ring: Optional[int] = None
     variant: Optional[str] = None    # native-cp rotate method, sdpa backend, kernel name
+    overlap_request: Optional[str] = None   # usp: --overlap-chunks value (auto or G)
+    overlap_chunks: Optional[int] = None    # usp: the head chunks G it ran with
     status: str = "ok"               # ok | oom | skipped | error
     note: Optional[str] = None
     fwd_ms: Optional[float] = None
@@ -257,7 +294,9 @@ def add_comparisons(results: List[CaseResult]) -> None:
     base = next((r for r in ok if r.method == "single-gpu-kernel"), None)
     natives = [r for r in ok if r.method == "native-cp"]
     best_native = min(natives, key=lambda r: r.fwd_bwd_ms) if natives else None
-    pure_u = next((r for r in ok if r.method == "usp" and r.ring == 1), None)
+    pure_us = [r for r in ok if r.method == "usp" and r.ring == 1]
+    pure_u = next((r for r in pure_us if r.overlap_request == "auto"),
+                  pure_us[0] if pure_us else None)
     for r in ok:
         if r.method in ("usp", "native-cp") and base is not None:
             r.efficiency = _ratio(r.fwd_bwd_tflops_per_gpu, base.fwd_bwd_tflops_per_gpu)
@@ -378,6 +417,14 @@ class _Sweep:
         res.peak_mem_gib = timing.peak_memory_gib(self.device)
         _fill_rates(res, cfg)
 
+    def _profile(self, res: CaseResult, fwd_bwd: Callable) -> None:
+        """``--profile-dir``: one more forward+backward under torch.profiler (all ranks)."""
+        if not self.cfg.profile_dir:
+            return
+        stem = f"{seq_label(res.seq_len)}_{re.sub(r'[^A-Za-z0-9]+', '_', res.label).strip('_')}"
+        profile.profile_call(fwd_bwd, self.device, self.cfg.profile_dir, stem,
+                             write=self.rank == 0)
+
     def _max_over_ranks(self, value: Optional[float]) -> Optional[float]:
         """MAX over all ranks (peak memory is per GPU: the fullest one counts); None on CPU."""
         if value is None:
@@ -457,13 +504,23 @@ class _Sweep:
         timing.barrier(None, self.device)
 
     # ---- all-rank cases
-    def usp(self, seq_len: int, split: Tuple[int, int]) -> CaseResult:
-        from megatron.usp.attention import usp_attention
+    def usp(self, seq_len: int, split: Tuple[int, int],
+            requested_chunks: Optional[int] = None) -> CaseResult:
+        from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 
         u, r = split
         kind = " (pure Ulysses)" if r == 1 else (" (pure ring)" if u == 1 else "")
-        res = CaseResult(seq_len, "usp", f"USP U{u}xR{r}{kind}", self.world, ulysses=u, ring=r,
-                         variant=self.cfg.backend)
+        sweep_g = len(self.cfg.overlap_chunks) > 1 or requested_chunks is not None
+        tag = f" G{chunks_label(requested_chunks)}" if sweep_g else ""
+        res = CaseResult(seq_len, "usp", f"USP U{u}xR{r}{tag}{kind}", self.world, ulysses=u,
+                         ring=r, variant=self.cfg.backend,
+                         overlap_request=chunks_label(requested_chunks))
+        try:
+            res.overlap_chunks = resolve_overlap_chunks(self.cfg.heads, self.cfg.kv_heads, u, r,
+                                                        requested_chunks)
+        except ValueError as exc:
+            res.status, res.note = "skipped", str(exc)
+            return res
         ulysses_group, ring_group = self.groups_for(split)
         x = global_inputs(self.cfg, seq_len, self.device)
         # [b, h, S, d] -> this rank's tokens (chunks c, 2N-1-c) -> megatron's [S/N, b, h, d]
@@ -475,13 +532,15 @@ class _Sweep:
 
         def fwd():
             return usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group,
-                                 causal=self.cfg.causal, backend=self.cfg.backend)
+                                 causal=self.cfg.causal, backend=self.cfg.backend,
+                                 overlap_chunks=res.overlap_chunks)
 
         def fwd_bwd():
             return torch.autograd.grad(fwd(), (q, k, v), loc["dout"])
 
         self._timed(res, fwd, fwd_bwd, distributed=True)
         res.peak_mem_gib = self._max_over_ranks(res.peak_mem_gib)
+        self._profile(res, fwd_bwd)
         if self.checking:
             with torch.no_grad():
                 out = fwd().permute(1, 2, 0, 3).contiguous()        # [b, h, S/N, d]
@@ -521,6 +580,7 @@ class _Sweep:
 
         self._timed(res, fwd, fwd_bwd, distributed=True)
         res.peak_mem_gib = self._max_over_ranks(res.peak_mem_gib)
+        self._profile(res, fwd_bwd)
         if cp.same_layout_as_usp is False:
             res.note = "peer's load-balanced layout differs from USP's"
         if self.checking:
@@ -570,7 +630,8 @@ def run_sweep(cfg: AttentionBenchConfig, device: torch.device, argv: Sequence[st
             cases.append(lambda s=seq_len: sweep.single_gpu_kernel(s))
         if cfg.sdpa_anchor:
             cases.append(lambda s=seq_len: sweep.sdpa(s))
-        cases += [lambda s=seq_len, sp=sp: sweep.usp(s, sp) for sp in splits]
+        cases += [lambda s=seq_len, sp=sp, g=g: sweep.usp(s, sp, g)
+                  for sp in splits for g in cfg.overlap_chunks]
         if "native-cp" in cfg.peers:
             cases += [lambda s=seq_len, m=m: sweep.native(s, m) for m in cfg.native_cp_rotate]
         length_results = []

@@ -1,0 +1,106 @@
+"""Summarise a Chrome trace written by ``--profile`` / ``--profile-dir`` (torch.profiler).
+
+What a per-phase profile needs, read from the device events of one rank's trace:
+
+* per stream: kernel count and busy time (the compute stream and NCCL's stream apart);
+* the compute stream (the busiest one): total idle gaps longer than ``min_gap_us`` and the
+  largest ones with their neighbours and position (exposed communication and CPU-bound
+  launches show up here);
+* device time by category: cuDNN attention forward / backward, NCCL, GEMMs, layout copies
+  (PyTorch's strided-copy kernel), other kernels.
+
+``python -m megatron.usp.bench.trace_summary TRACE.json [...]`` prints it; :func:`summarize`
+returns it as a dict (used by tests and by the docs' tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from typing import Dict, List, Optional, Sequence
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def category(name: str) -> str:
+    """Coarse class of a device kernel by its name."""
+    low = name.lower()
+    if "nccl" in low:
+        return "nccl"
+    if "bprop" in low or "attention_backward" in low or "flash_bwd" in low:
+        return "attention backward"
+    if "fprop" in low or "attention_forward" in low or "flash_fwd" in low:
+        return "attention forward"
+    if "gemm" in low or "nvjet" in low or "cutlass" in low or "sm90_xmma" in low:
+        return "gemm"
+    if name.startswith("void at::native::elementwise_kernel") or "memcpy" in low:
+        return "copy / strided elementwise"
+    return "other"
+
+
+def summarize(trace: dict, min_gap_us: float = 50.0, top: int = 8) -> Dict:
+    """Per-stream busy time, compute-stream gaps and time by category (module docstring)."""
+    events = [e for e in trace.get("traceEvents", [])
+              if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
+    if not events:
+        return {"span_ms": 0.0, "streams": {}, "gaps_ms": 0.0, "largest_gaps": [],
+                "by_category_ms": {}}
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e["dur"] for e in events)
+    streams: Dict[str, List[dict]] = {}
+    for e in events:
+        streams.setdefault(str(e.get("tid")), []).append(e)
+    busy = {tid: sum(e["dur"] for e in es) for tid, es in streams.items()}
+    compute_tid = max(busy, key=busy.get)
+    compute = sorted(streams[compute_tid], key=lambda e: e["ts"])
+    gaps = []
+    for a, b in zip(compute, compute[1:]):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap > min_gap_us:
+            gaps.append({"gap_us": gap, "at_ms": (a["ts"] + a["dur"] - t0) / 1e3,
+                         "after": a["name"][:60], "before": b["name"][:60]})
+    gaps.sort(key=lambda g: -g["gap_us"])
+    by_cat: Counter = Counter()
+    for e in events:
+        by_cat[category(e["name"])] += e["dur"]
+    return {
+        "span_ms": (t1 - t0) / 1e3,
+        "compute_stream": compute_tid,
+        "streams": {tid: {"kernels": len(streams[tid]), "busy_ms": busy[tid] / 1e3}
+                    for tid in streams},
+        "gaps_ms": sum(g["gap_us"] for g in gaps) / 1e3,
+        "largest_gaps": gaps[:top],
+        "by_category_ms": {k: v / 1e3 for k, v in by_cat.most_common()},
+    }
+
+
+def render(name: str, s: Dict) -> str:
+    lines = [f"{name}: device span {s['span_ms']:.2f} ms"]
+    for tid, st in s["streams"].items():
+        mark = " (compute)" if tid == s.get("compute_stream") else ""
+        lines.append(f"  stream {tid}{mark}: {st['kernels']} kernels, busy {st['busy_ms']:.2f} ms")
+    lines.append(f"  compute-stream idle gaps: {s['gaps_ms']:.2f} ms")
+    for g in s["largest_gaps"]:
+        lines.append(f"    {g['gap_us']:.0f} us at {g['at_ms']:.2f} ms: {g['after']} -> "
+                     f"{g['before']}")
+    lines.append("  device time by category:")
+    for k, v in s["by_category_ms"].items():
+        lines.append(f"    {k:<28} {v:9.2f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="trace_summary",
+                                description="Summarise torch.profiler Chrome traces.")
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--min-gap-us", type=float, default=50.0)
+    ns = p.parse_args(argv)
+    for path in ns.traces:
+        with open(path) as fh:
+            print(render(path, summarize(json.load(fh), ns.min_gap_us)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
