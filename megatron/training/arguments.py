@@ -2,9 +2,9 @@
 
 Every flag Megatron-LM has keeps Megatron-LM's name and meaning; Megatron-USP adds
 ``--ulysses-degree``, ``--ring-degree`` (integers or ``auto``), ``--attention-backend``,
-``--device``, ``--metrics-file``, ``--peak-tflops``, ``--skip-nan-steps`` and a few more,
-each documented in ``--help``. Deliberate differences from Megatron-LM, all visible in
-``--help``:
+``--device``, ``--metrics-file``, ``--peak-tflops``, ``--skip-nan-steps``,
+``--fused-linear-cross-entropy`` and a few more, each documented in ``--help``. Deliberate
+differences from Megatron-LM, all visible in ``--help``:
 
 * ``--hidden-dropout`` and ``--attention-dropout`` default to 0 (USP attention has no
   attention dropout; Llama-style pretraining uses none).
@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence
 from megatron.usp.config import USPConfigError, USPParallelConfig
 from megatron.usp.kernels import BACKEND_NAMES
 
+DEFAULT_LOSS_CHUNK_TOKENS = 8192
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
@@ -221,6 +222,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                         "(default: stop with an error naming the iteration)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving with --save) when iteration %% N == 0")
+    g.add_argument("--fused-linear-cross-entropy", action="store_true",
+                   help="compute the output layer and the loss together over chunks of "
+                        "tokens, never holding full-sequence logits (nor their float32 copy)")
+    g.add_argument("--linear-cross-entropy-chunk-tokens", type=int, default=None, metavar="N",
+                   help="tokens per chunk of --fused-linear-cross-entropy, >= 1 (default "
+                        f"{DEFAULT_LOSS_CHUNK_TOKENS}); each chunk holds about N * V/TP * 10 "
+                        "bytes of logits")
 
 
 def _add_lr_args(parser: argparse.ArgumentParser) -> None:
@@ -279,6 +287,19 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak TFLOP/s per device for MFU; default from the GPU "
                         "name (H100/H200 989, A100/A800 312, L20 119.5, ...); CPU: MFU n/a")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations --profile-step-start to --profile-step-end - 1 "
+                        "with torch.profiler on --profile-ranks: a kernel table (.txt) and a "
+                        "Chrome trace (.json) per rank in --profile-dir")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="first profiled iteration (1-based, as logged)")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="profiling stops before this iteration")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0],
+                   help="global ranks to profile")
+    g.add_argument("--profile-dir", default=None,
+                   help="where --profile writes; default TENSORBOARD_DIR/profile, else "
+                        "./profile")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -485,6 +506,25 @@ def _validate_training(args) -> None:
             raise ArgumentsError(f"--{name.replace('_', '-')} {getattr(args, name)} must be "
                                  f"in [0, 1)")
     _validate_recompute(args)
+    _validate_fused_loss(args)
+
+
+def _validate_fused_loss(args) -> None:
+    """``--linear-cross-entropy-chunk-tokens`` belongs to ``--fused-linear-cross-entropy``."""
+    chunk = args.linear_cross_entropy_chunk_tokens
+    if not args.fused_linear_cross_entropy:
+        if chunk is not None:
+            raise ArgumentsError(
+                f"--linear-cross-entropy-chunk-tokens {chunk} has no effect without "
+                f"--fused-linear-cross-entropy; add --fused-linear-cross-entropy (or drop "
+                f"--linear-cross-entropy-chunk-tokens)")
+        return
+    if chunk is None:
+        args.linear_cross_entropy_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS
+    elif chunk < 1:
+        raise ArgumentsError(
+            f"--linear-cross-entropy-chunk-tokens {chunk} must be >= 1, e.g. "
+            f"--linear-cross-entropy-chunk-tokens {DEFAULT_LOSS_CHUNK_TOKENS}")
 
 
 def _validate_recompute(args) -> None:
@@ -537,11 +577,32 @@ def _validate_checkpointing(args) -> None:
         raise ArgumentsError("--finetune needs --load DIR (the weights to start from)")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise ArgumentsError(f"--peak-tflops {args.peak_tflops} must be > 0")
+    _validate_profiling(args)
     if args.metrics_file is None:
         if args.tensorboard_dir:
             args.metrics_file = os.path.join(args.tensorboard_dir, "metrics.jsonl")
         elif args.save:
             args.metrics_file = os.path.join(args.save, "metrics.jsonl")
+
+
+def _validate_profiling(args) -> None:
+    if not args.profile:
+        return
+    start, end = args.profile_step_start, args.profile_step_end
+    if start < 1 or end <= start:
+        raise ArgumentsError(
+            f"--profile-step-start {start} / --profile-step-end {end}: need 1 <= start < end, "
+            f"e.g. --profile-step-start {max(1, start)} --profile-step-end {max(1, start) + 2}")
+    if start > args.train_iters:
+        raise ArgumentsError(f"--profile-step-start {start} is after --train-iters "
+                             f"{args.train_iters}; pick a start <= {args.train_iters}")
+    bad = [r for r in args.profile_ranks if not 0 <= r < args.world_size]
+    if bad:
+        raise ArgumentsError(f"--profile-ranks {' '.join(map(str, bad))}: ranks run from 0 to "
+                             f"{args.world_size - 1}; e.g. --profile-ranks 0")
+    if args.profile_dir is None:
+        args.profile_dir = (os.path.join(args.tensorboard_dir, "profile")
+                            if args.tensorboard_dir else "profile")
 
 
 def _validate_device(args, cuda_available: bool) -> None:

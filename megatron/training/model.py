@@ -94,7 +94,13 @@ def _pipeline_stage(groups: USPGroups):
 
 
 def build_gpt_model(args, config, groups: USPGroups):
-    """This pipeline stage's ``GPTModel`` (unwrapped), on ``args.device``."""
+    """This pipeline stage's ``GPTModel`` (unwrapped), on ``args.device``.
+
+    With ``--fused-linear-cross-entropy`` it is a
+    :class:`~megatron.training.fused_loss_model.FusedLossGPTModel`: the same model whose
+    last stage computes the output layer and the loss together over chunks of
+    ``--linear-cross-entropy-chunk-tokens`` tokens.
+    """
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron.usp.layer_specs import get_usp_gpt_block_spec
@@ -104,7 +110,13 @@ def build_gpt_model(args, config, groups: USPGroups):
     spec = get_usp_gpt_block_spec(config, pp_rank=pp_rank,
                                   attention_backend=args.attention_backend,
                                   overlap_chunks=None if chunks == "auto" else chunks)
-    model = GPTModel(
+    model_class, loss_kwargs = GPTModel, {}
+    if getattr(args, "fused_linear_cross_entropy", False):
+        from megatron.training.fused_loss_model import FusedLossGPTModel
+
+        model_class = FusedLossGPTModel
+        loss_kwargs = {"loss_chunk_tokens": args.linear_cross_entropy_chunk_tokens}
+    model = model_class(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
@@ -117,6 +129,7 @@ def build_gpt_model(args, config, groups: USPGroups):
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         pg_collection=groups.pg_collection,
+        **loss_kwargs,
     )
     return model.to(torch.device(args.device, torch.cuda.current_device())
                     if args.device == "cuda" else torch.device("cpu"))

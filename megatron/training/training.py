@@ -57,6 +57,7 @@ from megatron.training.metrics import (
     peak_tflops_for_device,
 )
 from megatron.training.model import build_model, count_parameters
+from megatron.training.profiling import StepProfiler
 from megatron.usp.parallel_state import USPGroups
 
 logger = logging.getLogger(__name__)
@@ -306,6 +307,8 @@ class _Loop:
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.step_fn, self.writer, self.result = step_fn, writer, result
         self.sigterm = SigtermFlag()
+        self.profiler = StepProfiler(args, rt.rank, rt.device)
+        self._profile_logged = False
 
     def _save(self) -> None:
         with params_in_sync(self.args, self.model):
@@ -317,10 +320,16 @@ class _Loop:
     def _one_iteration(self, train_iter) -> None:
         args, st = self.args, self.state
         it = st.iteration + 1
+        self.profiler.before(it)
         t0 = time.perf_counter()
         loss, grad_norm, skipped = train_step(args, self.rt, self.step_fn, train_iter,
                                               self.model, self.optimizer, it)
         step_time = time.perf_counter() - t0
+        self.profiler.after(it)
+        if self.profiler.written and not self._profile_logged:
+            self._profile_logged = True
+            print(f"rank {self.rt.rank}: profile of iterations {self.profiler.start}-"
+                  f"{it} written to {self.profiler.written}.txt/.json", flush=True)
         st.iteration = it
         st.consumed_train_samples += args.global_batch_size
         if skipped:
@@ -375,6 +384,7 @@ class _Loop:
                 self._save()
             return self.result
         finally:
+            self.profiler.close()
             self.sigterm.restore()
 
 

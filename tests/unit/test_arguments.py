@@ -38,7 +38,8 @@ MEGATRON_FLAGS = [
     ("--seed", "42"), ("--tensorboard-dir", "/tb"),
 ]
 OURS = ["--ulysses-degree", "--ring-degree", "--attention-backend", "--metrics-file",
-        "--peak-tflops", "--skip-nan-steps", "--device"]
+        "--peak-tflops", "--skip-nan-steps", "--device", "--fused-linear-cross-entropy",
+        "--linear-cross-entropy-chunk-tokens"]
 GROUPS = ["model", "parallelism", "data", "training", "learning rate", "checkpointing",
           "logging"]
 
@@ -235,3 +236,45 @@ def test_usp_overlap_chunks_checked_against_the_heads_at_start_up():
     with pytest.raises(ArgumentsError) as e:
         _valid(["--usp-overlap-chunks", "3"])
     assert "--usp-overlap-chunks 3" in str(e.value) and "choose one of" in str(e.value)
+
+
+def test_fused_linear_cross_entropy_flags():
+    """Off by default; on, the chunk defaults to 8192 tokens or takes the given count, and
+    validation stays idempotent."""
+    args = _valid([])
+    assert args.fused_linear_cross_entropy is False
+    assert args.linear_cross_entropy_chunk_tokens is None
+    args = _valid(["--fused-linear-cross-entropy"])
+    assert args.fused_linear_cross_entropy is True
+    assert args.linear_cross_entropy_chunk_tokens == 8192
+    before = dict(vars(args))
+    validate_args(args, 4, cuda_available=False)
+    assert vars(args) == before
+    for chunk in ("1", "3", "100000"):
+        args = _valid(["--fused-linear-cross-entropy", "--linear-cross-entropy-chunk-tokens",
+                       chunk, "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+        assert args.linear_cross_entropy_chunk_tokens == int(chunk)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--fused-linear-cross-entropy", "--linear-cross-entropy-chunk-tokens", "0"],
+     "--linear-cross-entropy-chunk-tokens 0 must be >= 1, e.g. "
+     "--linear-cross-entropy-chunk-tokens 8192"),
+    (["--fused-linear-cross-entropy", "--linear-cross-entropy-chunk-tokens", "-5"],
+     "--linear-cross-entropy-chunk-tokens -5 must be >= 1"),
+    (["--linear-cross-entropy-chunk-tokens", "4096"],
+     "--linear-cross-entropy-chunk-tokens 4096 has no effect without "
+     "--fused-linear-cross-entropy; add --fused-linear-cross-entropy"),
+])
+def test_fused_linear_cross_entropy_bad_values(extra, match):
+    from megatron.training.arguments import ArgumentsError
+
+    with pytest.raises(ArgumentsError, match=match):
+        _valid(extra)
+
+
+def test_fused_linear_cross_entropy_chunk_needs_an_integer(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--fused-linear-cross-entropy",
+                           "--linear-cross-entropy-chunk-tokens", "8k"])
+    assert "--linear-cross-entropy-chunk-tokens: invalid int value" in capsys.readouterr().err

@@ -237,6 +237,16 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     assert args.metrics_file == "/tmp/m.jsonl" and args.train_iters == 5
     assert args.bf16 is (device == "cuda") and args.use_distributed_optimizer is (device == "cuda")
     assert (args.recompute_granularity == "full") is (recompute == "full")
+    # the chunked output-layer loss (no full-sequence logits), for throughput and max length
+    assert args.fused_linear_cross_entropy and args.linear_cross_entropy_chunk_tokens == 8192
+
+
+def test_only_presets_that_ask_use_the_fused_loss():
+    assert "--fused-linear-cross-entropy" in e2e.model_flags(e2e.MODELS["llama-0.85b"])
+    assert "--fused-linear-cross-entropy" not in e2e.model_flags(e2e.MODELS["tiny"])
+    cfg = _e2e_cfg(find_max_seq=True, start_seq=131072)
+    assert "--fused-linear-cross-entropy" in e2e.pretrain_args(
+        cfg, e2e.RunSpec(131072, 1, 2, "full", 2), "m.jsonl")
 
 
 def test_launch_command_is_torchrun_of_pretrain_gpt():

@@ -78,6 +78,9 @@ class ModelPreset:
     kv_channels: int
     ffn_hidden_size: int
     vocab_size: int          # the embedding's rows: a multiple of 128 (no padding)
+    # --fused-linear-cross-entropy: the output layer and the loss over chunks of tokens,
+    # without full-sequence logits (at 256K tokens and V = 32000: 16 GiB bf16 + 31 GiB fp32)
+    fused_loss: bool = False
 
     def flops_shape(self, seq_len: int):
         """The training loop's FLOP-count shape (:mod:`megatron.training.metrics`)."""
@@ -94,7 +97,7 @@ MODELS: Dict[str, ModelPreset] = {
     # issue 6: 16 layers, hidden 2048, 16 heads of dim 128, 4 KV groups, FFN 5632, vocab 32000
     "llama-0.85b": ModelPreset(num_layers=16, hidden_size=2048, num_attention_heads=16,
                                num_query_groups=4, kv_channels=128, ffn_hidden_size=5632,
-                               vocab_size=32000),
+                               vocab_size=32000, fused_loss=True),
     # A few-second CPU smoke model with the same structure.
     "tiny": ModelPreset(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                         kv_channels=16, ffn_hidden_size=128, vocab_size=512),
@@ -204,7 +207,8 @@ def global_batch_size(cfg: E2EConfig, spec: RunSpec) -> int:
 
 
 def model_flags(shape: ModelPreset) -> List[str]:
-    """Megatron-LM flags of a Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, untied, no bias).
+    """Megatron-LM flags of a Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, untied, no bias),
+    plus ``--fused-linear-cross-entropy`` for the presets that set ``fused_loss``.
 
     ``--vocab-size`` is one less than the model's vocabulary: the NullTokenizer of
     ``--mock-data`` adds the end-of-document id, so the embedding has exactly
@@ -224,6 +228,8 @@ def model_flags(shape: ModelPreset) -> List[str]:
         flags += ["--group-query-attention", "--num-query-groups", str(shape.num_query_groups)]
     if shape.kv_channels * shape.num_attention_heads != shape.hidden_size:
         flags += ["--kv-channels", str(shape.kv_channels)]
+    if shape.fused_loss:
+        flags += ["--fused-linear-cross-entropy"]
     return flags
 
 
