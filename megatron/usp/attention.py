@@ -59,7 +59,8 @@ G all-to-alls per direction of 1/G each. Ring forward ``(R-1) * 2*b*(hk'/U)*(S/R
 ``(R-1)`` K/V-sized messages plus R dK/dV hops (R-1 in float32, the last in the input dtype);
 every ring message is split in G, one per chunk. Peak memory over plain Ulysses: the
 transfers of at most two chunks are in flight at a time (their buffers are 1/G of the
-unchunked ones), and the ring's float32 accumulators exist for one chunk at a time.
+unchunked ones), and the ring's accumulators (the input dtype for R = 2, float32 for R > 2,
+:func:`megatron.usp.ring_attention.ring_accum_dtype`) exist for one chunk at a time.
 """
 
 from __future__ import annotations

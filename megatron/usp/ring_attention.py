@@ -33,13 +33,15 @@ masked half being skipped), every causal step costs exactly 2 blocks on every ra
 non-causal step 4. ``tests/unit/test_ring_schedule.py`` checks this by counting pairs.
 
 Communication per rank and call (legend above; ``e`` the element size of q/kv, ``e_acc`` that
-of the accumulator dtype, 4 bytes for fp16/bf16/fp32 and 8 for fp64):
+of the accumulator dtype (:func:`ring_accum_dtype`): ``e`` for R = 2, else 4 bytes for
+fp16/bf16/fp32 and 8 for fp64):
 
 * forward: R-1 exchanges of ``kv``: ``2*b*hk*2c*d*e`` bytes sent and received per step, each
   started before the step's compute so it overlaps it.
 * backward: R-1 exchanges of ``kv`` (as forward) plus R hops of the travelling dK/dV
   accumulator, ``2*b*hk*2c*d`` elements each: the first R-1 hops in the accumulator dtype
-  (``e_acc``; every partial sum stays float32 while it collects the ranks' shares), the R-th
+  (``e_acc``; with R > 2 every partial sum stays float32 while it collects the ranks'
+  shares), the R-th
   hop, which only delivers the finished sum to the rank that owns its K/V, in kv's dtype
   (``e``: the owner would cast it on arrival anyway, so casting before sending gives the same
   bits at half the bytes for bf16). :func:`ring_attention_backward` returns with that last hop
@@ -57,12 +59,12 @@ a float32 accumulator rounded at the end gives too, bit for bit; so with R = 2 t
 keep the input dtype, computing each merge and addition in float32 (PyTorch's ``add_`` on
 bf16/fp16 does; :func:`megatron.usp.kernels.merge_block_` does for the output). That halves the
 ring's dK/dV traffic and removes the float32 copies of out, dQ, dK and dV from the peak memory;
-``tests/distributed/test_ring_attention.py`` checks the bits against float32 accumulators.
+``tests/distributed/test_usp_attention.py`` checks the bits against float32 accumulators.
 
 Local memory traffic per step besides the kernel (elements of out-sized [b, hq, rows, d]
 tensors): the forward merge reads the block output and the accumulator and rewrites the
 accumulator twice (:func:`megatron.usp.kernels.merge_block_`); the backward adds the block's
-dQ into the float32 dQ accumulator and dK/dV into the received accumulator, in place. The
+dQ into the dQ accumulator and dK/dV into the received accumulator, in place. The
 ``torch`` kernel makes its inputs contiguous, which copies the ``back`` query rows (q, out,
 dout, lse) and the ``front`` key columns (K, V) of the steps that use a half.
 """
@@ -151,9 +153,42 @@ def ring_accum_dtype(dtype: torch.dtype, ring_size: int,
 
 
 # --------------------------------------------------------------------------- forward / backward
+# A causal forward over at least this many local tokens (ring of one) is computed as three
+# half-size blocks (:func:`split_causal_forward`).
+SPLIT_CAUSAL_FORWARD_TOKENS = 128 * 1024
+
+
+def split_causal_forward(q: Tensor, kv: Tensor, kernel: AttentionKernel, scale: float
+                         ) -> Tuple[Tensor, Tensor]:
+    """Causal attention of q [b, h, S, d] on kv [2, b, hk, S, d] as three half-size blocks.
+
+    Front query half on front keys (causal), back half on front keys (no mask) and on back keys
+    (causal), the two back blocks merged by log-sum-exp (two terms: exact in the input dtype,
+    :func:`ring_accum_dtype`). Same FLOPs as one causal call. Why: cuDNN's causal forward
+    slows down on long sequences (H200, cuDNN 9.19, 32 heads: 614 TFLOP/s at 64K, 573 at 128K,
+    517 at 256K; ``docs/performance.md``), while half-length blocks keep the 64K rate; the
+    backward needs only the merged out and lse, so it stays one call.
+
+    Returns out [b, h, S, d] in q's dtype and lse [b, h, S] float32 (float64).
+    """
+    half = q.shape[2] // 2
+    front_q, back_q = q[:, :, :half], q[:, :, half:]
+    front_kv, back_kv = kv[:, :, :, :half], kv[:, :, :, half:]
+    out_f, lse_f = kernel.forward(front_q, front_kv[0], front_kv[1], True, scale)
+    out_b, lse_b = kernel.forward(back_q, front_kv[0], front_kv[1], False, scale)
+    lse_b = lse_b.to(accum_dtype(q.dtype))
+    diag_out, diag_lse = kernel.forward(back_q, back_kv[0], back_kv[1], True, scale)
+    merge_block_(out_b, lse_b, diag_out, diag_lse)
+    del diag_out, diag_lse
+    out = torch.cat([out_f, out_b], dim=2)
+    lse = torch.cat([lse_f.to(lse_b.dtype), lse_b], dim=2)
+    return out, lse
+
+
 def ring_attention_forward(
     q: Tensor, kv: Tensor, comm: RingComm, kernel: AttentionKernel, causal: bool, scale: float,
     acc_dtype: Optional[torch.dtype] = None,
+    split_causal_tokens: int = SPLIT_CAUSAL_FORWARD_TOKENS,
 ) -> Tuple[Tensor, Tensor]:
     """Zigzag ring attention forward.
 
@@ -162,6 +197,8 @@ def ring_attention_forward(
         kv: [2, b, hk, 2c, d] contiguous local K and V (same order).
         comm: the Ring group's communicator (size 1: no communication).
         acc_dtype: the output accumulator's dtype; default :func:`ring_accum_dtype`.
+        split_causal_tokens: with a ring of one, a causal forward over at least this many
+            tokens runs as :func:`split_causal_forward`.
     Returns:
         out [b, hq, 2c, d] in q's dtype, lse [b, hq, 2c] float32 (float64 for float64 q).
     Communication: R-1 steps, each sending and receiving ``kv.numel()`` elements over the Ring
@@ -170,6 +207,8 @@ def ring_attention_forward(
     size = comm.size
     lse_dtype = accum_dtype(q.dtype)
     if size == 1:
+        if causal and q.shape[2] % 2 == 0 and q.shape[2] >= max(2, split_causal_tokens):
+            return split_causal_forward(q, kv, kernel, scale)
         out, lse = kernel.forward(q, kv[0], kv[1], causal, scale)
         return out, lse.to(lse_dtype)
     acc = acc_dtype or ring_accum_dtype(q.dtype, size)
@@ -286,7 +325,7 @@ def ring_attention_backward(
         if step == size - 1:
             # Every share is in: the next hop only delivers the sum to its owner, who wants it
             # in kv's dtype. Casting before the send gives the same bits with half the bytes
-            # (bf16); the earlier hops stay float32 because they still accumulate.
+            # (bf16); with R > 2 the earlier hops stay float32 because they still accumulate.
             dkv_acc = dkv_acc.to(kv.dtype)
         pending_dkv = comm.exchange(dkv_acc)
         if pending_kv is not None:
