@@ -184,6 +184,10 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="refused with USP (see megatron/training/data.py)")
 
 
+# megatron-core's recompute_modules that apply to a dense GPT (the MoE / MLA ones do not).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+
+
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch")
@@ -211,6 +215,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="with --recompute-granularity full: layers per recompute unit "
                         "(uniform) or recomputed layers per stage (block)")
+    g.add_argument("--recompute-modules", nargs="+", default=None, choices=RECOMPUTE_MODULES,
+                   help="with --recompute-granularity selective: the submodules whose "
+                        "activations are recomputed (megatron-core's default: core_attn). "
+                        "'mlp' keeps the attention output and recomputes the MLP, so long "
+                        "sequences do not pay for a second attention forward ('layernorm' "
+                        "needs TransformerEngine with megatron-core 0.16.1)")
     g.add_argument("--seed", type=int, default=1234,
                    help="initialisation, data order and dropout")
     g.add_argument("--use-cpu-initialization", action="store_true",
@@ -529,6 +539,19 @@ def _validate_fused_loss(args) -> None:
 
 def _validate_recompute(args) -> None:
     gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if args.recompute_modules is not None and gran != "selective":
+        raise ArgumentsError("--recompute-modules needs --recompute-granularity selective, "
+                             "e.g. --recompute-granularity selective --recompute-modules mlp")
+    if args.recompute_modules and "layernorm" in args.recompute_modules:
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            # megatron-core 0.16.1's CheckpointWithoutOutput() (behind layernorm recompute)
+            # takes its default fp8=False for "fp8 on" and then calls TransformerEngine.
+            raise ArgumentsError(
+                "--recompute-modules layernorm needs TransformerEngine with megatron-core "
+                "0.16.1 (its norm checkpoint calls TransformerEngine's FP8 state even without "
+                "FP8); use --recompute-modules mlp (or core_attn)")
     if gran == "full":
         if method is None:
             raise ArgumentsError("--recompute-granularity full needs --recompute-method "
@@ -664,7 +687,9 @@ def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: i
     Returns the plan's reasons (to log on rank 0). Deterministic, so every rank chooses the
     same layout without communicating.
     """
-    from megatron.usp.planner import ModelSpec, PlannerError, choose_layout
+    from dataclasses import replace
+
+    from megatron.usp.planner import DEFAULT_ASSUMPTIONS, ModelSpec, PlannerError, choose_layout
 
     model = ModelSpec.from_megatron_args(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -685,17 +710,27 @@ def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: i
              "recompute": args.recompute_granularity or "none"}
     if args.context_parallel_size is not None:
         fixed["context_parallel_size"] = args.context_parallel_size
+    # The memory model must describe the run as configured: Megatron sequence parallelism is
+    # the user's flag, not the planner's to switch on.
+    tp_sp = bool(args.sequence_parallel) and args.tensor_model_parallel_size > 1
+    assumptions = replace(DEFAULT_ASSUMPTIONS, tp_sequence_parallel=tp_sp)
     try:
         plan = choose_layout(model, args.seq_length, world_size, gpus_per_node, hardware,
                              micro_batch_size=args.micro_batch_size,
-                             global_batch_size=args.global_batch_size, fixed=fixed)
+                             global_batch_size=args.global_batch_size, fixed=fixed,
+                             assumptions=assumptions)
     except PlannerError as exc:
         raise ArgumentsError(f"--ulysses-degree auto --ring-degree auto: {exc}") from None
     args.ulysses_degree, args.ring_degree = plan.ulysses_degree, plan.ring_degree
     validate_args(args, world_size, cuda_available=args.device == "cuda")
+    notes = []
+    if args.tensor_model_parallel_size > 1 and not tp_sp:
+        notes.append(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} without "
+                     f"--sequence-parallel: planned with each TP rank holding the full "
+                     f"activations of its tokens; add --sequence-parallel to shard them")
     return [f"planner chose TP{plan.tensor_model_parallel_size} U{plan.ulysses_degree} "
             f"R{plan.ring_degree} DP{plan.data_parallel_size} "
-            f"PP{plan.pipeline_model_parallel_size}"] + list(plan.reasons)
+            f"PP{plan.pipeline_model_parallel_size}"] + notes + list(plan.reasons)
 
 
 _PRESET_PATTERNS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("a100", "a100"),

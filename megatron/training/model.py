@@ -72,6 +72,7 @@ def transformer_config_from_args(args):
         use_cpu_initialization=args.use_cpu_initialization,
         calculate_per_token_loss=True,
         recompute_granularity=args.recompute_granularity,
+        recompute_modules=list(args.recompute_modules) if args.recompute_modules else None,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         deallocate_pipeline_outputs=True,

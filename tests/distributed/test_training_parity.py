@@ -49,7 +49,8 @@ TRAINING = [
 # name -> layout flags; micro-batches differ (the loss is a mean over tokens, so the
 # micro-batch size does not change it) so that every run accumulates 2 micro-batches.
 # Features that must not change the numbers ride along on some layouts: full and selective
-# activation recompute, the distributed optimizer (ZeRO-1) and both communication overlaps.
+# activation recompute (core_attn; mlp), the distributed optimizer (ZeRO-1) and
+# both communication overlaps.
 LAYOUTS = {
     "dp4": ["--micro-batch-size", "1"],
     "u2r2": ["--ulysses-degree", "2", "--ring-degree", "2", "--micro-batch-size", "4"],
@@ -59,8 +60,11 @@ LAYOUTS = {
     "u4r1": ["--ulysses-degree", "4", "--micro-batch-size", "4",
              "--recompute-granularity", "selective", "--use-distributed-optimizer",
              "--overlap-grad-reduce", "--overlap-param-gather"],
+    # Selective recompute of the MLP only (the attention output is kept, so no second
+    # attention forward): megatron-core's recompute_modules.
     "tp2u2": ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
-              "--micro-batch-size", "4", "--use-distributed-optimizer"],
+              "--micro-batch-size", "4", "--use-distributed-optimizer",
+              "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
     # Norms, residuals and dropout on 16 of each CP rank's 32 tokens; the norm-weight
     # gradients are summed over TP by finalize_model_grads.
     "tp2u2sp": ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",

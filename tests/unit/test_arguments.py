@@ -179,6 +179,44 @@ def test_auto_layout_uses_the_planner():
     assert len(reasons) > 1
 
 
+def _auto_tp2_args(extra):
+    args = parse_args(["--num-layers", "16", "--hidden-size", "2048",
+                       "--num-attention-heads", "16", "--group-query-attention",
+                       "--num-query-groups", "4", "--ffn-hidden-size", "5632", "--swiglu",
+                       "--seq-length", "131072", "--train-iters", "10", "--lr", "1e-4",
+                       "--mock-data", "--vocab-size", "32000", "--ulysses-degree", "auto",
+                       "--ring-degree", "auto", "--global-batch-size", "8",
+                       "--gpus-per-node", "8", "--use-distributed-optimizer",
+                       "--tensor-model-parallel-size", "2"] + extra)
+    validate_args(args, 16, cuda_available=True)
+    return args
+
+
+def test_auto_layout_plans_the_sequence_parallelism_the_user_asked_for(monkeypatch):
+    """TP > 1: the planner's memory model follows --sequence-parallel (it does not switch it
+    on), and without it the log says what adding it would do."""
+    import megatron.usp.planner as planner
+
+    seen = []
+    real = planner.choose_layout
+
+    def spy(*a, **kw):
+        seen.append(kw["assumptions"].tp_sequence_parallel)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(planner, "choose_layout", spy)
+    plain = _auto_tp2_args([])
+    reasons = resolve_auto_layout(plain, 16, 32000, "NVIDIA H200")
+    assert not plain.sequence_parallel
+    assert any("without --sequence-parallel" in r and "add --sequence-parallel" in r
+               for r in reasons), reasons
+    with_sp = _auto_tp2_args(["--sequence-parallel"])
+    reasons_sp = resolve_auto_layout(with_sp, 16, 32000, "NVIDIA H200")
+    assert with_sp.sequence_parallel
+    assert not any("without --sequence-parallel" in r for r in reasons_sp)
+    assert seen == [False, True]
+
+
 def test_auto_layout_without_a_preset_asks_for_hardware():
     from megatron.training.arguments import ArgumentsError
 
@@ -278,3 +316,23 @@ def test_fused_linear_cross_entropy_chunk_needs_an_integer(capsys):
         parse_args(BASE + ["--fused-linear-cross-entropy",
                            "--linear-cross-entropy-chunk-tokens", "8k"])
     assert "--linear-cross-entropy-chunk-tokens: invalid int value" in capsys.readouterr().err
+
+
+def test_recompute_modules_reach_megatron_and_are_checked():
+    from megatron.training.arguments import ArgumentsError
+    from megatron.training.model import transformer_config_from_args
+
+    args = _valid(["--recompute-granularity", "selective", "--recompute-modules", "mlp"])
+    config = transformer_config_from_args(args)
+    assert config.recompute_granularity == "selective" and config.recompute_modules == ["mlp"]
+    default = transformer_config_from_args(_valid(["--recompute-granularity", "selective"]))
+    assert default.recompute_modules == ["core_attn"]          # megatron-core's default
+    with pytest.raises(ArgumentsError, match="--recompute-granularity selective"):
+        _valid(["--recompute-modules", "mlp"])
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--recompute-granularity", "selective", "--recompute-modules", "moe"])
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(ArgumentsError, match="--recompute-modules mlp"):
+            _valid(["--recompute-granularity", "selective", "--recompute-modules", "layernorm"])

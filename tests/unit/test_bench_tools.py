@@ -218,6 +218,7 @@ def _e2e_cfg(tmp_path=None, **kw):
 
 @pytest.mark.parametrize("device,split,recompute", [("cuda", (2, 1), "none"),
                                                     ("cuda", (1, 2), "full"),
+                                                    ("cuda", (2, 1), "selective"),
                                                     ("cpu", (1, 2), "none")])
 def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     """The command bench_e2e builds parses and validates with pretrain_gpt.py's own code."""
@@ -236,7 +237,8 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     assert args.global_batch_size == 1 and args.seq_length == 65536
     assert args.metrics_file == "/tmp/m.jsonl" and args.train_iters == 5
     assert args.bf16 is (device == "cuda") and args.use_distributed_optimizer is (device == "cuda")
-    assert (args.recompute_granularity == "full") is (recompute == "full")
+    assert args.recompute_granularity == {"none": None}.get(recompute, recompute)
+    assert args.recompute_modules == (["mlp"] if recompute == "selective" else None)
     # the chunked output-layer loss (no full-sequence logits), for throughput and max length
     assert args.fused_linear_cross_entropy and args.linear_cross_entropy_chunk_tokens == 8192
 
@@ -433,3 +435,23 @@ def test_a_run_past_its_timeout_is_stopped_with_its_children(tmp_path):
     with open(log_path, "w") as log:
         assert e2e._run_to_end([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ),
                                log, timeout_s=30) == 3
+
+
+def test_metadata_says_when_the_tree_differs_from_the_commit(tmp_path):
+    """A checkout with edited tracked files is reported as 'commit + uncommitted changes'."""
+    import subprocess
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    assert report._git_dirty(tmp_path) is False
+    (tmp_path / "f.txt").write_text("b\n")
+    assert report._git_dirty(tmp_path) is True
+    meta = {"device": None, "versions": {}, "world_size": 1, "date_utc": "d",
+            "git_commit": "abc", "git_dirty": True, "command": "c"}
+    assert "commit: abc + uncommitted changes" in report.metadata_markdown(meta)
+    assert report._git_dirty(tmp_path / "missing") is None

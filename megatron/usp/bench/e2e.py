@@ -27,9 +27,11 @@ counted. For the Llama-style 0.85B model this is ``6*N*S + 6*S^2*L*q`` per seque
 ``N = 786,956,288`` parameters taking part in matmuls.
 
 Activation recompute (``--recompute``): ``none``, ``full`` (megatron's
-``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``), or
-``auto``: no recompute first, and full recompute if that runs out of memory (both outcomes
-are recorded).
+``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``),
+``selective`` (``--recompute-granularity selective --recompute-modules mlp``: the MLP is
+recomputed, the attention output kept, so no second attention forward), or ``auto``: no
+recompute first, and full recompute if that runs out of memory (both outcomes are
+recorded).
 
 ``--find-max-seq`` doubles the sequence length from ``--start-seq`` (full recompute,
 ``--iters`` iterations each) until a run fails, and reports the longest that trained; an
@@ -103,7 +105,7 @@ MODELS: Dict[str, ModelPreset] = {
                         kv_channels=16, ffn_hidden_size=128, vocab_size=512),
 }
 
-RECOMPUTE_CHOICES = ("none", "full", "auto")
+RECOMPUTE_CHOICES = ("none", "full", "selective", "auto")
 
 # Log lines that mean "out of memory" (CUDA caching allocator, NCCL, host).
 OOM_MARKERS = ("outofmemoryerror", "out of memory", "cudaerrormemoryallocation",
@@ -234,13 +236,16 @@ def model_flags(shape: ModelPreset) -> List[str]:
 
 
 def recompute_flags(recompute: str) -> List[str]:
-    """Megatron's full recompute of every layer (``uniform``, one layer per chunk), or none."""
+    """pretrain_gpt.py flags: none, selective (MLP only) or Megatron's full recompute of
+    every layer (``uniform``, one layer per chunk)."""
     if recompute == "none":
         return []
+    if recompute == "selective":
+        return ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]
     if recompute == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", "1"]
-    raise ValueError(f"recompute {recompute!r}: a run uses none or full")
+    raise ValueError(f"recompute {recompute!r}: a run uses none, selective or full")
 
 
 def pretrain_args(cfg: E2EConfig, spec: RunSpec, metrics_path: str) -> List[str]:

@@ -136,7 +136,8 @@ class Assumptions:
         grad_reduce_bytes: gradients are reduced in fp32 (the main-grad buffer).
         param_gather_bytes: the distributed optimizer all-gathers bf16 weights.
         act_bytes: bf16 activations.
-        ring_dkv_bytes: dK/dV travel round the ring as fp32 accumulators.
+        ring_dkv_bytes: dK/dV travel round a ring of R > 2 as fp32 accumulators (a ring of
+            two keeps the activation dtype, :func:`ring_acc_bytes`).
         tp_sequence_parallel: TP runs with megatron's sequence parallelism (norms and
             residuals sharded over TP, all-gather/reduce-scatter instead of all-reduce).
         a2a_calls_per_pass: all-to-alls per layer per pass (megatron/usp/ulysses.py: one
@@ -339,14 +340,21 @@ def ring_step_bytes(model: ModelSpec, layout: Layout, sh: RankShapes,
     ``n * kv_u * d`` elements per K or V (megatron/usp/ring_attention.py packs K and V
     in one buffer). Forward passes K and V on: ``2 * n*kv_u*d * 2`` bytes per step,
     ``R-1`` steps. Backward passes K, V again plus the travelling dK, dV accumulator
-    (``ring_dkv_bytes`` each, fp32): ``n*kv_u*d * (2*2 + 2*ring_dkv_bytes)`` per step for
+    (:func:`ring_acc_bytes` each): ``n*kv_u*d * (2*2 + 2*acc)`` per step for
     ``R-1`` steps, and one more hop of the accumulator alone
     (:func:`ring_last_hop_bytes`) to bring it home.
     """
     if layout.ring == 1:
         return 0.0, 0.0
     kv_elems = sh.n * sh.kv_u * model.head_dim
-    return 2 * kv_elems * a.act_bytes, kv_elems * (2 * a.act_bytes + 2 * a.ring_dkv_bytes)
+    return 2 * kv_elems * a.act_bytes, kv_elems * (2 * a.act_bytes + 2 * ring_acc_bytes(layout, a))
+
+
+def ring_acc_bytes(layout: Layout, a: Assumptions) -> int:
+    """Bytes per element of the ring's accumulators (megatron.usp.ring_attention's
+    ``ring_accum_dtype``): the activation dtype for R = 2 (every sum has two terms), else
+    ``ring_dkv_bytes`` (fp32)."""
+    return a.act_bytes if layout.ring <= 2 else a.ring_dkv_bytes
 
 
 def ring_last_hop_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:

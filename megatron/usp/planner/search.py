@@ -499,15 +499,17 @@ def choose_layout(
     micro_batch_size: int = 1,
     global_batch_size: Optional[int] = None,
     fixed: Optional[Dict[str, Any]] = None,
+    assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
 ) -> Plan:
     """The best layout for ``model`` at ``seq_length`` on ``world_size`` GPUs.
 
     ``fixed`` holds degrees the user gave explicitly, in megatron's argument names
-    (see :data:`FIXED_KEYS`; None values mean "choose"). Raises :class:`PlannerError`
-    naming the binding limit and the smallest change that would fit when no layout is
-    feasible.
+    (see :data:`FIXED_KEYS`; None values mean "choose"); ``assumptions`` what the run will
+    do that the cost model cannot choose (e.g. whether TP uses sequence parallelism).
+    Raises :class:`PlannerError` naming the binding limit and the smallest change that
+    would fit when no layout is feasible.
     """
     w = Workload(model, seq_length, world_size, gpus_per_node, micro_batch_size,
                  global_batch_size)
-    result = plan_layouts(w, hardware, fixed, top=1)
+    result = plan_layouts(w, hardware, fixed, top=1, assumptions=assumptions)
     return plan_from(result, result.best)
