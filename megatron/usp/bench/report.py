@@ -45,6 +45,17 @@ def _git_commit(repo_dir: Path) -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _git_dirty(repo_dir: Path) -> Optional[bool]:
+    """Whether tracked files differ from the commit (the measured code is then not exactly
+    ``git_commit``); None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                             cwd=repo_dir, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 def device_description(device: torch.device) -> Dict[str, Any]:
     """Name, count and memory of the accelerator (or the CPU)."""
     if device.type == "cuda":
@@ -83,6 +94,7 @@ def run_metadata(argv: Sequence[str], device: Optional[torch.device], world_size
         "device": None if device is None else device_description(device),
         "versions": software_versions(),
         "git_commit": _git_commit(repo),
+        "git_dirty": _git_dirty(repo),
         "hostname": platform.node(),
         "python_executable": sys.executable,
     }
@@ -141,7 +153,8 @@ def metadata_markdown(meta: Dict[str, Any]) -> str:
     lines: List[str] = [
         f"- device: {dev_line}, world size {meta['world_size']}",
         f"- software: {soft}",
-        f"- date (UTC): {meta['date_utc']}; commit: {meta.get('git_commit') or 'unknown'}",
+        f"- date (UTC): {meta['date_utc']}; commit: {meta.get('git_commit') or 'unknown'}"
+        f"{' + uncommitted changes' if meta.get('git_dirty') else ''}",
         f"- command: `{meta['command']}`",
     ]
     return "\n".join(lines) + "\n"
