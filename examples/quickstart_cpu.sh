@@ -19,19 +19,8 @@ OUT=${QUICKSTART_DIR:-runs/quickstart}
 TRAIN_ITERS=${TRAIN_ITERS:-40}
 TOLERANCE=${TOLERANCE:-1e-5}
 
-# 1. Install into .venv, exactly as run_tests.sh does (same stamp: either reuses the other's).
-if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv .venv
-fi
-. .venv/bin/activate
-STAMP=.venv/.megatron-usp-installed
-if [ ! -f "$STAMP" ] || [ setup.py -nt "$STAMP" ]; then
-  echo "== installing Megatron-USP into .venv"
-  python -m pip install -q --upgrade pip
-  python -m pip install -q "torch==2.13.0" || python -m pip install -q "torch>=2.6"
-  python -m pip install -q -e ".[test]"
-  touch "$STAMP"
-fi
+# 1. Install into .venv and activate it (the same script run_tests.sh uses).
+. tools/setup_venv.sh
 
 # 2. The built-in corpus (Python standard library prose) and its SentencePiece tokenizer.
 echo "== building the default corpus (cached after the first time)"
