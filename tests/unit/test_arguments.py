@@ -160,15 +160,21 @@ def test_vocab_padding_is_megatrons():
     assert padded_vocab_size(50257, 128, 8) == 51200
 
 
-def test_auto_layout_uses_the_planner():
+def _auto_args(seq_length, extra=()):
+    """The 0.85B Llama-style model with 'auto' degrees on 16 GPUs, validated."""
     args = parse_args(["--num-layers", "16", "--hidden-size", "2048",
                        "--num-attention-heads", "16", "--group-query-attention",
                        "--num-query-groups", "4", "--ffn-hidden-size", "5632", "--swiglu",
-                       "--seq-length", "65536", "--train-iters", "10", "--lr", "1e-4",
+                       "--seq-length", str(seq_length), "--train-iters", "10", "--lr", "1e-4",
                        "--mock-data", "--vocab-size", "32000", "--ulysses-degree", "auto",
                        "--ring-degree", "auto", "--global-batch-size", "8",
-                       "--gpus-per-node", "8", "--use-distributed-optimizer"])
+                       "--gpus-per-node", "8", "--use-distributed-optimizer", *extra])
     validate_args(args, 16, cuda_available=True)
+    return args
+
+
+def test_auto_layout_uses_the_planner():
+    args = _auto_args(65536)
     assert args.ulysses_degree == "auto"  # left for the planner
     reasons = resolve_auto_layout(args, 16, 32000, "NVIDIA H200")
     u, r = args.ulysses_degree, args.ring_degree
@@ -180,16 +186,7 @@ def test_auto_layout_uses_the_planner():
 
 
 def _auto_tp2_args(extra):
-    args = parse_args(["--num-layers", "16", "--hidden-size", "2048",
-                       "--num-attention-heads", "16", "--group-query-attention",
-                       "--num-query-groups", "4", "--ffn-hidden-size", "5632", "--swiglu",
-                       "--seq-length", "131072", "--train-iters", "10", "--lr", "1e-4",
-                       "--mock-data", "--vocab-size", "32000", "--ulysses-degree", "auto",
-                       "--ring-degree", "auto", "--global-batch-size", "8",
-                       "--gpus-per-node", "8", "--use-distributed-optimizer",
-                       "--tensor-model-parallel-size", "2"] + extra)
-    validate_args(args, 16, cuda_available=True)
-    return args
+    return _auto_args(131072, ["--tensor-model-parallel-size", "2", *extra])
 
 
 def test_auto_layout_plans_the_sequence_parallelism_the_user_asked_for(monkeypatch):
