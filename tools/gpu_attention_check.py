@@ -53,6 +53,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.usp.bench.cli import BenchConfigError, parse_overlap_chunks, parse_splits
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FIELDS = ("out", "dq", "dk", "dv")
 
@@ -352,14 +354,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parts = pair.split("/")
         if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[0]) % int(parts[1]):
             p.error(f"--heads {pair!r}: expected Q/KV with KV dividing Q, e.g. 32/8")
-    for item in args.overlap_chunks:
-        if item != "auto" and not (item.isdigit() and int(item) > 0):
-            p.error(f"--overlap-chunks {item!r}: expected 'auto' or a positive count, e.g. 2")
-    if args.layouts:
-        for item in args.layouts:
-            parts = item.lower().split("x")
-            if len(parts) != 2 or not all(x.isdigit() for x in parts):
-                p.error(f"--layouts {item!r}: expected UxR, e.g. 2x1")
+    try:   # the benchmark tools' parsers; their errors name the flag and a valid value
+        args.overlap_chunks = parse_overlap_chunks(",".join(args.overlap_chunks))
+        args.layouts = parse_splits(",".join(args.layouts), "--layouts") if args.layouts else None
+    except BenchConfigError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -372,9 +371,8 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         dtype=args.dtype,
         causal=not args.no_causal,
         backend=args.attention_backend,
-        layouts=(tuple(tuple(int(x) for x in item.lower().split("x")) for item in args.layouts)
-                 if args.layouts else None),
-        overlap_chunks=tuple(None if x == "auto" else int(x) for x in args.overlap_chunks),
+        layouts=tuple(args.layouts) if args.layouts else None,
+        overlap_chunks=tuple(args.overlap_chunks),
         max_ratio=args.max_ratio,
         timing_iters=args.timing_iters,
     )

@@ -41,13 +41,15 @@ class StepProfiler:
             self._prof = capture.start(self.device)
             self._t0 = time.perf_counter()
 
-    def after(self, iteration: int) -> None:
-        """``iteration`` has run (also closes a window cut short by the end of training)."""
+    def after(self, iteration: int) -> bool:
+        """``iteration`` has run; True when this closed the window and wrote the files."""
         if self._prof is None or iteration + 1 < self.end:
-            return
+            return False
         self.close()
+        return True
 
     def close(self) -> None:
+        """Stop and write (also for a window cut short by the end of training)."""
         if self._prof is None:
             return
         if self.device.type == "cuda":

@@ -308,7 +308,6 @@ class _Loop:
         self.step_fn, self.writer, self.result = step_fn, writer, result
         self.sigterm = SigtermFlag()
         self.profiler = StepProfiler(args, rt.rank, rt.device)
-        self._profile_logged = False
 
     def _save(self) -> None:
         with params_in_sync(self.args, self.model):
@@ -325,9 +324,7 @@ class _Loop:
         loss, grad_norm, skipped = train_step(args, self.rt, self.step_fn, train_iter,
                                               self.model, self.optimizer, it)
         step_time = time.perf_counter() - t0
-        self.profiler.after(it)
-        if self.profiler.written and not self._profile_logged:
-            self._profile_logged = True
+        if self.profiler.after(it):
             print(f"rank {self.rt.rank}: profile of iterations {self.profiler.start}-"
                   f"{it} written to {self.profiler.written}.txt/.json", flush=True)
         st.iteration = it

@@ -56,11 +56,12 @@ along.
 Communication per rank and layer (element counts; the modules give the derivation). Ulysses
 forward ``(U-1)/U * s*b*(2h + 2hk')*d`` (Q, K, V in, output back), backward the same, split in
 G all-to-alls per direction of 1/G each. Ring forward ``(R-1) * 2*b*(hk'/U)*(S/R)*d``, backward
-``(R-1)`` K/V-sized messages plus R dK/dV hops (R-1 in float32, the last in the input dtype);
-every ring message is split in G, one per chunk. Peak memory over plain Ulysses: the
-transfers of at most two chunks are in flight at a time (their buffers are 1/G of the
-unchunked ones), and the ring's accumulators (the input dtype for R = 2, float32 for R > 2,
-:func:`megatron.usp.ring_attention.ring_accum_dtype`) exist for one chunk at a time.
+``(R-1)`` K/V-sized messages plus R dK/dV hops (R-1 in the ring's accumulator dtype, the
+last in the input dtype); every ring message is split in G, one per chunk. Peak memory over
+plain Ulysses: the transfers of at most two chunks are in flight at a time (their buffers are
+1/G of the unchunked ones), and the ring's accumulators (the input dtype for R = 2, float32
+for R > 2, :func:`megatron.usp.ring_attention.ring_accum_dtype`) exist for one chunk at a
+time.
 """
 
 from __future__ import annotations

@@ -118,6 +118,10 @@ def reduce_kv_grad(dx: Tensor, groups: int) -> Tensor:
 
 
 # --------------------------------------------------------------------------- out/lse algebra
+# A bf16/fp16 output accumulator is merged in float32 slices of about this many elements.
+MERGE_SLICE_ELEMENTS = 1 << 25
+
+
 def merge_block_(acc_out: Tensor, acc_lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """Fold one block's normalised result into the running (out, lse) of the same rows, in place.
 
@@ -153,16 +157,12 @@ def merge_block_(acc_out: Tensor, acc_lse: Tensor, block_out: Tensor, block_lse:
         _lerp_merge_(acc_out, block_out, w_blk)
         return
     heads = acc_out.shape[1]
-    per_head = max(1, acc_out[:, :1].numel())
-    step = max(1, min(heads, MERGE_SLICE_ELEMENTS // per_head))
+    step = max(1, MERGE_SLICE_ELEMENTS * heads // max(1, acc_out.numel()))
     for h0 in range(0, heads, step):
         part = acc_out[:, h0:h0 + step]
         wide = part.to(acc_lse.dtype)
         _lerp_merge_(wide, block_out[:, h0:h0 + step], w_blk[:, h0:h0 + step])
         part.copy_(wide)
-
-
-MERGE_SLICE_ELEMENTS = 1 << 25
 
 
 def _lerp_merge_(acc: Tensor, block: Tensor, w_blk: Tensor) -> None:

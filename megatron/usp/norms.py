@@ -46,16 +46,26 @@ def _new_param(config, hidden_size: int, fill: float) -> torch.nn.Parameter:
     return param
 
 
-def _repr(norm) -> str:
-    return (f"{norm.normalized_shape}, eps={norm.eps}, "
-            f"sequence_parallel={norm.weight.sequence_parallel}")
+class _Norm(torch.nn.Module):
+    """What both norms share: the constructor megatron-core calls, ``weight``, ``eps``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.weight = _new_param(config, hidden_size, 0.0 if self.zero_centered_gamma else 1.0)
+
+    def gamma(self) -> torch.Tensor:
+        """The scale applied: ``weight + 1`` when zero-centred, else ``weight``."""
+        return self.weight + 1 if self.zero_centered_gamma else self.weight
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"sequence_parallel={self.weight.sequence_parallel}")
 
 
-def _gamma(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
-    return weight + 1 if zero_centered else weight
-
-
-class RMSNorm(torch.nn.Module):
+class RMSNorm(_Norm):
     """``y = x / sqrt(mean(x^2 over h) + eps) * weight`` over the last dimension.
 
     Input: ``[..., hidden_size]`` (in the layers ``[s_local, b, h]``; ``s_local = s/(CP*TP)``
@@ -63,22 +73,11 @@ class RMSNorm(torch.nn.Module):
     Parameter ``weight [hidden_size]`` (ones, or zeros when zero-centred).
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.normalized_shape = (hidden_size,)
-        self.eps = eps
-        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.weight = _new_param(config, hidden_size, 0.0 if self.zero_centered_gamma else 1.0)
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden, self.normalized_shape,
-                          _gamma(self.weight, self.zero_centered_gamma), self.eps)
-
-    def extra_repr(self) -> str:
-        return _repr(self)
+        return F.rms_norm(hidden, self.normalized_shape, self.gamma(), self.eps)
 
 
-class LayerNorm(torch.nn.Module):
+class LayerNorm(_Norm):
     """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension.
 
     Input and output as :class:`RMSNorm`. Parameters ``weight`` (ones, or zeros when
@@ -86,19 +85,11 @@ class LayerNorm(torch.nn.Module):
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.normalized_shape = (hidden_size,)
-        self.eps = eps
-        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.weight = _new_param(config, hidden_size, 0.0 if self.zero_centered_gamma else 1.0)
+        super().__init__(config, hidden_size, eps)
         self.bias = _new_param(config, hidden_size, 0.0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(hidden, self.normalized_shape,
-                            _gamma(self.weight, self.zero_centered_gamma), self.bias, self.eps)
-
-    def extra_repr(self) -> str:
-        return _repr(self)
+        return F.layer_norm(hidden, self.normalized_shape, self.gamma(), self.bias, self.eps)
 
 
 def norm_class(normalization: str) -> Type[torch.nn.Module]:

@@ -41,8 +41,7 @@ fp16/bf16/fp32 and 8 for fp64):
 * backward: R-1 exchanges of ``kv`` (as forward) plus R hops of the travelling dK/dV
   accumulator, ``2*b*hk*2c*d`` elements each: the first R-1 hops in the accumulator dtype
   (``e_acc``; with R > 2 every partial sum stays float32 while it collects the ranks'
-  shares), the R-th
-  hop, which only delivers the finished sum to the rank that owns its K/V, in kv's dtype
+  shares), the R-th hop, which only delivers the finished sum to the rank that owns its K/V, in kv's dtype
   (``e``: the owner would cast it on arrival anyway, so casting before sending gives the same
   bits at half the bytes for bf16). :func:`ring_attention_backward` returns with that last hop
   still in flight (:class:`RingGrads`), so the caller can overlap it with other work.
@@ -139,17 +138,13 @@ def _cols(kv: Tensor, plan: BlockPlan) -> Tensor:
 
 
 # --------------------------------------------------------------------------- precision
-def ring_accum_dtype(dtype: torch.dtype, ring_size: int,
-                     force_wide: bool = False) -> torch.dtype:
+def ring_accum_dtype(dtype: torch.dtype, ring_size: int) -> torch.dtype:
     """Dtype of the output / dQ / dK-dV accumulators for a ring of ``ring_size`` (module doc).
 
     ``dtype`` itself when ``ring_size <= 2`` (every sum then has at most two terms, computed in
     float32 and rounded once either way), else :func:`megatron.usp.kernels.accum_dtype`.
-    ``force_wide`` always returns the wide dtype (tests compare the two).
     """
-    if ring_size <= 2 and not force_wide:
-        return dtype
-    return accum_dtype(dtype)
+    return dtype if ring_size <= 2 else accum_dtype(dtype)
 
 
 # --------------------------------------------------------------------------- forward / backward

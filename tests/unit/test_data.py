@@ -12,7 +12,6 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from megatron.training import corpus as corpus_mod
 from megatron.training.data import (
     DataConfig,
     DataConfigError,
@@ -30,15 +29,7 @@ from megatron.training.data import (
 from megatron.training.tokenizer import build_tokenizer
 from megatron.usp.layout import positions_for_cp_rank, unshard_from_cp_ranks
 
-SMALL_BYTES = 200_000  # same corpus as test_preprocess.py: one build per session
-SMALL_VOCAB = 1000
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="session")
-def small_corpus(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "default-corpus-cache"
-    return corpus_mod.ensure_default_corpus(str(cache), SMALL_BYTES, SMALL_VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.training import corpus as corpus_mod
 from megatron.training.data import PreprocessError, TokenizerSpec, preprocess_jsonl
 from megatron.training.tokenizer import build_tokenizer
+from tests.unit.conftest import SMALL_BYTES, SMALL_VOCAB
 
-SMALL_BYTES = 200_000  # pydoc topics only: builds in about a second
-SMALL_VOCAB = 1000
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="session")
-def small_corpus(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "default-corpus-cache"
-    return corpus_mod.ensure_default_corpus(str(cache), SMALL_BYTES, SMALL_VOCAB)
 
 
 def _tool(name):

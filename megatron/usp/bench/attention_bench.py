@@ -50,7 +50,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.usp.bench import native_cp, profile, report, timing
-from megatron.usp.bench.cli import BenchConfigError, parse_seq_lens, parse_splits, seq_label
+from megatron.usp.bench.cli import (
+    BenchConfigError,
+    parse_overlap_chunks,
+    parse_seq_lens,
+    parse_splits,
+    seq_label,
+)
 from megatron.usp.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, tflops_per_gpu
 from megatron.usp.config import USPConfigError, USPParallelConfig
 from megatron.usp.grid import GridShape, rank_groups
@@ -106,24 +112,6 @@ class AttentionBenchConfig:
 def chunks_label(requested: Optional[int]) -> str:
     """``auto`` for None, else the number (``--overlap-chunks`` values)."""
     return "auto" if requested is None else str(requested)
-
-
-def parse_overlap_chunks(text: str) -> List[Optional[int]]:
-    """``auto,1,2`` -> [None, 1, 2]; raises BenchConfigError naming --overlap-chunks."""
-    values: List[Optional[int]] = []
-    for item in (t.strip().lower() for t in text.split(",")):
-        if item == "auto":
-            value = None
-        elif item.isdigit() and int(item) >= 1:
-            value = int(item)
-        else:
-            raise BenchConfigError(f"--overlap-chunks {text!r}: each value is 'auto' or a "
-                                   f"positive integer; try --overlap-chunks auto,1,2")
-        if value not in values:
-            values.append(value)
-    if not values:
-        raise BenchConfigError("--overlap-chunks is empty; try --overlap-chunks auto")
-    return values
 
 
 def all_splits(requested: Sequence[Tuple[int, int]], world: int) -> List[Tuple[int, int]]:

@@ -1,8 +1,9 @@
-"""Command-line pieces shared by the benchmark tools: lengths, splits, and their errors."""
+"""Command-line pieces shared by the benchmark tools: lengths, splits, head chunks, and their
+errors."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 
 class BenchConfigError(ValueError):
@@ -35,6 +36,22 @@ def parse_splits(text: str, flag: str = "--splits") -> List[Tuple[int, int]]:
                                    f"2x1,1x2")
         out.append((int(parts[0]), int(parts[1])))
     return out
+
+
+def parse_overlap_chunks(text: str, flag: str = "--overlap-chunks") -> List[Optional[int]]:
+    """``"auto,1,2"`` -> [None, 1, 2] (None: USP's auto rule), without repeats."""
+    values: List[Optional[int]] = []
+    for item in (t.strip().lower() for t in text.split(",")):
+        if item == "auto":
+            value = None
+        elif item.isdigit() and int(item) >= 1:
+            value = int(item)
+        else:
+            raise BenchConfigError(f"{flag} {text!r}: each value is 'auto' or a positive "
+                                   f"integer; try {flag} auto,1,2")
+        if value not in values:
+            values.append(value)
+    return values
 
 
 def seq_label(s: int) -> str:

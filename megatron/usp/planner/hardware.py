@@ -593,6 +593,17 @@ def _merge_link(old: Optional[LinkCalibration], new: LinkCalibration) -> LinkCal
     return merged
 
 
+def read_json(path: str, flag: str) -> Any:
+    """The JSON document at ``path``; PlannerError naming ``flag`` if unreadable or invalid."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise PlannerError(f"{flag} {path}: cannot read ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise PlannerError(f"{flag} {path}: not valid JSON ({exc})") from None
+
+
 def load_calibration(paths: Union[str, Iterable[str]]) -> Calibration:
     """Read one or several calibration files and merge them, later files winning.
 
@@ -605,13 +616,7 @@ def load_calibration(paths: Union[str, Iterable[str]]) -> Calibration:
         paths = [paths]
     merged = Calibration()
     for path in paths:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except OSError as exc:
-            raise PlannerError(f"--calibration {path}: cannot read ({exc.strerror})") from None
-        except json.JSONDecodeError as exc:
-            raise PlannerError(f"--calibration {path}: not valid JSON ({exc})") from None
+        data = read_json(path, "--calibration")
         if isinstance(data, dict) and data.get("tool") == "bench_attention":
             cal = calibration_from_attention_bench(data, path)
         else:

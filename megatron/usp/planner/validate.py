@@ -14,7 +14,6 @@ Output: one row per run with predicted / measured, whether it is within the tole
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Union
@@ -36,6 +35,7 @@ from megatron.usp.planner.hardware import (
     apply_calibration,
     get_hardware,
     load_calibration,
+    read_json,
 )
 from megatron.usp.planner.models import ModelSpec, load_model, model_from_mapping
 
@@ -266,13 +266,7 @@ def validate_measurements(path: str, hardware: Union[HardwareSpec, str, None] = 
     the file's ``"calibration"`` files (paths relative to the measurements file)
     applied on top.
     """
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise PlannerError(f"--validate {path}: cannot read ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise PlannerError(f"--validate {path}: not valid JSON ({exc})") from None
+    data = read_json(path, "--validate")
     if isinstance(data, dict) and data.get("tool") == "bench_attention":
         return validate_attention_bench(path, data, hardware, tolerance, assumptions)
     if not isinstance(data, dict) or data.get("schema") != MEASUREMENTS_SCHEMA:
