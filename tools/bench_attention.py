@@ -7,12 +7,12 @@ Launch one process per GPU::
         --iters 5 --warmup 2 --out docs/perf/attention.json --markdown docs/perf/attention.md
 
 Every flag, the FLOP convention and the measurement method are documented in
-:mod:`megatron.usp.bench.attention_bench` and ``docs/performance.md``.
+:mod:`megatron.bench.attention_bench` and ``docs/performance.md``.
 """
 
 import sys
 
-from megatron.usp.bench.attention_bench import main
+from megatron.bench.attention_bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,12 +11,12 @@ The longest sequence that trains (full recompute, doubling from 128K)::
         --warmup 1 --out docs/perf/max_seq.json --markdown docs/perf/max_seq.md
 
 FLOPs are counted as Megatron-LM counts them with causal attention at half; the formula, the
-flags and the method are in :mod:`megatron.usp.bench.e2e` and ``docs/performance.md``.
+flags and the method are in :mod:`megatron.bench.e2e` and ``docs/performance.md``.
 """
 
 import sys
 
-from megatron.usp.bench.e2e import main
+from megatron.bench.e2e import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-SCHEMA = "megatron-usp-calibration/1"  # = megatron.usp.planner.CALIBRATION_SCHEMA
+SCHEMA = "megatron-usp-calibration/1"  # = megatron.planner.CALIBRATION_SCHEMA
 MIB = 2**20
 
 

@@ -9,7 +9,7 @@ For every case (layout U x R over the launched ranks, sequence length S, query /
 3. kernel error: the local kernel USP uses (``megatron.usp.kernels``) on the whole sequence on
    one GPU in the test dtype, against the reference;
 4. USP error: ``megatron.usp.attention.usp_attention`` forward+backward on this rank's tokens
-   (layout of ``megatron.usp.layout``), against the reference's slice; statistics summed over
+   (layout of ``megatron.usp.token_layout``), against the reference's slice; statistics summed over
    ranks;
 5. pass when, for out, dq, dk and dv, the USP relative L2 error is at most
    ``--max-ratio`` (2) times the kernel's own relative L2 error. Max-abs errors are reported.
@@ -53,7 +53,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.usp.bench.cli import BenchConfigError, parse_overlap_chunks, parse_splits
+from megatron.bench.cli import BenchConfigError, parse_overlap_chunks, parse_splits
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FIELDS = ("out", "dq", "dk", "dv")
@@ -107,13 +107,13 @@ def make_groups(ulysses: int, ring: int, backend: Optional[str] = None):
 
     Collective: every rank must call it with the same arguments (it creates every group).
     """
-    from megatron.usp.grid import GridShape, group_containing, rank_groups
+    from megatron.usp.parallel_dims import ParallelDims, group_containing
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    shape = GridShape(world_size=world, ulysses=ulysses, ring=ring)
+    dims = ParallelDims(world, ulysses=ulysses, ring=ring)
     mine = {}
     for axis, size in (("ulysses", ulysses), ("ring", ring)):
-        groups = rank_groups(shape, (axis,))
+        groups = dims.rank_groups((axis,))
         handles = [dist.new_group(g, backend=backend) for g in groups]
         if size > 1:
             mine[axis] = handles[groups.index(group_containing(groups, rank))]
@@ -248,7 +248,7 @@ def peak_memory_gib(fn, device) -> float:
 
 def fwd_bwd_flops(cfg: CheckConfig, seq_len: int, heads: int) -> float:
     """4*b*h*S^2*d forward (halved causal), times 3.5 for forward + backward."""
-    from megatron.usp.bench.flops import attention_fwd_bwd_flops
+    from megatron.bench.flops import attention_fwd_bwd_flops
 
     return attention_fwd_bwd_flops(cfg.batch, heads, seq_len, cfg.head_dim, cfg.causal)
 
@@ -257,7 +257,7 @@ def fwd_bwd_flops(cfg: CheckConfig, seq_len: int, heads: int) -> float:
 def run_case(cfg: CheckConfig, layout_ur, seq_len, heads, kv_heads, groups,
              device) -> List[CaseResult]:
     """Check and time one (layout, S, heads) case, once per ``cfg.overlap_chunks`` value."""
-    from megatron.usp import layout
+    from megatron.usp import token_layout as layout
     from megatron.usp.attention import resolve_overlap_chunks
     from megatron.usp.kernels import get_kernel
 

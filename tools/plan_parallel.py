@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-from megatron.usp.planner import (
+from megatron.planner import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
     PlannerError,
@@ -31,8 +31,9 @@ from megatron.usp.planner import (
     plan_layouts,
     with_overrides,
 )
-from megatron.usp.planner.explain import format_table, result_to_json
-from megatron.usp.planner.validate import DEFAULT_TOLERANCE, validate_measurements
+from megatron.planner.explain import format_table
+from megatron.planner.plan import result_to_json
+from megatron.planner.validate import DEFAULT_TOLERANCE, validate_measurements
 
 
 def _degree(value: str) -> Optional[int]:

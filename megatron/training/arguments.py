@@ -12,7 +12,7 @@ differences from Megatron-LM, all visible in ``--help``:
 * ``--num-query-groups`` without ``--group-query-attention`` is an error, not ignored.
 
 :func:`validate_args` runs on every rank before any process group exists and raises
-:class:`ArgumentsError` (or the layout's :class:`~megatron.usp.config.USPConfigError`) naming
+:class:`ArgumentsError` (or the layout's :class:`~megatron.usp.parallel_dims.USPConfigError`) naming
 the flag and a valid value, so bad input never reaches a collective. It also fills in the
 derived values (``data_parallel_size``, ``ffn_hidden_size``, ``kv_channels``, ...).
 """
@@ -24,8 +24,8 @@ import math
 import os
 from typing import List, Optional, Sequence
 
-from megatron.usp.config import USPConfigError, USPParallelConfig
 from megatron.usp.kernels import BACKEND_NAMES
+from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
 
 DEFAULT_LOSS_CHUNK_TOKENS = 8192
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -406,22 +406,30 @@ def _validate_model(args) -> None:
         raise ArgumentsError(f"--hidden-dropout {args.hidden_dropout} must be in [0, 1)")
 
 
-def _validate_overlap_chunks(args, cfg) -> None:
+def _validate_overlap_chunks(args, dims: ParallelDims) -> None:
     """``--usp-overlap-chunks`` must split the heads of each Ulysses rank into whole KV heads."""
     chunks = getattr(args, "usp_overlap_chunks", "auto")
     if chunks == "auto":
         return
     from megatron.usp.attention import resolve_overlap_chunks
 
-    tp = cfg.tensor_model_parallel_size
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    shape = model_shape_from_args(args)
     try:
-        resolve_overlap_chunks(args.num_attention_heads // tp, max(1, groups // tp),
-                               cfg.ulysses_degree, cfg.ring_degree, requested=chunks)
+        resolve_overlap_chunks(args.num_attention_heads // dims.tp,
+                               dims.kv_heads_per_tp_rank(shape.kv_heads), dims.ulysses,
+                               dims.ring, requested=chunks)
     except ValueError as exc:
         raise ArgumentsError(
             str(exc).replace("overlap_chunks=", "--usp-overlap-chunks ", 1)
             .replace("(or None for auto)", "(or auto)")) from None
+
+
+def model_shape_from_args(args) -> ModelShape:
+    """What the layout rules read of the model flags."""
+    return ModelShape(
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        num_layers=args.num_layers)
 
 
 def _validate_parallel(args, world_size: int) -> None:
@@ -432,57 +440,31 @@ def _validate_parallel(args, world_size: int) -> None:
             f"{auto[0]} auto needs the other degree to be auto too: pass --ulysses-degree auto "
             f"--ring-degree auto (the planner chooses both), or give both as integers")
     if auto:
-        return  # resolved by resolve_auto_layout(), then validated again
-    cfg = usp_config_from_args(args)
-    cfg.validate(world_size, args.num_attention_heads,
-                 args.num_query_groups if args.group_query_attention else None,
-                 args.seq_length)
-    args.context_parallel_size = cfg.cp_size
-    args.data_parallel_size = cfg.data_parallel_size(world_size)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _validate_overlap_chunks(args, cfg)
-    if args.sequence_parallel and tp == 1:
+        return  # resolved by resolve_auto_layout(), then validated
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split
-    if args.sequence_parallel:
-        _validate_sequence_parallel_split(args.seq_length, tp, cfg.cp_size)
-    if pp > 1 and args.num_layers % pp:
-        ok = [d for d in range(1, args.num_layers + 1) if args.num_layers % d == 0]
-        raise ArgumentsError(
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
-            f"{pp}; use one of {ok}")
+    _check_positive(args, ["micro_batch_size", "global_batch_size"])
+    dims = ParallelDims.from_args(args, world_size)
+    found = dims.violations(model_shape_from_args(args), args.seq_length, args.micro_batch_size,
+                            args.global_batch_size, args.sequence_parallel)
+    if found:
+        # Rules of the model's own flags are argument errors; the rest the layout's.
+        own_flags = ("batch", "sequence-parallel", "pp-layers")
+        raise (ArgumentsError if found[0].rule in own_flags else USPConfigError)(found[0].message)
+    args.context_parallel_size = dims.cp
+    args.data_parallel_size = dims.dp
+    _validate_overlap_chunks(args, dims)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer")
+    _derive_batch(args)
 
 
-def _validate_sequence_parallel_split(seq_length: int, tp: int, cp: int) -> None:
-    """Each CP rank's ``seq_length / cp`` tokens are split over the TP ranks."""
-    if (seq_length // cp) % tp == 0:
-        return
-    step = math.lcm(2 * cp if cp > 1 else 1, cp * tp)
-    lower = seq_length // step * step
-    sugg = f"{lower + step}" if lower == 0 else f"{lower} or {lower + step}"
-    raise ArgumentsError(
-        f"--sequence-parallel: the {seq_length // cp} tokens per context-parallel rank "
-        f"(--seq-length {seq_length} / U*R {cp}) do not split over "
-        f"--tensor-model-parallel-size {tp}; try --seq-length {sugg}, or drop "
-        f"--sequence-parallel")
-
-
-def _validate_batch(args) -> None:
-    _check_positive(args, ["micro_batch_size", "global_batch_size"])
-    per_step = args.micro_batch_size * args.data_parallel_size
+def _derive_batch(args) -> None:
+    """The global batch (default micro x DP) and the micro-batches per step."""
     if args.global_batch_size is None:
-        args.global_batch_size = per_step
-    if args.global_batch_size % per_step:
-        lo = max(per_step, args.global_batch_size // per_step * per_step)
-        raise ArgumentsError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by "
-            f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
-            f"{args.data_parallel_size} = {per_step}; try --global-batch-size {lo} or "
-            f"{lo + per_step}")
-    args.num_microbatches = args.global_batch_size // per_step
-    if args.pipeline_model_parallel_size > 1 and args.num_microbatches < 1:
-        raise ArgumentsError("pipeline parallelism needs at least one micro-batch per step")
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size
+                                                       * args.data_parallel_size)
 
 
 def _validate_training(args) -> None:
@@ -644,17 +626,6 @@ def _validate_device(args, cuda_available: bool) -> None:
     args.params_dtype = "bfloat16" if args.bf16 else "float32"
 
 
-def usp_config_from_args(args) -> USPParallelConfig:
-    """The layout part of the arguments (integer degrees only)."""
-    return USPParallelConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        ulysses_degree=args.ulysses_degree,
-        ring_degree=args.ring_degree,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-    )
-
-
 def validate_args(args: argparse.Namespace, world_size: int,
                   cuda_available: Optional[bool] = None) -> argparse.Namespace:
     """Check every flag and fill in derived values; identical on every rank, no I/O.
@@ -674,8 +645,6 @@ def validate_args(args: argparse.Namespace, world_size: int,
     _validate_data_flags(args)
     _validate_checkpointing(args)
     _validate_parallel(args, world_size)
-    if args.ulysses_degree != "auto":
-        _validate_batch(args)  # needs the data-parallel size
     return args
 
 
@@ -689,7 +658,8 @@ def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: i
     """
     from dataclasses import replace
 
-    from megatron.usp.planner import DEFAULT_ASSUMPTIONS, ModelSpec, PlannerError, choose_layout
+    from megatron.planner import DEFAULT_ASSUMPTIONS, ModelSpec, PlannerError, choose_layout
+    from megatron.planner.hardware import preset_for_device
 
     model = ModelSpec.from_megatron_args(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -697,7 +667,7 @@ def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: i
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab_size, swiglu=args.swiglu,
         untied_embeddings=args.untie_embeddings_and_output_weights)
-    hardware = args.hardware or hardware_preset_for(device_name)
+    hardware = args.hardware or preset_for_device(device_name)
     if hardware is None:
         raise ArgumentsError(
             f"--ulysses-degree auto: no planner preset matches the device {device_name!r}; "
@@ -722,7 +692,7 @@ def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: i
     except PlannerError as exc:
         raise ArgumentsError(f"--ulysses-degree auto --ring-degree auto: {exc}") from None
     args.ulysses_degree, args.ring_degree = plan.ulysses_degree, plan.ring_degree
-    validate_args(args, world_size, cuda_available=args.device == "cuda")
+    _validate_parallel(args, world_size)
     notes = []
     if args.tensor_model_parallel_size > 1 and not tp_sp:
         notes.append(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} without "
@@ -733,21 +703,6 @@ def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: i
             f"PP{plan.pipeline_model_parallel_size}"] + notes + list(plan.reasons)
 
 
-_PRESET_PATTERNS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("a100", "a100"),
-                    ("a800", "a800"), ("l20", "l20"))
-
-
-def hardware_preset_for(device_name: Optional[str]) -> Optional[str]:
-    """The planner preset for a CUDA device name (``torch.cuda.get_device_name``), or None."""
-    if not device_name:
-        return None
-    low = device_name.lower()
-    for pattern, preset in _PRESET_PATTERNS:
-        if pattern in low:
-            return preset
-    return None
-
-
 __all__ = ["ArgumentsError", "USPConfigError", "build_parser", "parse_args", "validate_args",
-           "resolve_auto_layout", "usp_config_from_args", "padded_vocab_size",
-           "default_ffn_hidden_size", "hardware_preset_for"]
+           "resolve_auto_layout", "model_shape_from_args", "padded_vocab_size",
+           "default_ffn_hidden_size"]

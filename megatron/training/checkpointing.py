@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.model import unwrap
+from megatron.usp.parallel_dims import ORDER, ParallelDims
 from megatron.usp.parallel_state import USPGroups
 
 logger = logging.getLogger(__name__)
@@ -252,9 +253,9 @@ def _sharding_metadata(args) -> Dict[str, Any]:
 
 
 def grid_of(args) -> Dict[str, int]:
-    return {"tp": args.tensor_model_parallel_size, "ulysses": args.ulysses_degree,
-            "ring": args.ring_degree, "dp": args.data_parallel_size,
-            "pp": args.pipeline_model_parallel_size}
+    """The layout's degrees by axis, as a checkpoint records them."""
+    dims = ParallelDims.from_args(args)
+    return {axis: dims.size(axis) for axis in ORDER}
 
 
 def plain_args(args: argparse.Namespace) -> Dict[str, Any]:

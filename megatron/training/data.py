@@ -12,7 +12,7 @@ Stages, each with one entry point:
 4. :func:`build_data_iterator` yields full-sequence micro-batches with Megatron's pretraining
    sampler semantics.
 5. :func:`shard_batch_for_cp` keeps the tokens of one context-parallel rank, using the
-   layout of :mod:`megatron.usp.layout` (the single source of truth for which global
+   layout of :mod:`megatron.usp.token_layout` (the single source of truth for which global
    positions a rank holds).
 
 Batch layout (names used throughout)::
@@ -53,7 +53,7 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Te
 import numpy as np
 import torch
 
-from megatron.usp.layout import check_seq_divisible, shard_for_cp_rank
+from megatron.usp.token_layout import check_seq_divisible, shard_for_cp_rank
 
 logger = logging.getLogger(__name__)
 
@@ -1001,7 +1001,7 @@ def shard_batch_for_cp(batch: Dict, cp_rank: int, cp_size: int) -> Dict:
     """Keep the tokens context-parallel rank ``cp_rank`` holds, on the sequence dim (1).
 
     ``[b, s]`` -> ``[b, s/cp_size]`` for each of :data:`SEQUENCE_KEYS`, through
-    :func:`megatron.usp.layout.shard_for_cp_rank` (chunks ``c`` and ``2*cp_size-1-c`` of
+    :func:`megatron.usp.token_layout.shard_for_cp_rank` (chunks ``c`` and ``2*cp_size-1-c`` of
     ``2*cp_size``); other entries are passed through; ``attention_mask`` must be None.
     Returns a new dict; ``cp_size == 1`` returns the tensors unchanged.
     """

@@ -23,12 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.training.arguments import (
-    padded_vocab_size,
-    resolve_auto_layout,
-    usp_config_from_args,
-    validate_args,
-)
+from megatron.training.arguments import padded_vocab_size, resolve_auto_layout, validate_args
+from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import USPGroups, initialize_usp_parallel
 
 logger = logging.getLogger(__name__)
@@ -156,9 +152,9 @@ def initialize(args) -> Runtime:
     args.padded_vocab_size = padded_vocab_size(rt.tokenizer.vocab_size,
                                                args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
-    validate_data_config(data_config_from_args(args), rt.tokenizer,
-                         args.ulysses_degree * args.ring_degree)
-    rt.groups = initialize_usp_parallel(usp_config_from_args(args),
+    dims = ParallelDims.from_args(args, world)
+    validate_data_config(data_config_from_args(args), rt.tokenizer, dims.cp)
+    rt.groups = initialize_usp_parallel(dims,
                                         distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_random_seed(args.seed, rt.groups)
     init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size,

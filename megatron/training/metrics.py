@@ -3,8 +3,9 @@
 * :func:`training_flops_per_iteration` counts model FLOPs the way Megatron-LM's
   ``num_floating_point_operations`` does for a dense GPT (GQA, SwiGLU, the output layer),
   except that causal attention is counted at half (the upper triangle is never computed).
-* :func:`peak_tflops_for_device` is the dense bf16 peak used as the MFU denominator
-  (``--peak-tflops`` overrides it; on the CPU MFU is reported as n/a without it).
+* the MFU denominator is the device's dense bf16 peak from the one device table,
+  :func:`megatron.planner.hardware.peak_tflops_for_device` (``--peak-tflops`` overrides it;
+  on the CPU MFU is reported as n/a without it).
 * Memory (:func:`peak_memory_gib`): CUDA max allocated on GPU, peak RSS on the CPU; the
   console shows the maximum over ranks.
 * :class:`MetricsWriter` writes what one logging rank reports: the Megatron-style console
@@ -34,46 +35,6 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
-
-# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s per device, from the vendors'
-# datasheets. Matched in order against the lower-cased device name: variants first.
-# The H100/H200/A100/A800/L20 values are the planner's presets (megatron/usp/planner/
-# hardware.py); tests/unit/test_flops.py checks the two agree.
-PEAK_BF16_TFLOPS = (
-    ("h100 pcie", 756.0),
-    ("h100 nvl", 835.0),
-    ("h200 nvl", 835.0),
-    ("h800 pcie", 756.0),
-    ("gh200", 989.0),
-    ("h200", 989.0),
-    ("h100", 989.0),
-    ("h800", 989.0),
-    ("h20", 148.0),
-    ("gb200", 2500.0),
-    ("b200", 2250.0),
-    ("b100", 1750.0),
-    ("a100", 312.0),
-    ("a800", 312.0),
-    ("l40s", 362.0),
-    ("l40", 181.0),
-    ("l20", 119.5),
-    ("rtx 4090", 165.2),
-    ("a10", 125.0),
-    ("mi325x", 1307.4),
-    ("mi300x", 1307.4),
-)
-
-
-def peak_tflops_for_device(device_name: Optional[str]) -> Optional[float]:
-    """Dense bf16 peak of a device named like ``torch.cuda.get_device_name()``; None if
-    unknown (pass ``--peak-tflops``) or for the CPU."""
-    if not device_name:
-        return None
-    low = device_name.lower()
-    for pattern, peak in PEAK_BF16_TFLOPS:
-        if pattern in low:
-            return peak
-    return None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
+from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import USPGroups
 
 
@@ -41,7 +42,6 @@ def transformer_config_from_args(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = args.device == "cuda"
-    cp = args.ulysses_degree * args.ring_degree
     add_bias = not args.disable_bias_linear
     dtype = params_dtype(args)
     return TransformerConfig(
@@ -60,11 +60,7 @@ def transformer_config_from_args(args):
         add_qkv_bias=add_bias,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=cp,
-        hierarchical_context_parallel_sizes=[args.ulysses_degree, args.ring_degree]
-        if cp > 1 else None,
+        **ParallelDims.from_args(args).megatron_kwargs(),
         sequence_parallel=args.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -39,6 +39,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.planner.hardware import peak_tflops_for_device
 from megatron.training import batch as batch_mod
 from megatron.training.checkpointing import (
     TrainState,
@@ -54,7 +55,6 @@ from megatron.training.metrics import (
     StepStats,
     Throughput,
     peak_memory_gib,
-    peak_tflops_for_device,
 )
 from megatron.training.model import build_model, count_parameters
 from megatron.training.profiling import StepProfiler
@@ -72,7 +72,7 @@ def _input_errors():
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.data import DataConfigError
     from megatron.training.tokenizer import TokenizerError
-    from megatron.usp.config import USPConfigError
+    from megatron.usp.parallel_dims import USPConfigError
 
     return (ArgumentsError, USPConfigError, DataConfigError, TokenizerError, CheckpointError)
 
@@ -270,11 +270,6 @@ class SigtermFlag:
 
 
 # --------------------------------------------------------------------------- the loop
-def _layout(args) -> str:
-    return (f"TP{args.tensor_model_parallel_size} U{args.ulysses_degree} R{args.ring_degree} "
-            f"DP{args.data_parallel_size} PP{args.pipeline_model_parallel_size}")
-
-
 def _max_over_ranks(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -386,7 +381,7 @@ class _Loop:
 
 
 def _log_setup(args, rt: Runtime, model, loaded: Optional[str], state: TrainState) -> None:
-    print_rank_0(rt, f"layout {_layout(args)} on {rt.world_size} {rt.device.type} "
+    print_rank_0(rt, f"layout {rt.groups.dims.short()} on {rt.world_size} {rt.device.type} "
                      f"process(es); {args.num_microbatches} micro-batch(es) of "
                      f"{args.micro_batch_size} per step; global batch {args.global_batch_size}")
     for reason in rt.plan_reasons:
@@ -436,7 +431,7 @@ def pretrain(args: argparse.Namespace,
         if resume.rng_state is not None:
             set_rng_state(resume.rng_state, rt.device)
         writer = _make_writer(args, rt)
-        writer.run_header(_layout(args), rt.world_size, plain_args(args))
+        writer.run_header(rt.groups.dims.short(), rt.world_size, plain_args(args))
         step_fn = partial(forward_step_func or batch_mod.forward_step, batch_context(rt))
         _Loop(args, rt, model, optimizer, scheduler, state, step_fn, writer, result).run(
             train_iter, valid_iter)

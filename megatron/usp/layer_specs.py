@@ -32,20 +32,19 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from megatron.usp.core_attention import USPAttention
 from megatron.usp.kernels import BACKEND_NAMES
 from megatron.usp.norms import norm_class
 
 
 def usp_core_attention_spec(attention_backend: str = "auto",
                             overlap_chunks: Optional[int] = None) -> ModuleSpec:
-    """``ModuleSpec`` of :class:`megatron.usp.attention.USPAttention` with the given backend.
+    """``ModuleSpec`` of :class:`megatron.usp.core_attention.USPAttention` with the given backend.
 
     ``overlap_chunks`` (``--usp-overlap-chunks``): head chunks of the all-to-all/attention
     pipeline; ``None`` lets USP attention choose (auto). It is checked against the heads when
     the layer is built, so a bad value fails at start-up.
     """
-    from megatron.usp.attention import USPAttention
-
     if attention_backend not in BACKEND_NAMES:
         raise ValueError(
             f"--attention-backend {attention_backend!r} is not known; choose one of "

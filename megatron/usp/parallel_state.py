@@ -5,7 +5,7 @@
 (order ``tp-cp-ep-dp-pp``), so megatron-core's own gradient and loss reductions over
 DP x CP keep working. Level 0 of the hierarchy is the Ulysses group (U adjacent
 ranks), level 1 the Ring group (R ranks strided by U): the same lists that
-:mod:`megatron.usp.grid` computes.
+:class:`megatron.usp.parallel_dims.ParallelDims` computes.
 
 The groups are returned in a :class:`USPGroups` value and also as a megatron-core
 ``ProcessGroupCollection`` (``hcp = [ulysses, ring]``), which is what the model is
@@ -22,17 +22,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron.usp.config import USPParallelConfig
-from megatron.usp.grid import GridShape
+from megatron.usp.parallel_dims import ParallelDims, USPConfigError
 
 _USP_GROUPS: Optional["USPGroups"] = None
 
 
 @dataclass
 class USPGroups:
-    """Process groups of this rank, plus the grid they came from."""
+    """Process groups of this rank, plus the layout they came from."""
 
-    shape: GridShape
+    dims: ParallelDims
     tp: dist.ProcessGroup
     ulysses: dist.ProcessGroup
     ring: dist.ProcessGroup
@@ -64,40 +63,32 @@ class USPGroups:
 
 
 def initialize_usp_parallel(
-    config: USPParallelConfig,
+    dims: ParallelDims,
     distributed_timeout_minutes: int = 30,
     create_gloo_process_groups: bool = True,
 ) -> USPGroups:
-    """Create all groups of the grid; call once, after ``torch.distributed.init_process_group``.
+    """Create all groups of the layout ``dims``; call once, after
+    ``torch.distributed.init_process_group``.
 
-    Validates the degrees against the world size first, so a bad layout fails on every
-    rank with the same message instead of hanging in a group creation.
+    ``dims.world_size`` must be the job's world size (checked, so a layout built for another
+    world fails on every rank with the same message instead of hanging in a group creation).
     """
     global _USP_GROUPS
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed before initialize_usp_parallel()")
     world = dist.get_world_size()
-    config.validate_sizes(world)
-    u, r = config.ulysses_degree, config.ring_degree
+    if dims.world_size != world:
+        raise USPConfigError(f"the parallel layout {dims.short()} is for a world of "
+                             f"{dims.world_size} processes, but this job has {world}")
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-        context_parallel_size=u * r,
-        hierarchical_context_parallel_sizes=[u, r],
+        **dims.megatron_kwargs(),
         order="tp-cp-ep-dp-pp",
         distributed_timeout_minutes=distributed_timeout_minutes,
         create_gloo_process_groups=create_gloo_process_groups,
     )
     ulysses, ring = mpu.get_hierarchical_context_parallel_groups()
-    pgc = ProcessGroupCollection.use_mpu_process_groups()
     _USP_GROUPS = USPGroups(
-        shape=GridShape(
-            world_size=world,
-            tp=config.tensor_model_parallel_size,
-            ulysses=u,
-            ring=r,
-            pp=config.pipeline_model_parallel_size,
-        ),
+        dims=dims,
         tp=mpu.get_tensor_model_parallel_group(),
         ulysses=ulysses,
         ring=ring,
@@ -105,7 +96,7 @@ def initialize_usp_parallel(
         dp=mpu.get_data_parallel_group(),
         dp_cp=mpu.get_data_parallel_group(with_context_parallel=True),
         pp=mpu.get_pipeline_model_parallel_group(),
-        pg_collection=pgc,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
     return _USP_GROUPS
 

@@ -25,7 +25,7 @@ TINY = ["--heads", "4", "--head-dim", "16", "--dtype", "fp32", "--iters", "1"]
 
 
 def _attention_sweeps(rank, world, out_dir):
-    from megatron.usp.bench.attention_bench import main
+    from megatron.bench.attention_bench import main
 
     main(["--seq-lens", "64,128", *TINY, "--warmup", "1", "--check",
           "--out", f"{out_dir}/causal.json", "--markdown", f"{out_dir}/causal.md"])

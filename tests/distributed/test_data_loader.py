@@ -26,8 +26,8 @@ from megatron.training.data import (
     validate_data_config,
 )
 from megatron.training.tokenizer import build_tokenizer
-from megatron.usp.config import USPParallelConfig
-from megatron.usp.layout import positions_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.parallel_dims import ParallelDims
+from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks
 
 SMALL_BYTES = 200_000
 SMALL_VOCAB = 1000
@@ -53,7 +53,7 @@ def _check_grid(u, r, data_prefix, tokenizer_model, cache):
 
     from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 
-    groups = initialize_usp_parallel(USPParallelConfig(ulysses_degree=u, ring_degree=r))
+    groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), ulysses=u, ring=r))
     try:
         cp = u * r
         assert groups.cp_rank == groups.ulysses_rank + u * groups.ring_rank

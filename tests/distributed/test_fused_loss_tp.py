@@ -108,12 +108,12 @@ def _check_megatron_path(tp_rank, tp, problem, ref):
 
 
 def _tp2_checks(rank, world_size):
-    from megatron.usp.config import USPParallelConfig
     from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import initialize_usp_parallel
 
     apply_cpu_shims()  # megatron-core's sequence all-gather allocates on the CUDA device
-    groups = initialize_usp_parallel(USPParallelConfig(tensor_model_parallel_size=2))
+    groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=2))
     tp_rank = dist.get_rank(groups.tp)
     problem = _problem()
     ref = _reference(*problem)
@@ -154,12 +154,12 @@ def _model_checks(rank, world_size):
 
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.fused_loss_model import FusedLossGPTModel
-    from megatron.usp.config import USPParallelConfig
     from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import initialize_usp_parallel
 
     apply_cpu_shims()
-    groups = initialize_usp_parallel(USPParallelConfig(tensor_model_parallel_size=2))
+    groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=2))
     plain = _build(validate_args(parse_args(MODEL_ARGS), 2, cuda_available=False), groups)
     fused_args = validate_args(parse_args(MODEL_ARGS + ["--fused-linear-cross-entropy",
                                                         "--linear-cross-entropy-chunk-tokens",

@@ -36,8 +36,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.usp import layout
-from megatron.usp.config import USPParallelConfig
+from megatron.usp import token_layout as layout
+from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 
 TOL = dict(atol=1e-9, rtol=1e-9)
@@ -92,7 +92,7 @@ def _reference(rank, world_size, out_dir):
     from megatron.usp.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
-    groups = initialize_usp_parallel(USPParallelConfig())
+    groups = initialize_usp_parallel(ParallelDims(dist.get_world_size()))
     model_parallel_cuda_manual_seed(SEED)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     model = _model(spec, _config(1, 1, 1), groups.pg_collection)
@@ -117,12 +117,12 @@ def _gather(x: torch.Tensor, group, size: int) -> list:
 
 def _gather_seq(x: torch.Tensor, groups) -> torch.Tensor:
     """All-gather [b, s_local, ...] over the CP group and rebuild the full sequence."""
-    return layout.unshard_from_cp_ranks(_gather(x, groups.cp, groups.shape.cp), seq_dim=1)
+    return layout.unshard_from_cp_ranks(_gather(x, groups.cp, groups.dims.cp), seq_dim=1)
 
 
 def _gather_vocab(logits: torch.Tensor, groups) -> torch.Tensor:
     """All-gather vocab-parallel logits [b, s_local, V/TP] over TP: [b, s_local, V]."""
-    return torch.cat(_gather(logits, groups.tp, groups.shape.tp), dim=-1)
+    return torch.cat(_gather(logits, groups.tp, groups.dims.tp), dim=-1)
 
 
 def _tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: int):
@@ -152,8 +152,8 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, ref: dict) -> None
 
     from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
-    groups = initialize_usp_parallel(USPParallelConfig(
-        tensor_model_parallel_size=tp, ulysses_degree=ulysses, ring_degree=ring))
+    groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=tp,
+                                                  ulysses=ulysses, ring=ring))
     model_parallel_cuda_manual_seed(SEED)
     cp, cp_rank, tp_rank = ulysses * ring, groups.cp_rank, dist.get_rank(groups.tp)
     config = _config(cp, ulysses, ring, tp, sp)

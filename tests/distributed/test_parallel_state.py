@@ -1,10 +1,9 @@
-"""Live groups built through megatron-core equal the pure rank lists of megatron.usp.grid."""
+"""Live groups built through megatron-core equal the pure rank lists of ParallelDims."""
 
 import pytest
 import torch.distributed as dist
 
-from megatron.usp.config import USPParallelConfig
-from megatron.usp.grid import all_groups, group_containing
+from megatron.usp.parallel_dims import ParallelDims, group_containing
 
 LAYOUTS = {
     "U2": (2, dict(ulysses_degree=2)),
@@ -25,8 +24,8 @@ def _check_live_groups(rank, world, kwargs):
     from megatron.usp import parallel_state as usp_ps
 
     groups = usp_ps.initialize_usp_parallel(
-        USPParallelConfig(**kwargs), create_gloo_process_groups=False)
-    expected = all_groups(groups.shape)
+        ParallelDims.from_flags(dist.get_world_size(), **kwargs), create_gloo_process_groups=False)
+    expected = groups.dims.all_groups()
 
     def ranks(g):
         return dist.get_process_group_ranks(g)
@@ -49,8 +48,8 @@ def _check_live_groups(rank, world, kwargs):
     assert list(groups.pg_collection.hcp) == [groups.ulysses, groups.ring]
     assert groups.cp_rank == groups.ulysses_rank + groups.ulysses_size * groups.ring_rank
     # megatron-core's own view agrees with ours.
-    assert mpu.get_context_parallel_world_size() == groups.shape.cp
-    assert mpu.get_data_parallel_world_size() == groups.shape.dp
+    assert mpu.get_context_parallel_world_size() == groups.dims.cp
+    assert mpu.get_data_parallel_world_size() == groups.dims.dp
 
 
 def _check_layouts(rank, world, names):
@@ -70,11 +69,11 @@ def test_live_groups_equal_pure_lists(dist_run, world):
 
 
 def _bad_layout(rank, world):
-    from megatron.usp.config import USPConfigError
+    from megatron.usp.parallel_dims import USPConfigError
     from megatron.usp.parallel_state import initialize_usp_parallel
 
     try:
-        initialize_usp_parallel(USPParallelConfig(ulysses_degree=3))
+        initialize_usp_parallel(ParallelDims(world, ulysses=3))
     except USPConfigError as exc:
         assert "--ulysses-degree 3" in str(exc)
     else:

@@ -32,9 +32,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.usp import layout
+from megatron.usp import token_layout as layout
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
-from megatron.usp.config import USPParallelConfig
+from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 from megatron.usp.ring_attention import ring_accum_dtype
 
@@ -96,14 +96,14 @@ def _module(groups, case, tp):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.usp.attention import USPAttention
+    from megatron.usp.core_attention import USPAttention
 
     d = case["head_dim"]
     config = TransformerConfig(
         num_layers=1, hidden_size=NUM_HEADS * d, num_attention_heads=NUM_HEADS,
         num_query_groups=case["num_kv_heads"], kv_channels=d,
-        tensor_model_parallel_size=tp, context_parallel_size=groups.shape.cp,
-        hierarchical_context_parallel_sizes=[groups.shape.ulysses, groups.shape.ring],
+        tensor_model_parallel_size=tp, context_parallel_size=groups.dims.cp,
+        hierarchical_context_parallel_sizes=[groups.dims.ulysses, groups.dims.ring],
         attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
         params_dtype=torch.float64,
     )
@@ -146,7 +146,7 @@ def check_communication(comm, groups, q_l, k_l, chunks=1):
     travels R-1 hops in the accumulator dtype (float32/float64 for R > 2, the inputs' own for
     R = 2: ``ring_accum_dtype``) and the last one in the inputs' dtype.
     """
-    ulysses, ring = groups.shape.ulysses, groups.shape.ring
+    ulysses, ring = groups.dims.ulysses, groups.dims.ring
     s, b, h, d = q_l.shape
     hk_sent = max(k_l.shape[2], ulysses)          # KV heads after replication (hk < U)
     if ulysses == 1:
@@ -192,7 +192,7 @@ def run_case(groups, tp, tp_rank, case, seq_len, batch=2):
     out_ref = reference_attention(q_ref, k_ref, v_ref, causal)
     out_ref.backward(dout)
 
-    cp_rank, cp = groups.cp_rank, groups.shape.cp
+    cp_rank, cp = groups.cp_rank, groups.dims.cp
 
     def mine(x):   # this rank's tokens
         return layout.shard_for_cp_rank(x, 0, cp_rank, cp)
@@ -206,8 +206,8 @@ def run_case(groups, tp, tp_rank, case, seq_len, batch=2):
             out_l = usp_attention(q_l, k_l, v_l, ulysses_group=groups.ulysses,
                                   ring_group=groups.ring, causal=causal, backend=case["backend"])
         out_l.backward(mine(dout))
-    chunks = resolve_overlap_chunks(q_l.shape[2], k_l.shape[2], groups.shape.ulysses,
-                                    groups.shape.ring)
+    chunks = resolve_overlap_chunks(q_l.shape[2], k_l.shape[2], groups.dims.ulysses,
+                                    groups.dims.ring)
     check_communication(comm, groups, q_l, k_l, chunks)
 
     for name, got, want in (
@@ -223,9 +223,7 @@ def run_case(groups, tp, tp_rank, case, seq_len, batch=2):
 def _all_layouts(rank, world_size, layouts):
     for ulysses, ring, tp in layouts:
         groups = initialize_usp_parallel(
-            USPParallelConfig(tensor_model_parallel_size=tp, ulysses_degree=ulysses,
-                              ring_degree=ring)
-        )
+            ParallelDims(dist.get_world_size(), tp=tp, ulysses=ulysses, ring=ring))
         tp_rank = torch.distributed.get_rank(groups.tp)
         cp = ulysses * ring
         seq_len = max(32, 2 * cp * 4)
@@ -248,7 +246,7 @@ def _narrow_accumulators_bitwise(rank, world_size):
     from megatron.usp.ring_attention import ring_attention_backward, ring_attention_forward
     from megatron.usp.ring_comm import RingComm
 
-    groups = initialize_usp_parallel(USPParallelConfig(ring_degree=2))
+    groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), ring=2))
     comm, kernel = RingComm(groups.ring), get_kernel("auto")
     assert ring_accum_dtype(torch.bfloat16, 2) == torch.bfloat16
     assert ring_accum_dtype(torch.bfloat16, 3) == torch.float32
@@ -313,7 +311,7 @@ def _config(**overrides):
 def _build(config, **kwargs):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron.usp.attention import USPAttention
+    from megatron.usp.core_attention import USPAttention
 
     params = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                   attention_type="self", cp_comm_type=None, softmax_scale=None,
@@ -423,7 +421,7 @@ def test_layer_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron.usp.attention import USPAttention
+    from megatron.usp.core_attention import USPAttention
     from megatron.usp.layer_specs import get_usp_gpt_layer_spec
 
     spec = get_usp_gpt_layer_spec(attention_backend="math", qk_layernorm=True)

@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.usp import layout
+from megatron.usp import token_layout as layout
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
-from megatron.usp.config import USPParallelConfig
 from megatron.usp.kernels import AttentionKernel, get_kernel
+from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 from megatron.usp.ulysses import head_chunk_choices
 from tests.distributed.test_usp_attention import (
@@ -63,12 +63,12 @@ def _module(groups, hk, chunks):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.usp.attention import USPAttention
+    from megatron.usp.core_attention import USPAttention
 
     config = TransformerConfig(
         num_layers=1, hidden_size=NUM_HEADS * HEAD_DIM, num_attention_heads=NUM_HEADS,
-        num_query_groups=hk, kv_channels=HEAD_DIM, context_parallel_size=groups.shape.cp,
-        hierarchical_context_parallel_sizes=[groups.shape.ulysses, groups.shape.ring],
+        num_query_groups=hk, kv_channels=HEAD_DIM, context_parallel_size=groups.dims.cp,
+        hierarchical_context_parallel_sizes=[groups.dims.ulysses, groups.dims.ring],
         attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
         params_dtype=torch.float64,
     )
@@ -98,7 +98,7 @@ def run_exact_case(groups, case, seq_len, via_module=False, dtype=torch.float64)
     out_ref.backward(dout)
 
     def mine(x):
-        return layout.shard_for_cp_rank(x, 0, groups.cp_rank, groups.shape.cp)
+        return layout.shard_for_cp_rank(x, 0, groups.cp_rank, groups.dims.cp)
 
     leaves = [mine(t).to(dtype).requires_grad_() for t in (q, k, v)]
     with CommCounter() as comm:
@@ -194,9 +194,9 @@ def _assert_overlaps(events, tag, span, what):
 
 def check_overlap_schedule(groups, chunks, seq_len):
     """Transfers of neighbouring chunks bracket each chunk's kernel calls (module docstring)."""
-    U, R = groups.shape.ulysses, groups.shape.ring
+    U, R = groups.dims.ulysses, groups.dims.ring
     q, k, v, dout = _inputs(seq_len, NUM_HEADS, seed=7)
-    leaves = [layout.shard_for_cp_rank(t, 0, groups.cp_rank, groups.shape.cp).requires_grad_()
+    leaves = [layout.shard_for_cp_rank(t, 0, groups.cp_rank, groups.dims.cp).requires_grad_()
               for t in (q, k, v)]
     log = EventLog()
     with log:
@@ -204,7 +204,7 @@ def check_overlap_schedule(groups, chunks, seq_len):
                             causal=True, backend=log, overlap_chunks=chunks)
         fwd_events = list(log.events)
         a2a_fwd, p2p_fwd = log._counts["a2a"], log._counts["p2p"]
-        out.backward(layout.shard_for_cp_rank(dout, 0, groups.cp_rank, groups.shape.cp))
+        out.backward(layout.shard_for_cp_rank(dout, 0, groups.cp_rank, groups.dims.cp))
     bwd_events = log.events[len(fwd_events):]
     s, b, h, d = leaves[0].shape
     qkv, o = s * b * 3 * h * d // chunks, s * b * h * d // chunks
@@ -250,8 +250,8 @@ def _overlap_all(rank, world_size, layouts):
 
     apply_cpu_shims()
     for ulysses, ring in layouts:
-        groups = initialize_usp_parallel(USPParallelConfig(ulysses_degree=ulysses,
-                                                           ring_degree=ring))
+        groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), ulysses=ulysses,
+                                                      ring=ring))
         seq_len = 2 * ulysses * ring * 4
         try:
             for case in overlap_cases(ulysses):
@@ -319,7 +319,7 @@ def test_single_rank_chunks_and_module_validation():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.usp.attention import USPAttention
+    from megatron.usp.core_attention import USPAttention
 
     q, k, v, dout = _inputs(16, 8, seed=3)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -192,7 +192,7 @@ def _auto_tp2_args(extra):
 def test_auto_layout_plans_the_sequence_parallelism_the_user_asked_for(monkeypatch):
     """TP > 1: the planner's memory model follows --sequence-parallel (it does not switch it
     on), and without it the log says what adding it would do."""
-    import megatron.usp.planner as planner
+    import megatron.planner as planner
 
     seen = []
     real = planner.choose_layout

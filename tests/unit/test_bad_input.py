@@ -20,7 +20,7 @@ import os
 import pytest
 
 from megatron.training.arguments import ArgumentsError, parse_args, validate_args
-from megatron.usp.config import USPConfigError
+from megatron.usp.parallel_dims import USPConfigError
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--train-iters", "5", "--lr", "1e-3", "--mock-data",

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from megatron.usp.bench import attention_bench as ab
-from megatron.usp.bench import cli, e2e, flops, native_cp, report, timing
-from megatron.usp.layout import positions_for_cp_rank
+from megatron.bench import attention_bench as ab
+from megatron.bench import cli, e2e, flops, native_cp, report, timing
+from megatron.usp.token_layout import positions_for_cp_rank
 
 
 # --------------------------------------------------------------------------- parsing

@@ -27,7 +27,7 @@ from megatron.training.data import (
     validate_data_config,
 )
 from megatron.training.tokenizer import build_tokenizer
-from megatron.usp.layout import positions_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""Properties of the load-balanced token layout (megatron/usp/layout.py), no process group.
+"""Properties of the load-balanced token layout (megatron/usp/token_layout.py), no process group.
 
 For every (U, R, S) tried: the ranks' positions partition the sequence; sharding then
 unsharding is the identity; the post-all-to-all permutation gives each ring rank its
@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from megatron.usp import layout
+from megatron.usp import token_layout as layout
 
 GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (3, 2), (8, 1), (1, 8)]
 

@@ -140,7 +140,7 @@ def test_layer_spec_uses_our_norms(qk_layernorm):
 
 
 def test_block_spec_holds_this_stage_layers_and_our_final_norm():
-    from megatron.usp.attention import USPAttention
+    from megatron.usp.core_attention import USPAttention
     from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
     config = _config("LayerNorm", qk_layernorm=True, pipeline_model_parallel_size=2,

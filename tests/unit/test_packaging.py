@@ -10,9 +10,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 IMPORTS = (
-    "import megatron.core, megatron.usp.grid, megatron.usp.layout;"
+    "import megatron.core, megatron.usp.parallel_dims, megatron.usp.token_layout;"
+    "import megatron.planner, megatron.bench.flops;"
     "import megatron.core.parallel_state;"
-    "print(megatron.usp.grid.__file__)"
+    "print(megatron.usp.parallel_dims.__file__)"
 )
 
 
@@ -35,7 +36,7 @@ def test_non_editable_install_imports_beside_megatron_core(tmp_path):
          "--target", str(target), str(REPO)],
         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
-    assert (target / "megatron" / "usp" / "grid.py").exists()
+    assert (target / "megatron" / "usp" / "parallel_dims.py").exists()
     assert not (target / "megatron" / "__init__.py").exists()
     site_packages = Path(__import__("megatron.core").core.__file__).parents[2]
     env = dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{site_packages}",

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron.usp.planner import (
+from megatron.planner import (
     Layout,
     Workload,
     estimate,
@@ -103,7 +103,7 @@ def test_missing_arguments_and_presets(capsys):
 
 def test_validate_exit_status(tmp_path, capsys):
     w = Workload(load_model("llama-0.85b"), 65536, 2, 8, global_batch_size=1)
-    pred = estimate(w, Layout(1, 1, 2, 1, 1, 1, "none"), get_hardware("h200-measured"))
+    pred = estimate(w, Layout.of(1, 1, 2, 1, 1, 1, "none"), get_hardware("h200-measured"))
     runs = [{"name": "r2", "model": "llama-0.85b", "seq_length": 65536, "gpus": 2,
              "gpus_per_node": 8, "global_batch_size": 1,
              "layout": {"ring_degree": 2, "zero_stage": 1},

@@ -8,8 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron.usp.grid import GridShape, rank_groups
-from megatron.usp.planner import (
+from megatron.planner import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
     Assumptions,
@@ -27,12 +26,14 @@ from megatron.usp.planner import (
     rules,
     with_overrides,
 )
-from megatron.usp.planner import cost_model as cm
-from megatron.usp.planner.cost_model import AttentionWorkload, estimate_attention
-from megatron.usp.planner.explain import format_table, result_to_json
-from megatron.usp.planner.hardware import bottleneck_level, peers_per_level
-from megatron.usp.planner.search import rank_attention_layouts
-from megatron.usp.planner.validate import MEASUREMENTS_SCHEMA, validate_measurements
+from megatron.planner import cost_model as cm
+from megatron.planner.cost_model import AttentionWorkload, estimate_attention
+from megatron.planner.explain import format_table
+from megatron.planner.hardware import bottleneck_level, peers_per_level
+from megatron.planner.plan import result_to_json
+from megatron.planner.search import rank_attention_layouts
+from megatron.planner.validate import MEASUREMENTS_SCHEMA, validate_measurements
+from megatron.usp.parallel_dims import ParallelDims
 
 M = MODEL_PRESETS
 SP_ONLY = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
@@ -106,13 +107,13 @@ def test_attention_rate_interpolates_in_log_sequence_and_clamps():
 @pytest.mark.parametrize("world,tp,u,r,gpn", [(16, 2, 4, 2, 8), (16, 1, 8, 2, 8),
                                               (32, 2, 2, 4, 8), (8, 1, 2, 4, 8), (8, 1, 8, 1, 4)])
 def test_link_levels_of_groups_match_the_grid(world, tp, u, r, gpn):
-    """peers_per_level's arithmetic against the real rank groups of grid.py."""
+    """peers_per_level's arithmetic against the real rank groups of ParallelDims."""
     hw = HARDWARE_PRESETS["l20"]  # pair (2), socket (4), node, inter-node
-    shape = GridShape(world, tp=tp, ulysses=u, ring=r)
+    dims = ParallelDims(world, tp=tp, ulysses=u, ring=r)
     strides = {"tp": (1, tp), "ulysses": (tp, u), "ring": (tp * u, r)}
     domains = [2, 4, gpn]
     for axis, (stride, size) in strides.items():
-        for group in rank_groups(shape, (axis,)):
+        for group in dims.rank_groups((axis,)):
             me = group[0]
             counted = {lvl.name: n for lvl, n in peers_per_level(hw, gpn, stride, size)}
             expected = {}
@@ -214,7 +215,7 @@ def _a2a_brute_force(n_tokens, q_heads, kv_heads, d, U):
                                         ("llama-0.85b", 2, 8, 2)])
 def test_ulysses_all_to_all_volume_matches_brute_force(name, tp, u, r):
     model = M[name]
-    lay = Layout(tp, u, r, 1, 1)
+    lay = Layout.of(tp, u, r, 1, 1)
     sh = _shapes(model, lay, 2, 32768)
     got = cm.ulysses_a2a_bytes(model, lay, sh, cm.DEFAULT_ASSUMPTIONS)
     n = 2 * 32768 / (u * r)
@@ -230,7 +231,7 @@ def test_ulysses_all_to_all_volume_matches_brute_force(name, tp, u, r):
 def test_gqa_shrinks_and_replication_grows_the_all_to_all():
     mha = replace(M["llama3-8b"], num_query_groups=32)
     gqa = M["llama3-8b"]  # 8 KV heads
-    lay8, lay16 = Layout(1, 8, 1, 1, 1), Layout(1, 16, 1, 1, 1)
+    lay8, lay16 = Layout.of(1, 8, 1, 1, 1), Layout.of(1, 16, 1, 1, 1)
     a = cm.DEFAULT_ASSUMPTIONS
     v_mha = cm.ulysses_a2a_bytes(mha, lay8, _shapes(mha, lay8, 1, 65536), a)
     v_gqa = cm.ulysses_a2a_bytes(gqa, lay8, _shapes(gqa, lay8, 1, 65536), a)
@@ -243,7 +244,7 @@ def test_gqa_shrinks_and_replication_grows_the_all_to_all():
 
 def test_ring_step_volume_is_the_kv_block_a_ring_rank_holds():
     model = M["llama3-8b"]
-    lay = Layout(1, 2, 4, 1, 1)
+    lay = Layout.of(1, 2, 4, 1, 1)
     b, s = 1, 65536
     sh = _shapes(model, lay, b, s)
     fwd, bwd = cm.ring_step_bytes(model, lay, sh, cm.DEFAULT_ASSUMPTIONS)
@@ -253,21 +254,21 @@ def test_ring_step_volume_is_the_kv_block_a_ring_rank_holds():
     assert bwd == kv_block * (2 * 2 + 2 * 4)   # K, V again + fp32 dK, dV
     # ... and the accumulator's R-th hop home (megatron/usp/ring_attention.py).
     assert cm.ring_last_hop_bytes(model, lay, sh, cm.DEFAULT_ASSUMPTIONS) == 2 * kv_block * 2  # bf16 last hop
-    e = estimate(Workload(model, s, 8, 8), replace(lay, dp=1, zero_stage=1), get_hardware("h100"))
+    e = estimate(Workload(model, s, 8, 8), replace(lay, zero_stage=1), get_hardware("h100"))
     assert e.volumes["ring_p2p"] == model.num_layers * (3 * (fwd + bwd) + 2 * kv_block * 2)
-    assert cm.ring_step_bytes(model, Layout(1, 8, 1, 1, 1), sh, cm.DEFAULT_ASSUMPTIONS) == (0, 0)
+    assert cm.ring_step_bytes(model, Layout.of(1, 8, 1, 1, 1), sh, cm.DEFAULT_ASSUMPTIONS) == (0, 0)
 
 
 def test_flops_causal_attention_is_half_and_gemms_are_two_per_weight():
     model = M["llama2-7b"]
-    lay = Layout(1, 1, 1, 1, 1)
+    lay = Layout.of(1, 1, 1, 1, 1)
     s = 4096
     assert cm.attention_flops_fwd(model, lay, 1, s) == 2 * s * s * model.hidden_size
     attn, mlp = cm.layer_matmul_flops_fwd(model, lay, _shapes(model, lay, 1, s))
     assert attn == 2 * s * model.attention_params_per_layer()
     assert mlp == 2 * s * model.mlp_params_per_layer()
     # Split over TP x CP, every rank does an equal share.
-    lay8 = Layout(2, 2, 2, 1, 1)
+    lay8 = Layout.of(2, 2, 2, 1, 1)
     attn8, mlp8 = cm.layer_matmul_flops_fwd(model, lay8, _shapes(model, lay8, 1, s))
     assert 8 * (attn8 + mlp8) == pytest.approx(attn + mlp)
     assert 8 * cm.attention_flops_fwd(model, lay8, 1, s) == 2 * s * s * model.hidden_size
@@ -275,7 +276,7 @@ def test_flops_causal_attention_is_half_and_gemms_are_two_per_weight():
 
 def test_tp_and_tp_with_sequence_parallelism_move_the_same_bytes():
     w = Workload(M["llama2-7b"], 16384, 8, 8)
-    lay = Layout(8, 1, 1, 1, 1, 0)
+    lay = Layout.of(8, 1, 1, 1, 1, 0)
     hw = get_hardware("h100")
     with_sp = estimate(w, lay, hw)
     without = estimate(w, lay, hw, Assumptions(tp_sequence_parallel=False))
@@ -311,7 +312,7 @@ def test_dp_traffic_per_zero_stage():
 def test_activations_with_and_without_recompute():
     model = M["llama2-7b"]
     h, f = model.hidden_size, model.ffn_hidden_size
-    lay = Layout(1, 1, 1, 1, 1)
+    lay = Layout.of(1, 1, 1, 1, 1)
     n = 8192
     sh = _shapes(model, lay, 1, n)
     a = cm.DEFAULT_ASSUMPTIONS
@@ -322,7 +323,7 @@ def test_activations_with_and_without_recompute():
     assert sel == (2 * n * h + 4 * n * h) * 2 + n * model.num_attention_heads * 4
     assert cm.layer_activation_bytes(model, lay, sh, "full", a) == n * h * 2
     # Ulysses keeps the output projection's input as a second copy of o.
-    lay_u = Layout(1, 2, 1, 1, 1)
+    lay_u = Layout.of(1, 2, 1, 1, 1)
     sh_u = _shapes(model, lay_u, 1, 2 * n)
     assert cm.layer_activation_bytes(model, lay_u, sh_u, "none", a) == none + n * h * 2
 
@@ -339,38 +340,20 @@ def test_ring_overlap_hides_sends_shorter_than_a_step():
 def test_estimate_moves_the_right_way():
     w = Workload(M["llama2-7b"], 65536, 8, 8)
     hw = get_hardware("a100")
-    base = estimate(w, Layout(1, 8, 1, 1, 1, 1, "none"), hw)
-    full = estimate(w, Layout(1, 8, 1, 1, 1, 1, "full"), hw)
-    z3 = estimate(w, Layout(1, 8, 1, 1, 1, 3, "none"), hw)
-    tp = estimate(w, Layout(8, 1, 1, 1, 1, 0, "none"), hw)
+    base = estimate(w, Layout.of(1, 8, 1, 1, 1, 1, "none"), hw)
+    full = estimate(w, Layout.of(1, 8, 1, 1, 1, 1, "full"), hw)
+    z3 = estimate(w, Layout.of(1, 8, 1, 1, 1, 3, "none"), hw)
+    tp = estimate(w, Layout.of(8, 1, 1, 1, 1, 0, "none"), hw)
     assert full.time.total > base.time.total and full.memory.activations < base.memory.activations
     assert z3.volumes["dp_zero"] > base.volumes["dp_zero"]
     assert z3.memory.model_states() < base.memory.model_states()
     assert tp.memory.params < base.memory.params and tp.time.tp_comm > 0 == base.time.tp_comm
     # Same tokens per GPU: SP and TP-sp hold the same activations (the paper's A/N).
     assert tp.memory.activations == pytest.approx(
-        estimate(w, Layout(1, 1, 8, 1, 1, 1, "none"), hw).memory.activations, rel=0.02)
+        estimate(w, Layout.of(1, 1, 8, 1, 1, 1, "none"), hw).memory.activations, rel=0.02)
 
 
 # ============================================================================ rules
-
-
-@pytest.mark.parametrize("heads,groups", [(32, 32), (32, 8), (16, 4), (12, 12), (8, 1)])
-def test_head_rules_agree_with_the_start_up_validation(heads, groups):
-    from megatron.usp.config import USPConfigError, USPParallelConfig
-
-    model = ModelSpec("m", 2, heads * 64, heads, groups, 256, 1000)
-    for tp in (1, 2, 4, 8):
-        for u in range(1, 17):
-            planner_ok = (rules.check_heads(model, tp, u) is None
-                          and rules.check_kv_heads(model, tp, u) is None)
-            try:
-                USPParallelConfig(tensor_model_parallel_size=tp, ulysses_degree=u).validate_heads(
-                    heads, groups)
-                config_ok = True
-            except USPConfigError:
-                config_ok = False
-            assert planner_ok == config_ok, (heads, groups, tp, u)
 
 
 def test_every_enumerated_layout_tiles_the_world_and_obeys_the_rules():
@@ -379,8 +362,7 @@ def test_every_enumerated_layout_tiles_the_world_and_obeys_the_rules():
     for e in result.evaluated:
         lay = e.layout
         assert lay.world_size == 32
-        assert rules.check_heads(w.model, lay.tp, lay.ulysses) is None
-        assert rules.check_seq(w.seq_length, lay.tp, lay.cp) is None
+        assert lay.dims.violations(w.model.shape, w.seq_length, sequence_parallel=True) == []
         assert 8 % lay.dp == 0 and lay.tp <= 8
         assert not (lay.cp > 1 and lay.zero_stage == 0)      # SP always with ZeRO-1/2
     assert result.rejections.counts["sp-with-zero"] > 0
@@ -406,7 +388,7 @@ def test_ulysses_inside_fast_links_and_ring_across_slow_ones():
     assert (plan.ulysses_degree, plan.ring_degree) == (8, 2)
     assert any("Ulysses inside the fast links, Ring across slow ones" in r for r in plan.reasons)
     w = Workload(M["llama2-7b"], 262144, 16, 8)
-    u16 = estimate(w, Layout(1, 16, 1, 1, 1, plan.zero_stage, plan.recompute), get_hardware("h100"))
+    u16 = estimate(w, Layout.of(1, 16, 1, 1, 1, plan.zero_stage, plan.recompute), get_hardware("h100"))
     assert u16.time.a2a > plan.estimate.time.a2a
 
 
@@ -477,10 +459,10 @@ def test_paper_llama2_7b_120k_on_a800_sp_only_oom_tp4_u2_r2_fits():
     w = Workload(M["llama2-7b"], 122880, 16, 8)
     hw = get_hardware("a800")
     for u in (1, 2, 4, 8, 16):
-        e = estimate(w, Layout(1, u, 16 // u, 1, 1, 1, "none"), hw)
+        e = estimate(w, Layout.of(1, u, 16 // u, 1, 1, 1, "none"), hw)
         assert not e.fits, e.layout.short()
         assert e.memory.model_states() > e.memory.activations   # the weights bind
-    assert estimate(w, Layout(4, 2, 2, 1, 1, 1, "none"), hw).fits
+    assert estimate(w, Layout.of(4, 2, 2, 1, 1, 1, "none"), hw).fits
     plan = choose_layout(w.model, 122880, 16, 8, hw, fixed={"zero_stage": 1, "recompute": "none"})
     assert plan.tensor_model_parallel_size > 1
     assert any("TP=" in r and "needs" in r for r in plan.reasons)   # why not TP=1
@@ -513,7 +495,7 @@ def test_heads_not_divisible_names_heads_and_valid_degrees():
     with pytest.raises(PlannerError) as err:
         choose_layout(M["llama2-7b"], 131072, 12, 12, "h100", fixed={"ulysses_degree": 3})
     assert err.value.binding_limit == "attention heads"
-    assert "--ulysses-degree 3 does not divide the 32 heads" in str(err.value)
+    assert "not divisible by --ulysses-degree 3" in str(err.value)
     assert "[1, 2, 4, 8, 16, 32]" in str(err.value)
 
 
@@ -572,7 +554,7 @@ def test_json_output_is_complete():
 
 def _measurements(tmp_path, factor, memory_factor=None):
     w = Workload(M["llama-0.85b"], 131072, 2, 8, global_batch_size=1)
-    lay = Layout(1, 2, 1, 1, 1, 1, "none")
+    lay = Layout.of(1, 2, 1, 1, 1, 1, "none")
     e = estimate(w, lay, get_hardware("h200-measured"))
     run = {"name": "0.85b 128K U2", "model": "llama-0.85b", "seq_length": 131072, "gpus": 2,
            "gpus_per_node": 8, "global_batch_size": 1,
@@ -616,7 +598,7 @@ def test_validation_of_attention_benchmark_runs(tmp_path):
 
 
 def _bench_attention_file(tmp_path, usp_ms):
-    """A results file in tools/bench_attention.py's format (megatron/usp/bench)."""
+    """A results file in tools/bench_attention.py's format (megatron/bench)."""
     cases = [{"seq_len": 32768, "method": "single-gpu-kernel", "label": "kernel", "gpus": 1,
               "status": "ok", "fwd_ms": 30.0, "fwd_bwd_ms": 105.0,
               "fwd_bwd_tflops_per_gpu": 550.0},

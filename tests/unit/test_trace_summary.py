@@ -2,7 +2,7 @@
 
 import json
 
-from megatron.usp.bench.trace_summary import category, main, summarize
+from megatron.bench.trace_summary import category, main, summarize
 
 
 def _k(name, ts, dur, tid=7, cat="kernel"):

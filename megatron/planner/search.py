@@ -10,11 +10,11 @@ a plan (see :func:`diagnose`).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
-from megatron.usp.planner import rules
-from megatron.usp.planner.cost_model import (
+from megatron.planner import rules
+from megatron.planner.cost_model import (
     DEFAULT_ASSUMPTIONS,
     RECOMPUTE_CHOICES,
     ZERO_STAGES,
@@ -26,18 +26,13 @@ from megatron.usp.planner.cost_model import (
     estimate,
     estimate_attention,
 )
-from megatron.usp.planner.errors import PlannerError
-from megatron.usp.planner.hardware import HardwareSpec, get_hardware
-from megatron.usp.planner.models import ModelSpec
+from megatron.planner.errors import PlannerError
+from megatron.planner.hardware import HardwareSpec, get_hardware
+from megatron.usp.parallel_dims import FLAGS, MEGATRON_NAMES, ParallelDims, divisors
 
 # Keys of ``fixed``: megatron's argument names -> (Layout field, flag).
 FIXED_KEYS: Dict[str, Tuple[str, str]] = {
-    "tensor_model_parallel_size": ("tp", "--tensor-model-parallel-size"),
-    "ulysses_degree": ("ulysses", "--ulysses-degree"),
-    "ring_degree": ("ring", "--ring-degree"),
-    "context_parallel_size": ("cp", "--context-parallel-size"),
-    "data_parallel_size": ("dp", "--data-parallel-size"),
-    "pipeline_model_parallel_size": ("pp", "--pipeline-model-parallel-size"),
+    **{name: (axis, FLAGS[axis]) for name, axis in MEGATRON_NAMES.items()},
     "zero_stage": ("zero_stage", "--zero-stage"),
     "recompute": ("recompute", "--recompute"),
 }
@@ -80,41 +75,30 @@ class Rejections:
         self.examples.setdefault(rule_id, message)
 
 
-def _divisors(n: int) -> List[int]:
-    return rules.divisors(n)
-
-
 def _tilings(world: int) -> Iterator[Tuple[int, int, int, int, int]]:
     """Every (tp, U, R, dp, pp) whose product is ``world``."""
-    for pp in _divisors(world):
-        for tp in _divisors(world // pp):
-            for u in _divisors(world // (pp * tp)):
-                for r in _divisors(world // (pp * tp * u)):
+    for pp in divisors(world):
+        for tp in divisors(world // pp):
+            for u in divisors(world // (pp * tp)):
+                for r in divisors(world // (pp * tp * u)):
                     yield tp, u, r, world // (pp * tp * u * r), pp
 
 
 def _structural_reject(w: Workload, fixed: Dict[str, Any], tp: int, u: int, r: int, dp: int,
-                       pp: int) -> Optional[Tuple[str, str]]:
+                       pp: int, a: Assumptions) -> Optional[Tuple[str, str]]:
     """First rule a tiling breaks, as ``(rule_id, message)``; None if it passes."""
-    dims = {"tp": tp, "ulysses": u, "ring": r, "cp": u * r, "dp": dp, "pp": pp}
-    for name, value in dims.items():
+    degrees = {"tp": tp, "ulysses": u, "ring": r, "cp": u * r, "dp": dp, "pp": pp}
+    for name, value in degrees.items():
         if name in fixed and fixed[name] != value:
             return "fixed", f"{name}={value} differs from the fixed {fixed[name]}"
-    m = w.model
-    checks = (
-        ("tp-inside-node", lambda: rules.check_tp_inside_node(tp, w.gpus_per_node)
-         if w.world_size >= w.gpus_per_node else None),
-        ("ulysses-heads", lambda: rules.check_heads(m, tp, u)),
-        ("ulysses-kv-heads", lambda: rules.check_kv_heads(m, tp, u)),
-        ("seq-divisible", lambda: rules.check_seq(w.seq_length, tp, u * r)),
-        ("pp-layers", lambda: rules.check_pp_layers(m.num_layers, pp)),
-        ("batch", lambda: rules.check_batch(w.global_batch_size, w.micro_batch_size, dp)),
-    )
-    for rule_id, check in checks:
-        msg = check()
+    if w.world_size >= w.gpus_per_node:
+        msg = rules.check_tp_inside_node(tp, w.gpus_per_node)
         if msg:
-            return rule_id, msg
-    return None
+            return "tp-inside-node", msg
+    dims = ParallelDims(w.world_size, tp=tp, ulysses=u, ring=r, pp=pp)
+    broken = dims.violations(w.model.shape, w.seq_length, w.micro_batch_size,
+                             w.global_batch_size, sequence_parallel=a.tp_sequence_parallel)
+    return (broken[0].rule, broken[0].message) if broken else None
 
 
 def _zero_stages(fixed: Dict[str, Any], cp: int, dp: int, rej: Rejections) -> List[int]:
@@ -144,13 +128,13 @@ def evaluate_all(w: Workload, hw: HardwareSpec, fixed: Dict[str, Any],
     out: List[Estimate] = []
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_CHOICES)
     for tp, u, r, dp, pp in _tilings(w.world_size):
-        bad = _structural_reject(w, fixed, tp, u, r, dp, pp)
+        bad = _structural_reject(w, fixed, tp, u, r, dp, pp, a)
         if bad:
             rej.add(*bad)
             continue
         for z in _zero_stages(fixed, u * r, dp, rej):
             for rc in recomputes:
-                e = estimate(w, Layout(tp, u, r, dp, pp, z, rc), hw, a)
+                e = estimate(w, Layout.of(tp, u, r, dp, pp, z, rc), hw, a)
                 out.append(e)
                 if e.fits:
                     break
@@ -209,10 +193,10 @@ def rank_attention_layouts(aw: AttentionWorkload, hardware: Union[HardwareSpec, 
     hw = get_hardware(hardware)
     model = aw.model()
     cands = []
-    for u in _divisors(aw.world_size):
+    for u in divisors(aw.world_size):
         r = aw.world_size // u
-        if (rules.check_heads(model, 1, u) or rules.check_kv_heads(model, 1, u)
-                or rules.check_seq(aw.seq_length, 1, u * r)):
+        if ParallelDims(aw.world_size, ulysses=u, ring=r).violations(model.shape,
+                                                                   aw.seq_length):
             continue
         cands.append(estimate_attention(aw, u, r, hw, assumptions))
     if not cands:
@@ -281,7 +265,7 @@ def _check_fixed_consistency(w: Workload, fx: Dict[str, Any]) -> None:
         for k, v in sizes.items():
             others = product // v
             if w.world_size % others == 0:
-                hints.append(f"{flags[k]} one of {_divisors(w.world_size // others)}")
+                hints.append(f"{flags[k]} one of {divisors(w.world_size // others)}")
         fixed_text = " x ".join(f"{flags[k]} {v}" for k, v in sizes.items())
         if len(sizes) > 1:
             fixed_text += f" = {product}"
@@ -404,112 +388,3 @@ def diagnose(w: Workload, hw: HardwareSpec, fx: Dict[str, Any], a: Assumptions,
     else:
         msg += " Nothing within 64x the GPUs or a shorter sequence fits: use a smaller model."
     return PlannerError(msg, "memory", suggestions)
-
-
-# ============================================================================ the contract
-
-
-@dataclass
-class Plan:
-    """The chosen layout, as ``pretrain_gpt.py --ulysses-degree auto`` consumes it."""
-
-    tensor_model_parallel_size: int
-    ulysses_degree: int
-    ring_degree: int
-    data_parallel_size: int
-    pipeline_model_parallel_size: int
-    zero_stage: int
-    recompute: str
-    predicted_step_time_s: float
-    memory_gib: float
-    reasons: List[str]
-    estimate: Optional[Estimate] = field(default=None, repr=False, compare=False)
-
-    @property
-    def context_parallel_size(self) -> int:
-        return self.ulysses_degree * self.ring_degree
-
-    def megatron_config(self) -> Dict[str, Any]:
-        """The plan in megatron-core's config field names
-        (``TransformerConfig`` / ``DistributedDataParallelConfig``).
-
-        ZeRO-1 is the distributed optimizer; ZeRO-2/3 are Megatron-FSDP's
-        ``optim_grads`` / ``optim_grads_params`` sharding. Selective recompute is
-        ``recompute_modules=["layernorm", "mlp"]`` (what the cost model assumes); full
-        is uniform, one layer per checkpoint.
-        """
-        cfg: Dict[str, Any] = {
-            "tensor_model_parallel_size": self.tensor_model_parallel_size,
-            "ulysses_degree": self.ulysses_degree,
-            "ring_degree": self.ring_degree,
-            "context_parallel_size": self.context_parallel_size,
-            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
-            "sequence_parallel": self.tensor_model_parallel_size > 1,
-            "use_distributed_optimizer": self.zero_stage == 1,
-            "use_megatron_fsdp": self.zero_stage >= 2,
-            "data_parallel_sharding_strategy": {0: "no_shard", 1: "optim", 2: "optim_grads",
-                                                3: "optim_grads_params"}[self.zero_stage],
-            "recompute_granularity": None,
-            "recompute_method": None,
-            "recompute_num_layers": None,
-            "recompute_modules": None,
-        }
-        if self.recompute == "selective":
-            cfg.update(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
-        elif self.recompute == "full":
-            cfg.update(recompute_granularity="full", recompute_method="uniform",
-                       recompute_num_layers=1)
-        return cfg
-
-    def to_dict(self) -> Dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "estimate"}
-        d["context_parallel_size"] = self.context_parallel_size
-        if self.estimate is not None:
-            d["prediction"] = self.estimate.to_dict()
-        d["megatron_config"] = self.megatron_config()
-        return d
-
-
-def plan_from(result: SearchResult, ranked: RankedLayout) -> Plan:
-    from megatron.usp.planner.explain import reasons_for
-
-    e = ranked.estimate
-    lay = e.layout
-    return Plan(
-        tensor_model_parallel_size=lay.tp,
-        ulysses_degree=lay.ulysses,
-        ring_degree=lay.ring,
-        data_parallel_size=lay.dp,
-        pipeline_model_parallel_size=lay.pp,
-        zero_stage=lay.zero_stage,
-        recompute=lay.recompute,
-        predicted_step_time_s=e.step_time_s,
-        memory_gib=e.memory.total,
-        reasons=reasons_for(result, ranked),
-        estimate=e,
-    )
-
-
-def choose_layout(
-    model: ModelSpec,
-    seq_length: int,
-    world_size: int,
-    gpus_per_node: int,
-    hardware: Union[HardwareSpec, str],
-    micro_batch_size: int = 1,
-    global_batch_size: Optional[int] = None,
-    fixed: Optional[Dict[str, Any]] = None,
-    assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-) -> Plan:
-    """The best layout for ``model`` at ``seq_length`` on ``world_size`` GPUs.
-
-    ``fixed`` holds degrees the user gave explicitly, in megatron's argument names
-    (see :data:`FIXED_KEYS`; None values mean "choose"); ``assumptions`` what the run will
-    do that the cost model cannot choose (e.g. whether TP uses sequence parallelism).
-    Raises :class:`PlannerError` naming the binding limit and the smallest change that
-    would fit when no layout is feasible.
-    """
-    w = Workload(model, seq_length, world_size, gpus_per_node, micro_batch_size,
-                 global_batch_size)
-    result = plan_layouts(w, hardware, fixed, top=1, assumptions=assumptions)
-    return plan_from(result, result.best)

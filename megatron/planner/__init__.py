@@ -7,15 +7,16 @@ Modules, one concern each:
 * :mod:`.hardware`   kernel rates, memory, link levels, presets, calibration files.
 * :mod:`.cost_model` per-layer FLOPs, communication volumes, memory; step-time model.
 * :mod:`.rules`      the USP paper's practice as constraints and tie-breakers.
-* :mod:`.search`     enumeration, ranking, diagnosis; :func:`choose_layout`.
-* :mod:`.explain`    reasons, the ranked table, JSON.
+* :mod:`.search`     enumeration, ranking, diagnosis.
+* :mod:`.explain`    reasons and the ranked table.
+* :mod:`.plan`       the chosen :class:`Plan`, :func:`choose_layout`, the search as JSON.
 * :mod:`.validate`   predicted vs measured step times.
 
 Pure Python: nothing here imports torch. Entry points: ``tools/plan_parallel.py`` and
 ``pretrain_gpt.py --ulysses-degree auto --ring-degree auto`` (via :func:`choose_layout`).
 """
 
-from megatron.usp.planner.cost_model import (
+from megatron.planner.cost_model import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
     Estimate,
@@ -23,8 +24,8 @@ from megatron.usp.planner.cost_model import (
     Workload,
     estimate,
 )
-from megatron.usp.planner.errors import PlannerError
-from megatron.usp.planner.hardware import (
+from megatron.planner.errors import PlannerError
+from megatron.planner.hardware import (
     CALIBRATION_SCHEMA,
     HARDWARE_PRESETS,
     Calibration,
@@ -35,8 +36,9 @@ from megatron.usp.planner.hardware import (
     load_calibration,
     with_overrides,
 )
-from megatron.usp.planner.models import MODEL_PRESETS, ModelSpec, load_model
-from megatron.usp.planner.search import Plan, SearchResult, choose_layout, plan_layouts
+from megatron.planner.models import MODEL_PRESETS, ModelSpec, load_model
+from megatron.planner.plan import Plan, choose_layout
+from megatron.planner.search import SearchResult, plan_layouts
 
 __all__ = [
     "Assumptions",

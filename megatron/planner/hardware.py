@@ -35,9 +35,58 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from megatron.usp.planner.errors import PlannerError
+from megatron.planner.errors import PlannerError
 
 CALIBRATION_SCHEMA = "megatron-usp-calibration/1"
+
+# Devices by name: dense (no sparsity) bf16 tensor-core peak in TFLOP/s from the vendors'
+# datasheets, and the planner preset that describes the device (None: no preset). Matched in
+# order against the lower-cased ``torch.cuda.get_device_name()``: variants first. The one
+# device table: the MFU denominator (megatron/training/metrics.py), the presets' peaks below
+# and ``--ulysses-degree auto``'s preset all read it.
+DEVICE_TABLE: Tuple[Tuple[str, float, Optional[str]], ...] = (
+    ("h100 pcie", 756.0, "h100"),
+    ("h100 nvl", 835.0, "h100"),
+    ("h200 nvl", 835.0, "h200"),
+    ("h800 pcie", 756.0, "h100"),
+    ("gh200", 989.0, "h200"),
+    ("h200", 989.0, "h200"),
+    ("h100", 989.0, "h100"),
+    ("h800", 989.0, "h100"),
+    ("h20", 148.0, None),
+    ("gb200", 2500.0, None),
+    ("b200", 2250.0, None),
+    ("b100", 1750.0, None),
+    ("a100", 312.0, "a100"),
+    ("a800", 312.0, "a800"),
+    ("l40s", 362.0, None),
+    ("l40", 181.0, None),
+    ("l20", 119.5, "l20"),
+    ("rtx 4090", 165.2, None),
+    ("a10", 125.0, None),
+    ("mi325x", 1307.4, None),
+    ("mi300x", 1307.4, None),
+)
+
+
+def _device_row(device_name: Optional[str]) -> Optional[Tuple[str, float, Optional[str]]]:
+    if not device_name:
+        return None
+    low = device_name.lower()
+    return next((row for row in DEVICE_TABLE if row[0] in low), None)
+
+
+def peak_tflops_for_device(device_name: Optional[str]) -> Optional[float]:
+    """Dense bf16 peak of a device named like ``torch.cuda.get_device_name()``; None if
+    unknown (pass ``--peak-tflops``) or for the CPU."""
+    row = _device_row(device_name)
+    return row[1] if row else None
+
+
+def preset_for_device(device_name: Optional[str]) -> Optional[str]:
+    """The planner preset for a CUDA device name, or None."""
+    row = _device_row(device_name)
+    return row[2] if row else None
 
 # ----------------------------------------------------------------------------- links
 
@@ -301,7 +350,7 @@ def _h200_measured() -> HardwareSpec:
     return HardwareSpec(
         name="h200-measured",
         gpu_memory_gib=139.8,
-        peak_tflops=989.0,
+        peak_tflops=ds.peak_tflops,
         matmul_tflops=780.0,
         attention_tflops=((8192, 519.0), (32768, 557.0), (65536, 555.0), (131072, 544.0)),
         hbm_gbps=4100.0,
@@ -336,26 +385,26 @@ def _build_presets() -> Dict[str, HardwareSpec]:
         # H100 SXM5 80GB: 989 dense bf16 TFLOP/s, 3.35 TB/s HBM3, NVLink4 900 GB/s
         # (450 per direction), one 400 Gb/s NDR NIC per GPU (50 GB/s).
         "h100": _datasheet_gpu(
-            "h100", 79.6, 989.0, 3.35,
+            "h100", 79.6, peak_tflops_for_device("h100"), 3.35,
             [nv("NVLink4", "nvlink", 450.0)], nv("InfiniBand NDR 400G/GPU", "network", 50.0),
             "H100 SXM5 80GB, NVLink4 450 GB/s/dir, NDR 400 Gb/s per GPU",
         ),
         # H200 SXM 141GB: same compute and NVLink as H100, 4.8 TB/s HBM3e.
         "h200": _datasheet_gpu(
-            "h200", 139.8, 989.0, 4.8,
+            "h200", 139.8, peak_tflops_for_device("h200"), 4.8,
             [nv("NVLink4", "nvlink", 450.0)], nv("InfiniBand NDR 400G/GPU", "network", 50.0),
             "H200 SXM 141GB, NVLink4 450 GB/s/dir, NDR 400 Gb/s per GPU",
         ),
         # A100 SXM4 80GB: 312 bf16 TFLOP/s, 2.04 TB/s, NVLink3 600 GB/s (300/dir),
         # HDR 200 Gb/s per GPU (25 GB/s).
         "a100": _datasheet_gpu(
-            "a100", 80.0, 312.0, 2.039,
+            "a100", 80.0, peak_tflops_for_device("a100"), 2.039,
             [nv("NVLink3", "nvlink", 300.0)], nv("InfiniBand HDR 200G/GPU", "network", 25.0),
             "A100 SXM4 80GB, NVLink3 300 GB/s/dir, HDR 200 Gb/s per GPU",
         ),
         # A800 SXM4 80GB: the A100 with NVLink cut to 400 GB/s (200/dir).
         "a800": _datasheet_gpu(
-            "a800", 80.0, 312.0, 2.039,
+            "a800", 80.0, peak_tflops_for_device("a800"), 2.039,
             [nv("NVLink3 (A800, 400 GB/s)", "nvlink", 200.0)],
             nv("InfiniBand HDR 200G/GPU", "network", 25.0),
             "A800 SXM4 80GB, NVLink 200 GB/s/dir, HDR 200 Gb/s per GPU",
@@ -368,7 +417,7 @@ def _build_presets() -> Dict[str, HardwareSpec]:
         # memory: two copies over the shared uplink, ~8 GB/s/GPU. 2x100 GbE per node
         # (25 GB/s / 8 GPUs = 3.1 GB/s/GPU).
         "l20": _datasheet_gpu(
-            "l20", 45.0, 119.5, 0.864,
+            "l20", 45.0, peak_tflops_for_device("l20"), 0.864,
             [
                 nv("PCIe Gen4 switch (GPU pair)", "pcie", 32.0, span=2),
                 nv("PCIe switch uplinks (socket)", "pcie", 16.0, span=4),

@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping
 
-from megatron.usp.planner.errors import PlannerError
+from megatron.planner.errors import PlannerError
+from megatron.usp.parallel_dims import ModelShape
 
 _MODEL_FIELDS = (
     "num_layers",
@@ -76,6 +77,11 @@ class ModelSpec:
             )
 
     # ------------------------------------------------------------------ shape
+    @property
+    def shape(self) -> ModelShape:
+        """What the layout rules (:meth:`ParallelDims.violations`) read of the model."""
+        return ModelShape(self.num_attention_heads, self.num_query_groups, self.num_layers)
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads

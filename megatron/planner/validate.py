@@ -18,7 +18,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from megatron.usp.planner.cost_model import (
+from megatron.planner.cost_model import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
     AttentionEstimate,
@@ -29,15 +29,16 @@ from megatron.usp.planner.cost_model import (
     estimate,
     estimate_attention,
 )
-from megatron.usp.planner.errors import PlannerError
-from megatron.usp.planner.hardware import (
+from megatron.planner.errors import PlannerError
+from megatron.planner.hardware import (
     HardwareSpec,
     apply_calibration,
     get_hardware,
     load_calibration,
     read_json,
 )
-from megatron.usp.planner.models import ModelSpec, load_model, model_from_mapping
+from megatron.planner.models import ModelSpec, load_model, model_from_mapping
+from megatron.usp.parallel_dims import MEGATRON_NAMES
 
 MEASUREMENTS_SCHEMA = "megatron-usp-measurements/1"
 DEFAULT_TOLERANCE = 0.25
@@ -48,8 +49,8 @@ _RUN_KEYS = {"name", "kind", "model", "seq_length", "gpus", "gpus_per_node",
 _ATTENTION_KEYS = {"name", "kind", "heads", "kv_heads", "head_dim", "seq_length", "batch",
                    "backward", "gpus", "gpus_per_node", "layout", "measured_step_time_s",
                    "notes"}
-_LAYOUT_KEYS = {"tensor_model_parallel_size": "tp", "ulysses_degree": "ulysses",
-                "ring_degree": "ring", "pipeline_model_parallel_size": "pp",
+# A run's "layout" object: megatron's names for the degrees, plus ZeRO and recompute.
+_LAYOUT_KEYS = {**{name: axis for name, axis in MEGATRON_NAMES.items() if axis not in ("cp", "dp")},
                 "zero_stage": "zero_stage", "recompute": "recompute"}
 
 
@@ -174,17 +175,13 @@ def _layout_of(run: Dict[str, Any], gpus: int, where: str) -> Layout:
     if unknown:
         raise PlannerError(f"{where}: layout has unknown key(s) {unknown}; allowed "
                            f"{sorted(_LAYOUT_KEYS)}")
-    kw = {_LAYOUT_KEYS[k]: v for k, v in lay.items()}
-    kw.setdefault("tp", 1)
-    kw.setdefault("ulysses", 1)
-    kw.setdefault("ring", 1)
-    kw.setdefault("pp", 1)
-    kw.setdefault("zero_stage", 1)
-    kw.setdefault("recompute", "none")
+    kw = {"tp": 1, "ulysses": 1, "ring": 1, "pp": 1, "zero_stage": 1, "recompute": "none",
+          **{_LAYOUT_KEYS[k]: v for k, v in lay.items()}}
     mp = kw["tp"] * kw["ulysses"] * kw["ring"] * kw["pp"]
     if gpus % mp:
         raise PlannerError(f"{where}: layout needs a multiple of {mp} GPUs, 'gpus' is {gpus}")
-    return Layout(dp=gpus // mp, **kw)
+    return Layout.of(kw["tp"], kw["ulysses"], kw["ring"], gpus // mp, kw["pp"],
+                     kw["zero_stage"], kw["recompute"])
 
 
 def _positive_number(run: Dict[str, Any], key: str, where: str) -> float:

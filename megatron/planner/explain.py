@@ -9,11 +9,12 @@ and where the time goes), with the paper's rule quoted wherever a rule decided.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
-from megatron.usp.planner import rules
-from megatron.usp.planner.cost_model import Estimate, kv_heads_per_tp_rank
-from megatron.usp.planner.search import RankedLayout, SearchResult, plan_from
+from megatron.planner import rules
+from megatron.planner.cost_model import Estimate
+from megatron.planner.search import RankedLayout, SearchResult
+from megatron.usp.parallel_dims import ParallelDims, divisors
 
 _TIME_LABELS = {
     "matmul": "GEMMs",
@@ -88,9 +89,10 @@ def _reason_tp(result: SearchResult, e: Estimate) -> str:
 
 
 def _max_ulysses(result: SearchResult, tp: int) -> int:
+    """The largest Ulysses degree the heads allow at this TP (ParallelDims' head rules)."""
     m = result.workload.model
-    return max(u for u in rules.divisors(m.num_attention_heads // tp)
-               if rules.check_kv_heads(m, tp, u) is None)
+    return max(u for u in divisors(m.num_attention_heads // tp)
+               if not ParallelDims(tp * u, tp=tp, ulysses=u).violations(m.shape))
 
 
 def _reason_cp(result: SearchResult, e: Estimate) -> List[str]:
@@ -111,8 +113,8 @@ def _reason_cp(result: SearchResult, e: Estimate) -> List[str]:
     if lay.ring > 1 and lay.ulysses == umax:
         m = result.workload.model
         out.append(f"Ulysses stops at {umax}: {m.num_attention_heads // lay.tp} heads and "
-                   f"{kv_heads_per_tp_rank(m, lay.tp)} KV heads per TP rank; the rest goes to "
-                   f"Ring ({rules.RULES['ulysses-heads'].cite()})")
+                   f"{lay.dims.kv_heads_per_tp_rank(m.num_query_groups)} KV heads per TP rank; "
+                   f"the rest goes to Ring ({rules.RULES['ulysses-heads'].cite()})")
     if e.kv_replication > 1:
         out.append(f"KV heads replicated x{e.kv_replication:g} into the all-to-all "
                    f"({e.volumes['ulysses_a2a'] / 1e9:.2f} GB/step in all), cheaper here than "
@@ -284,32 +286,3 @@ def format_table(result: SearchResult) -> str:
     lines += ["", "why #1:"]
     lines += [f"  - {line}" for line in reasons_for(result, result.best)]
     return "\n".join(lines)
-
-
-def result_to_json(result: SearchResult) -> Dict[str, Any]:
-    w = result.workload
-    return {
-        "workload": {
-            "model": w.model.to_dict(),
-            "seq_length": w.seq_length,
-            "world_size": w.world_size,
-            "gpus_per_node": w.gpus_per_node,
-            "micro_batch_size": w.micro_batch_size,
-            "global_batch_size": w.global_batch_size,
-        },
-        "hardware": {
-            "name": result.hardware.name,
-            "description": result.hardware.describe(),
-            "sources": dict(result.hardware.sources),
-        },
-        "fixed": result.fixed,
-        "evaluated": len(result.evaluated),
-        "feasible": len(result.feasible()),
-        "rejections": {k: {"count": v, "example": result.rejections.examples[k]}
-                       for k, v in result.rejections.counts.items()},
-        "plans": [
-            dict(plan_from(result, r).to_dict(), rank=r.rank,
-                 tie_break_rule=r.decided_by.id if r.decided_by else None)
-            for r in result.ranked
-        ],
-    }

@@ -54,18 +54,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron.usp.bench import report
-from megatron.usp.bench.cli import (
+from megatron.bench import report
+from megatron.bench.cli import (
     BenchConfigError,
     parse_seq_len,
     parse_seq_lens,
     parse_splits,
     seq_label,
 )
-from megatron.usp.bench.flops import tflops_per_gpu
+from megatron.bench.flops import tflops_per_gpu
 from megatron.usp.kernels import BACKEND_NAMES
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROGRESS_PREFIX = "[bench_e2e]"
 
 

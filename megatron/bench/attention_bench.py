@@ -12,13 +12,13 @@ the output gradient, drawn from one seed, identical on every rank), it times, in
    cuDNN backend forced on CUDA (the anchors' number), rank 0 only. A sanity anchor.
 3. ``usp``: :func:`megatron.usp.attention.usp_attention` for each U x R split (the requested
    ones plus pure Ulysses ``N x 1`` and pure ring ``1 x N``), all ranks, on megatron's layout
-   [S/N, b, h, d] (the tokens of :func:`megatron.usp.layout.shard_for_cp_rank`).
+   [S/N, b, h, d] (the tokens of :func:`megatron.usp.token_layout.shard_for_cp_rank`).
 4. ``native-cp``: PyTorch's ``context_parallel`` (ring, load-balanced) for each rotate method,
-   all ranks, on [b, h, S/N, d] (:mod:`megatron.usp.bench.native_cp`; CUDA only).
+   all ranks, on [b, h, S/N, d] (:mod:`megatron.bench.native_cp`; CUDA only).
 
 Per case: median milliseconds of the forward and of forward+backward (CUDA events on CUDA,
 ``perf_counter`` on the CPU, a barrier before each iteration, the slowest rank's time),
-TFLOP/s per GPU (:mod:`megatron.usp.bench.flops`: forward ``4*b*h*S^2*d`` (x1/2 causal),
+TFLOP/s per GPU (:mod:`megatron.bench.flops`: forward ``4*b*h*S^2*d`` (x1/2 causal),
 forward+backward 3.5x that, divided over the case's GPUs), parallel efficiency (per-GPU
 forward+backward rate over the single-GPU kernel's rate at the same S) and peak memory per GPU
 (``torch.cuda.max_memory_allocated`` over the case, reset at its start, max over ranks; the
@@ -49,19 +49,19 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.usp.bench import native_cp, profile, report, timing
-from megatron.usp.bench.cli import (
+from megatron.bench import native_cp, report, timing
+from megatron.bench.cli import (
     BenchConfigError,
     parse_overlap_chunks,
     parse_seq_lens,
     parse_splits,
     seq_label,
 )
-from megatron.usp.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, tflops_per_gpu
-from megatron.usp.config import USPConfigError, USPParallelConfig
-from megatron.usp.grid import GridShape, rank_groups
+from megatron.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, tflops_per_gpu
+from megatron.training import profiling
 from megatron.usp.kernels import AttentionBackendUnavailable, get_kernel
-from megatron.usp.layout import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
+from megatron.usp.token_layout import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
 
 Tensor = torch.Tensor
 
@@ -150,8 +150,7 @@ def validate_config(cfg: AttentionBenchConfig, world: int) -> None:
             raise BenchConfigError(str(exc)) from None
     for u, r in all_splits(cfg.splits, world):
         try:
-            USPParallelConfig(ulysses_degree=u, ring_degree=r).validate(
-                world, num_attention_heads=cfg.heads, num_query_groups=cfg.kv_heads)
+            ParallelDims(world, ulysses=u, ring=r).check(ModelShape(cfg.heads, cfg.kv_heads))
         except USPConfigError as exc:
             raise BenchConfigError(
                 f"--splits {u}x{r} does not fit {world} processes with --heads {cfg.heads} "
@@ -379,11 +378,11 @@ class _Sweep:
     def groups_for(self, split: Tuple[int, int]):
         """(ulysses, ring) process groups of this rank for U x R (None for size 1)."""
         if split not in self._groups:
-            shape = GridShape(self.world, ulysses=split[0], ring=split[1])
+            dims = ParallelDims(self.world, ulysses=split[0], ring=split[1])
             mine = []
             for axis in ("ulysses", "ring"):
                 found = None
-                for ranks in rank_groups(shape, (axis,)):
+                for ranks in dims.rank_groups((axis,)):
                     if len(ranks) == 1:
                         continue
                     g = dist.new_group(ranks)              # every rank creates every group
@@ -410,7 +409,7 @@ class _Sweep:
         if not self.cfg.profile_dir:
             return
         stem = f"{seq_label(res.seq_len)}_{re.sub(r'[^A-Za-z0-9]+', '_', res.label).strip('_')}"
-        profile.profile_call(fwd_bwd, self.device, self.cfg.profile_dir, stem,
+        profiling.profile_call(fwd_bwd, self.device, self.cfg.profile_dir, stem,
                              write=self.rank == 0)
 
     def _max_over_ranks(self, value: Optional[float]) -> Optional[float]:
@@ -584,7 +583,7 @@ class _Sweep:
         """Relative error of the gathered output (rank 0's value; None on other ranks).
 
         ``out_local`` is [b, h, S/N, d]; ``unshard`` rebuilds the full sequence, by default
-        from USP's layout (:func:`megatron.usp.layout.unshard_from_cp_ranks`).
+        from USP's layout (:func:`megatron.usp.token_layout.unshard_from_cp_ranks`).
         """
         if unshard is None:
             shards = [torch.empty_like(out_local) for _ in range(self.world)]

@@ -25,7 +25,7 @@ schedule needs, in increasing position order inside each half.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,17 +42,23 @@ def cp_rank_of(ulysses_rank: int, ring_rank: int, ulysses_size: int) -> int:
     return ulysses_rank + ulysses_size * ring_rank
 
 
-def check_seq_divisible(seq_len: int, cp_size: int, what: str = "--seq-length") -> None:
-    """Raise a ValueError naming ``what`` if ``seq_len`` cannot be cut into 2*CP chunks."""
+def seq_length_problem(seq_len: int, cp_size: int, what: str = "--seq-length") -> Optional[str]:
+    """Why ``seq_len`` cannot be cut into 2*CP chunks (naming ``what``), or None."""
     if cp_size > 1 and seq_len % (2 * cp_size):
         step = 2 * cp_size
         lower = (seq_len // step) * step
         upper = lower + step
         sugg = f"{upper}" if lower == 0 else f"{lower} or {upper}"
-        raise ValueError(
-            f"{what}={seq_len} must be divisible by 2*ulysses_degree*ring_degree = {step} "
-            f"for the load-balanced layout; try {what} {sugg}"
-        )
+        return (f"{what}={seq_len} must be divisible by 2*ulysses_degree*ring_degree = {step} "
+                f"for the load-balanced layout; try {what} {sugg}")
+    return None
+
+
+def check_seq_divisible(seq_len: int, cp_size: int, what: str = "--seq-length") -> None:
+    """Raise a ValueError naming ``what`` if ``seq_len`` cannot be cut into 2*CP chunks."""
+    problem = seq_length_problem(seq_len, cp_size, what)
+    if problem:
+        raise ValueError(problem)
 
 
 def positions_for_cp_rank(seq_len: int, cp_rank: int, cp_size: int) -> List[int]:

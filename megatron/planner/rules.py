@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron.usp.planner.cost_model import Estimate, kv_heads_per_tp_rank
-from megatron.usp.planner.models import ModelSpec
+from megatron.planner.cost_model import Estimate
+from megatron.usp.parallel_dims import divisors
 
 TIE_TOLERANCE = 0.02  # layouts within 2% predicted time per token are ties
 
@@ -42,7 +42,7 @@ RULES: Dict[str, Rule] = {r.id: r for r in (
          "USP best practice; YC 4D practice 3"),
     Rule("grid-order", "order TP -> Ulysses -> Ring -> DP -> PP",
          "USP 4D hybrid design: the axis that communicates most per layer gets the "
-         "fastest links; megatron/usp/grid.py"),
+         "fastest links; megatron/usp/parallel_dims.py"),
     Rule("ulysses-heads", "Ulysses degree limited by heads (U divides heads per TP rank)",
          "USP section on SP-Ulysses; YC 'Why not apply Ulysses and Ring individually'"),
     Rule("ulysses-kv-heads",
@@ -60,7 +60,7 @@ RULES: Dict[str, Rule] = {r.id: r for r in (
     Rule("tp-inside-node", "TP inside a node",
          "YC 4D practice 5: TP cannot be set to a high degree; megatron practice"),
     Rule("seq-divisible", "sequence divisible by 2*U*R (and by TP per CP rank)",
-         "megatron/usp/layout.py: zigzag layout of 2*CP chunks; sequence parallelism"),
+         "megatron/usp/token_layout.py: zigzag layout of 2*CP chunks; sequence parallelism"),
     Rule("pp-layers", "PP divides the layers", "megatron-core pipeline stages"),
     Rule("batch", "DP divides the global batch in micro-batches", "megatron batch schedule"),
     Rule("less-recompute", "recompute only what memory requires",
@@ -73,10 +73,8 @@ RULES: Dict[str, Rule] = {r.id: r for r in (
 
 
 # ============================================================================ constraints
-
-
-def divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# The layout rules shared with pretrain_gpt.py (heads, KV heads, sequence, layers, batch) are
+# ParallelDims.violations (megatron/usp/parallel_dims.py); these are the planner's own.
 
 
 def check_tp_inside_node(tp: int, gpus_per_node: int) -> Optional[str]:
@@ -84,63 +82,6 @@ def check_tp_inside_node(tp: int, gpus_per_node: int) -> Optional[str]:
         return (f"--tensor-model-parallel-size {tp} does not fit inside a node of "
                 f"{gpus_per_node} GPUs; TP must divide --gpus-per-node "
                 f"({divisors(gpus_per_node)})")
-    return None
-
-
-def check_heads(model: ModelSpec, tp: int, ulysses: int) -> Optional[str]:
-    """Same rule as ``USPParallelConfig.validate_heads``: heads split over TP then U."""
-    a = model.num_attention_heads
-    if a % tp:
-        return (f"--tensor-model-parallel-size {tp} does not divide num_attention_heads {a}; "
-                f"valid TP sizes: {divisors(a)}")
-    if (a // tp) % ulysses:
-        return (f"--ulysses-degree {ulysses} does not divide the {a // tp} heads per TP rank; "
-                f"valid: {divisors(a // tp)} (the rest of CP goes to --ring-degree)")
-    return None
-
-
-def check_kv_heads(model: ModelSpec, tp: int, ulysses: int) -> Optional[str]:
-    g = model.num_query_groups
-    if g % tp and tp % g:
-        return (f"num_query_groups {g} and --tensor-model-parallel-size {tp} must divide one "
-                f"another")
-    kv_t = kv_heads_per_tp_rank(model, tp)
-    if kv_t % ulysses and ulysses % kv_t:
-        ok = [u for u in divisors(model.num_attention_heads // tp)
-              if kv_t % u == 0 or u % kv_t == 0]
-        return (f"--ulysses-degree {ulysses} and the {kv_t} KV heads per TP rank must divide one "
-                f"another (split or replicate); valid: {ok}")
-    return None
-
-
-def check_seq(seq_length: int, tp: int, cp: int) -> Optional[str]:
-    if cp > 1 and seq_length % (2 * cp):
-        step = 2 * cp
-        lower = seq_length // step * step
-        sugg = f"{lower + step}" if lower == 0 else f"{lower} or {lower + step}"
-        return (f"--seq-length {seq_length} is not divisible by 2*U*R = {step} (load-balanced "
-                f"zigzag layout); try --seq-length {sugg}")
-    if tp > 1 and (seq_length // cp) % tp:
-        return (f"--seq-length {seq_length}: the {seq_length // cp} tokens per CP rank are not "
-                f"divisible by --tensor-model-parallel-size {tp} (sequence parallelism)")
-    return None
-
-
-def check_pp_layers(num_layers: int, pp: int) -> Optional[str]:
-    if num_layers % pp:
-        return (f"--pipeline-model-parallel-size {pp} does not divide num_layers {num_layers}; "
-                f"valid: {divisors(num_layers)}")
-    return None
-
-
-def check_batch(global_batch_size: Optional[int], micro_batch_size: int, dp: int) -> Optional[str]:
-    if global_batch_size is None:
-        return None
-    if global_batch_size % (micro_batch_size * dp):
-        per_mb = max(1, global_batch_size // micro_batch_size)
-        return (f"--global-batch-size {global_batch_size} is not a multiple of "
-                f"--micro-batch-size {micro_batch_size} x DP {dp}; the batch allows DP in "
-                f"{divisors(per_mb)}")
     return None
 
 

@@ -32,14 +32,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megatron.usp.planner.errors import PlannerError
-from megatron.usp.planner.hardware import (
+from megatron.planner.errors import PlannerError
+from megatron.planner.hardware import (
     HardwareSpec,
     LinkLevel,
     bottleneck_level,
     peers_per_level,
 )
-from megatron.usp.planner.models import ModelSpec
+from megatron.planner.models import ModelSpec
+from megatron.usp.parallel_dims import ParallelDims
 
 GIB = float(2**30)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -51,34 +52,39 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees of one layout; DP is whatever is left of the world."""
+    """A parallel layout (:class:`~megatron.usp.parallel_dims.ParallelDims`: TP, U, R, PP and
+    the world, DP derived) plus what the planner also chooses: the ZeRO stage and the
+    activation recompute."""
 
-    tp: int
-    ulysses: int
-    ring: int
-    dp: int
-    pp: int
+    dims: ParallelDims
     zero_stage: int = 1
     recompute: str = "none"
 
     def __post_init__(self) -> None:
-        for key in ("tp", "ulysses", "ring", "dp", "pp"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or v < 1:
-                raise PlannerError(f"layout {key}={v!r} must be an integer >= 1")
         if self.zero_stage not in ZERO_STAGES:
             raise PlannerError(f"--zero-stage {self.zero_stage!r} must be one of {ZERO_STAGES}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise PlannerError(
                 f"--recompute {self.recompute!r} must be one of {RECOMPUTE_CHOICES}")
 
-    @property
-    def cp(self) -> int:
-        return self.ulysses * self.ring
+    @classmethod
+    def of(cls, tp: int, ulysses: int, ring: int, dp: int, pp: int, zero_stage: int = 1,
+           recompute: str = "none") -> "Layout":
+        """From the five degrees (the world is their product)."""
+        for key, v in (("tp", tp), ("ulysses", ulysses), ("ring", ring), ("dp", dp), ("pp", pp)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlannerError(f"layout {key}={v!r} must be an integer >= 1")
+        dims = ParallelDims(tp * ulysses * ring * dp * pp, tp=tp, ulysses=ulysses, ring=ring,
+                            pp=pp)
+        return cls(dims, zero_stage, recompute)
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
+    tp = property(lambda self: self.dims.tp)
+    ulysses = property(lambda self: self.dims.ulysses)
+    ring = property(lambda self: self.dims.ring)
+    dp = property(lambda self: self.dims.dp)
+    pp = property(lambda self: self.dims.pp)
+    cp = property(lambda self: self.dims.cp)
+    world_size = property(lambda self: self.dims.world_size)
 
     @property
     def sharding_group_size(self) -> int:
@@ -181,29 +187,13 @@ class RankShapes:
     layers: int     # layers per pipeline stage
 
 
-def kv_heads_per_tp_rank(model: ModelSpec, tp: int) -> int:
-    """``max(1, g/t)``: megatron replicates a KV head over TP ranks when g < t."""
-    return max(1, model.num_query_groups // tp)
-
-
-def kv_heads_into_all_to_all(model: ModelSpec, tp: int, ulysses: int) -> int:
-    """KV heads per TP rank as they enter the Ulysses all-to-all.
-
-    Split when ``kv_t % U == 0`` (each Ulysses rank gets ``kv_t/U`` heads); replicated to
-    ``U`` heads when ``U % kv_t == 0`` (each rank gets the one head its queries share),
-    which multiplies the K/V all-to-all volume by ``U/kv_t``.
-    """
-    kv_t = kv_heads_per_tp_rank(model, tp)
-    return kv_t if kv_t % ulysses == 0 else ulysses
-
-
 def rank_shapes(model: ModelSpec, layout: Layout, b: int, s: int, a: Assumptions) -> RankShapes:
     n = b * s / layout.cp
     return RankShapes(
         n=n,
         n_sp=n / layout.tp if a.tp_sequence_parallel else n,
-        kv_t=kv_heads_per_tp_rank(model, layout.tp),
-        kv_u=kv_heads_into_all_to_all(model, layout.tp, layout.ulysses),
+        kv_t=layout.dims.kv_heads_per_tp_rank(model.num_query_groups),
+        kv_u=layout.dims.kv_heads_into_all_to_all(model.num_query_groups),
         layers=model.num_layers // layout.pp,
     )
 
@@ -1078,7 +1068,7 @@ def estimate_attention(aw: AttentionWorkload, ulysses: int, ring: int, hw: Hardw
     if ulysses * ring != aw.world_size:
         raise PlannerError(f"Ulysses {ulysses} x Ring {ring} != {aw.world_size} GPUs")
     model = aw.model()
-    layout = Layout(1, ulysses, ring, 1, 1)
+    layout = Layout.of(1, ulysses, ring, 1, 1)
     sh = rank_shapes(model, layout, aw.batch, aw.seq_length, a)
     links = _resolve_links(aw.gpus_per_node, layout, hw)
     times = usp_attention_times(model, layout, sh, hw, links, a, aw.batch, aw.seq_length,

@@ -9,7 +9,7 @@ What a per-phase profile needs, read from the device events of one rank's trace:
 * device time by category: cuDNN attention forward / backward, NCCL, GEMMs, layout copies
   (PyTorch's strided-copy kernel), other kernels.
 
-``python -m megatron.usp.bench.trace_summary TRACE.json [...]`` prints it; :func:`summarize`
+``python -m megatron.bench.trace_summary TRACE.json [...]`` prints it; :func:`summarize`
 returns it as a dict (used by tests and by the docs' tables).
 """
 

@@ -86,7 +86,7 @@ def software_versions() -> Dict[str, Optional[str]]:
 def run_metadata(argv: Sequence[str], device: Optional[torch.device], world_size: int
                  ) -> Dict[str, Any]:
     """Everything a published number must sit next to (``device=None``: described later)."""
-    repo = Path(__file__).resolve().parents[3]
+    repo = Path(__file__).resolve().parents[2]
     return {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": " ".join(shlex.quote(a) for a in argv),

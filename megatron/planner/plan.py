@@ -1,0 +1,150 @@
+"""The planner's answer: :class:`Plan`, :func:`choose_layout` (the contract
+``pretrain_gpt.py --ulysses-degree auto`` uses) and the JSON form of a search.
+
+Top floor of the planner: it reads the search (:mod:`.search`) and its explanations
+(:mod:`.explain`); neither imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, Assumptions, Estimate, Workload
+from megatron.planner.explain import reasons_for
+from megatron.planner.hardware import HardwareSpec
+from megatron.planner.models import ModelSpec
+from megatron.planner.search import RankedLayout, SearchResult, plan_layouts
+
+
+@dataclass
+class Plan:
+    """The chosen layout, as ``pretrain_gpt.py --ulysses-degree auto`` consumes it."""
+
+    tensor_model_parallel_size: int
+    ulysses_degree: int
+    ring_degree: int
+    data_parallel_size: int
+    pipeline_model_parallel_size: int
+    zero_stage: int
+    recompute: str
+    predicted_step_time_s: float
+    memory_gib: float
+    reasons: List[str]
+    estimate: Optional[Estimate] = field(default=None, repr=False, compare=False)
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    def megatron_config(self) -> Dict[str, Any]:
+        """The plan in megatron-core's config field names
+        (``TransformerConfig`` / ``DistributedDataParallelConfig``).
+
+        ZeRO-1 is the distributed optimizer; ZeRO-2/3 are Megatron-FSDP's
+        ``optim_grads`` / ``optim_grads_params`` sharding. Selective recompute is
+        ``recompute_modules=["layernorm", "mlp"]`` (what the cost model assumes); full
+        is uniform, one layer per checkpoint.
+        """
+        cfg: Dict[str, Any] = {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "ulysses_degree": self.ulysses_degree,
+            "ring_degree": self.ring_degree,
+            "context_parallel_size": self.context_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "sequence_parallel": self.tensor_model_parallel_size > 1,
+            "use_distributed_optimizer": self.zero_stage == 1,
+            "use_megatron_fsdp": self.zero_stage >= 2,
+            "data_parallel_sharding_strategy": {0: "no_shard", 1: "optim", 2: "optim_grads",
+                                                3: "optim_grads_params"}[self.zero_stage],
+            "recompute_granularity": None,
+            "recompute_method": None,
+            "recompute_num_layers": None,
+            "recompute_modules": None,
+        }
+        if self.recompute == "selective":
+            cfg.update(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
+        elif self.recompute == "full":
+            cfg.update(recompute_granularity="full", recompute_method="uniform",
+                       recompute_num_layers=1)
+        return cfg
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "estimate"}
+        d["context_parallel_size"] = self.context_parallel_size
+        if self.estimate is not None:
+            d["prediction"] = self.estimate.to_dict()
+        d["megatron_config"] = self.megatron_config()
+        return d
+
+
+def plan_from(result: SearchResult, ranked: RankedLayout) -> Plan:
+    e = ranked.estimate
+    lay = e.layout
+    return Plan(
+        tensor_model_parallel_size=lay.tp,
+        ulysses_degree=lay.ulysses,
+        ring_degree=lay.ring,
+        data_parallel_size=lay.dp,
+        pipeline_model_parallel_size=lay.pp,
+        zero_stage=lay.zero_stage,
+        recompute=lay.recompute,
+        predicted_step_time_s=e.step_time_s,
+        memory_gib=e.memory.total,
+        reasons=reasons_for(result, ranked),
+        estimate=e,
+    )
+
+
+def choose_layout(
+    model: ModelSpec,
+    seq_length: int,
+    world_size: int,
+    gpus_per_node: int,
+    hardware: Union[HardwareSpec, str],
+    micro_batch_size: int = 1,
+    global_batch_size: Optional[int] = None,
+    fixed: Optional[Dict[str, Any]] = None,
+    assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+) -> Plan:
+    """The best layout for ``model`` at ``seq_length`` on ``world_size`` GPUs.
+
+    ``fixed`` holds degrees the user gave explicitly, in megatron's argument names
+    (see :data:`FIXED_KEYS`; None values mean "choose"); ``assumptions`` what the run will
+    do that the cost model cannot choose (e.g. whether TP uses sequence parallelism).
+    Raises :class:`PlannerError` naming the binding limit and the smallest change that
+    would fit when no layout is feasible.
+    """
+    w = Workload(model, seq_length, world_size, gpus_per_node, micro_batch_size,
+                 global_batch_size)
+    result = plan_layouts(w, hardware, fixed, top=1, assumptions=assumptions)
+    return plan_from(result, result.best)
+
+
+def result_to_json(result: SearchResult) -> Dict[str, Any]:
+    w = result.workload
+    return {
+        "workload": {
+            "model": w.model.to_dict(),
+            "seq_length": w.seq_length,
+            "world_size": w.world_size,
+            "gpus_per_node": w.gpus_per_node,
+            "micro_batch_size": w.micro_batch_size,
+            "global_batch_size": w.global_batch_size,
+        },
+        "hardware": {
+            "name": result.hardware.name,
+            "description": result.hardware.describe(),
+            "sources": dict(result.hardware.sources),
+        },
+        "fixed": result.fixed,
+        "evaluated": len(result.evaluated),
+        "feasible": len(result.feasible()),
+        "rejections": {k: {"count": v, "example": result.rejections.examples[k]}
+                       for k, v in result.rejections.counts.items()},
+        "plans": [
+            dict(plan_from(result, r).to_dict(), rank=r.rank,
+                 tie_break_rule=r.decided_by.id if r.decided_by else None)
+            for r in result.ranked
+        ],
+    }

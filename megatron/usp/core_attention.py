@@ -1,0 +1,175 @@
+"""megatron-core's core-attention module computed with USP: :class:`USPAttention`.
+
+It fills the ``core_attention`` slot of megatron-core's ``SelfAttentionSubmodules``
+(:mod:`megatron.usp.layer_specs` builds the spec) and calls :func:`megatron.usp.attention.usp_attention`
+with the Ulysses and Ring groups it finds in the ``pg_collection`` it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from megatron.usp.attention import resolve_overlap_chunks, usp_attention
+from megatron.usp.kernels import get_kernel
+from megatron.usp.ulysses import group_size
+
+Tensor = torch.Tensor
+
+
+class USPAttention(MegatronModule):
+    """megatron-core core attention computed with USP (Ulysses x zigzag Ring).
+
+    Drop-in for ``DotProductAttention`` / ``TEDotProductAttention`` in the
+    ``core_attention`` slot of ``SelfAttentionSubmodules``; constructed with the keyword
+    arguments megatron-core 0.16.1's ``Attention`` passes, plus ``attention_backend`` and
+    ``overlap_chunks`` (from the ModuleSpec params; see :func:`usp_attention`).
+    ``overlap_chunks`` is resolved and checked against the heads per TP rank here, at
+    model construction, so a bad value fails at start-up.
+
+    Forward contract (megatron-core's): query [s, b, np, hn], key/value [s, b, ng, hn] for
+    this rank's tokens (layout of :mod:`megatron.usp.token_layout`), RoPE already applied;
+    returns [s, b, np*hn]. ``np``/``ng`` are the heads on this TP rank (megatron splits
+    heads over TP first, and hands one KV head per rank when KV heads < TP).
+
+    Groups: Ulysses and Ring groups come from ``pg_collection.hcp`` (= [ulysses, ring],
+    as :func:`megatron.usp.parallel_state.initialize_usp_parallel` builds it). Without
+    ``hcp``, the context-parallel group ``pg_collection.cp`` is used as a pure ring
+    (U = 1); with context-parallel size 1 nothing is communicated.
+
+    Masks: ``AttnMaskType.causal`` or ``no_mask``; ``attention_mask`` tensors are not
+    read (the mask type defines the mask, as TEDotProductAttention does for these
+    types). Dropout is rejected: an attention-dropout mask would have to be drawn
+    identically for a block whichever rank computes it (ring position dependent), and
+    no RNG scheme for that is implemented; modern LLM pretraining uses 0.
+
+    Softmax scale: ``softmax_scale`` or 1/sqrt(hn). ``apply_query_key_layer_scaling``
+    does not change the result in megatron (it divides the scale by the layer number
+    and multiplies it back inside the softmax), so it is ignored.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        attention_backend: str = "auto",
+        overlap_chunks: Optional[int] = None,
+    ):
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.softmax_scale = softmax_scale
+        self.current_max_attn_logits = None
+        _check_supported(config, attn_mask_type, attention_type, attention_dropout)
+        self.ulysses_group, self.ring_group = _groups_from(pg_collection)
+        self.kernel = get_kernel(attention_backend)
+        self.overlap_chunks = _overlap_chunks_for(config, pg_collection, self.ulysses_group,
+                                                  self.ring_group, overlap_chunks)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type=None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        """[s, b, np, hn] x [s, b, ng, hn] -> [s, b, np*hn] (see class docstring)."""
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "USP attention does not support packed sequences (THD, packed_seq_params); "
+                "drop --reset-attention-mask / packed datasets, or use --ulysses-degree 1 "
+                "--ring-degree 1 with TransformerEngine attention"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError("USP attention does not support an attention_bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = _is_causal(mask_type)
+        out = usp_attention(
+            query, key, value, ulysses_group=self.ulysses_group,
+            ring_group=self.ring_group, causal=causal, softmax_scale=self.softmax_scale,
+            backend=self.kernel, overlap_chunks=self.overlap_chunks,
+        )
+        s, b = out.shape[:2]
+        return out.view(s, b, -1)
+
+def _is_causal(mask_type) -> bool:
+    if mask_type == AttnMaskType.causal:
+        return True
+    if mask_type == AttnMaskType.no_mask:
+        return False
+    raise NotImplementedError(
+        f"USP attention supports attn_mask_type causal or no_mask, got {mask_type}"
+    )
+
+def _check_supported(config, attn_mask_type, attention_type, attention_dropout) -> None:
+    _is_causal(attn_mask_type)
+    if attention_type != "self":
+        raise NotImplementedError(
+            f"USP attention implements self-attention only (got attention_type="
+            f"{attention_type!r})"
+        )
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout and dropout > 0:
+        raise ValueError(
+            f"--attention-dropout {dropout} is not supported with USP attention (no RNG "
+            f"scheme makes a block's dropout mask independent of which rank computes it); "
+            f"pass --attention-dropout 0.0"
+        )
+    if getattr(config, "window_size", None) is not None:
+        raise NotImplementedError(
+            "USP attention does not support sliding-window attention (--window-size); "
+            "drop --window-size"
+        )
+    if getattr(config, "qk_clip", False):
+        raise NotImplementedError(
+            "USP attention does not report max attention logits; drop --qk-clip"
+        )
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        raise NotImplementedError(
+            f"USP attention supports --softmax-type vanilla only, got {config.softmax_type}"
+        )
+
+def _overlap_chunks_for(config, pg_collection, ulysses, ring, requested) -> int:
+    """Resolve ``overlap_chunks`` for this layer's heads per TP rank (megatron's split)."""
+    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    tp = group_size(tp_group) if tp_group is not None else config.tensor_model_parallel_size
+    heads = config.num_attention_heads // tp
+    kv_heads = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+    return resolve_overlap_chunks(heads, kv_heads, group_size(ulysses), group_size(ring),
+                                  requested)
+
+def _groups_from(pg_collection):
+    """(ulysses, ring) groups; None for a group of one."""
+    if pg_collection is None:
+        return None, None
+    hcp = getattr(pg_collection, "hcp", None)
+    cp = getattr(pg_collection, "cp", None)
+    cp_size = group_size(cp) if cp is not None else 1
+    if hcp:
+        if len(hcp) != 2:
+            raise ValueError(
+                f"pg_collection.hcp must be [ulysses_group, ring_group], got {len(hcp)} groups"
+            )
+        ulysses, ring = hcp
+        if group_size(ulysses) * group_size(ring) != cp_size:
+            raise ValueError(
+                f"Ulysses ({group_size(ulysses)}) x Ring ({group_size(ring)}) group sizes "
+                f"do not multiply to the context-parallel size {cp_size}"
+            )
+    else:
+        ulysses, ring = None, cp
+    return (ulysses if group_size(ulysses) > 1 else None,
+            ring if group_size(ring) > 1 else None)
