@@ -108,7 +108,7 @@ def check_optional_packages(args) -> None:
 
 
 def data_config_from_args(args):
-    from megatron.training.data import DataConfig
+    from megatron.training.data_config import DataConfig
 
     return DataConfig(
         data_path=args.data_path or None, split=args.split, mock_data=args.mock_data,
@@ -137,7 +137,7 @@ def initialize(args) -> Runtime:
     """Steps 1-6 of the module docstring; returns the runtime with groups and tokenizer."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
-    from megatron.training.data import validate_data_config
+    from megatron.training.data_config import validate_data_config
     from megatron.usp.cpu_shims import apply_cpu_shims
 
     rank, world, local_rank = launch_env()

@@ -70,7 +70,7 @@ class NonFiniteLossError(FloatingPointError):
 def _input_errors():
     from megatron.training.arguments import ArgumentsError
     from megatron.training.checkpointing import CheckpointError
-    from megatron.training.data import DataConfigError
+    from megatron.training.data_config import DataConfigError
     from megatron.training.tokenizer import TokenizerError
     from megatron.usp.config import USPConfigError
 
