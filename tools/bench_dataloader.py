@@ -63,13 +63,9 @@ def _source(args):
 
 
 def run(args) -> dict:
-    from megatron.training.data import (
-        DataConfig,
-        build_data_iterator,
-        build_gpt_datasets,
-        shard_batch_for_cp,
-        validate_data_config,
-    )
+    from megatron.training.batch import shard_batch_for_cp
+    from megatron.training.data import build_data_iterator, build_gpt_datasets
+    from megatron.training.data_config import DataConfig, validate_data_config
 
     if args.data_cache_path is None:  # a fresh index cache, removed afterwards
         with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:

@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     args = parse_args(argv)
-    from megatron.training.data import PreprocessError, TokenizerSpec, preprocess_jsonl
+    from megatron.training.preprocess import PreprocessError, TokenizerSpec, preprocess_jsonl
     from megatron.training.tokenizer import TokenizerError
 
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_size)

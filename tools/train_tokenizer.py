@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     args = parse_args(argv)
-    from megatron.training.data import PreprocessError, iter_jsonl_texts
+    from megatron.training.preprocess import PreprocessError, iter_jsonl_texts
     from megatron.training.tokenizer import (
         TokenizerError,
         train_sentencepiece,

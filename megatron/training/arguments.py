@@ -179,9 +179,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="where the default corpus is built (default ~/.cache/megatron-usp)")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD predictions")
     g.add_argument("--reset-position-ids", action="store_true",
-                   help="refused with USP (see megatron/training/data.py)")
+                   help="refused with USP (see megatron/training/data_config.py)")
     g.add_argument("--reset-attention-mask", action="store_true",
-                   help="refused with USP (see megatron/training/data.py)")
+                   help="refused with USP (see megatron/training/data_config.py)")
 
 
 # megatron-core's recompute_modules that apply to a dense GPT (the MoE / MLA ones do not).

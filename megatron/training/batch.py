@@ -1,4 +1,4 @@
-"""One micro-batch through the model: ``get_batch``, the loss function, the forward step.
+"""One micro-batch through the model: CP sharding, ``get_batch``, the loss, the forward step.
 
 Layouts at this boundary (names as in :mod:`megatron.training.data`)::
 
@@ -7,6 +7,12 @@ Layouts at this boundary (names as in :mod:`megatron.training.data`)::
     get_batch          the same keys                          [b, s/CP]   this CP rank's
                        chunks c and 2CP-1-c (c = u + U*r), moved to the device
     GPTModel(labels)   per-token loss                         [b, s/CP]   float32
+
+After :func:`shard_batch_for_cp` every ``[b, s]`` tensor is ``[b, s/CP]``: chunk ``c`` then
+chunk ``2*CP-1-c`` of ``2*CP`` (``c = u + U*r``), and ``position_ids`` hold exactly those
+global positions, which is what megatron-core's ``RotaryEmbedding`` selects on that rank.
+The layout is :mod:`megatron.usp.token_layout`'s (the single source of truth for which global
+positions a rank holds).
 
 The loss function returns megatron-core's three-value form ``(loss_sum, num_tokens,
 {"lm loss": [loss_sum, num_tokens]})`` with ``calculate_per_token_loss=True``: the schedule
@@ -24,7 +30,31 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from megatron.training.data import SEQUENCE_KEYS, shard_batch_for_cp
+from megatron.training.data_config import DataConfigError
+from megatron.usp.token_layout import shard_for_cp_rank
+
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+"""Batch entries with a sequence dimension (dim 1); the ones CP sharding cuts."""
+
+
+def shard_batch_for_cp(batch: Dict, cp_rank: int, cp_size: int) -> Dict:
+    """Keep the tokens context-parallel rank ``cp_rank`` holds, on the sequence dim (1).
+
+    ``[b, s]`` -> ``[b, s/cp_size]`` for each of :data:`SEQUENCE_KEYS`, through
+    :func:`megatron.usp.token_layout.shard_for_cp_rank` (chunks ``c`` and ``2*cp_size-1-c`` of
+    ``2*cp_size``); other entries are passed through; ``attention_mask`` must be None.
+    Returns a new dict; ``cp_size == 1`` returns the tensors unchanged.
+    """
+    if batch.get("attention_mask") is not None:
+        raise ValueError("shard_batch_for_cp expects attention_mask None (attention is causal)")
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        if key in batch and batch[key] is not None:
+            try:
+                out[key] = shard_for_cp_rank(batch[key], 1, cp_rank, cp_size)
+            except ValueError as exc:
+                raise DataConfigError(f"{key}: {exc}; see --seq-length") from None
+    return out
 
 
 @dataclass(frozen=True)

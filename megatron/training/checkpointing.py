@@ -258,11 +258,19 @@ def grid_of(args) -> Dict[str, int]:
     return {axis: dims.size(axis) for axis in ORDER}
 
 
-def plain_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """The arguments with plain values only (what checkpoints and metrics files record)."""
+def plain_args(args: argparse.Namespace,
+               resolved: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The arguments with plain values only (what checkpoints and metrics files record).
+
+    ``resolved`` replaces the values of flags that start-up resolved without writing them
+    back to ``args`` (:meth:`megatron.training.initialize.DataSource.resolved_args`: the
+    default corpus's data path and tokenizer); the keys keep their places.
+    """
     simple = (int, float, str, bool, type(None))
+    resolved = resolved or {}
     out = {}
     for key, value in vars(args).items():
+        value = resolved.get(key, value)
         if isinstance(value, simple) or (isinstance(value, (list, tuple))
                                          and all(isinstance(v, simple) for v in value)):
             out[key] = value
@@ -278,7 +286,8 @@ def _rng_sharded_object(rng: Optional[Dict[str, Any]]):
 
 def _state_dict(args, model, optimizer, scheduler, train_state: Optional[TrainState],
                 rng: Optional[Dict[str, Any]], is_loading: bool,
-                with_optimizer: bool, with_rng: bool) -> Dict[str, Any]:
+                with_optimizer: bool, with_rng: bool,
+                resolved_args: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     meta = _sharding_metadata(args)
     model_sd = unwrap(model[0]).sharded_state_dict(metadata=meta)
     state: Dict[str, Any] = {"model": model_sd, "checkpoint_version": CHECKPOINT_VERSION}
@@ -291,7 +300,7 @@ def _state_dict(args, model, optimizer, scheduler, train_state: Optional[TrainSt
     if train_state is not None:
         state["train_state"] = asdict(train_state)
         state["grid"] = grid_of(args)
-        state["args"] = plain_args(args)
+        state["args"] = plain_args(args, resolved_args)
     return state
 
 
@@ -378,10 +387,12 @@ def _save_strategy(groups: USPGroups):
 
 # --------------------------------------------------------------------------- save / load
 def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
-                    groups: USPGroups, device: torch.device) -> str:
+                    groups: USPGroups, device: torch.device,
+                    resolved_args: Optional[Dict[str, Any]] = None) -> str:
     """Write ``SAVE/iter_N`` and point the tracker at it (see the module docstring).
 
-    Collective over the world; returns the published directory.
+    The stored args are :func:`plain_args` of ``args`` and ``resolved_args``. Collective
+    over the world; returns the published directory.
     """
     from megatron.core import dist_checkpointing
 
@@ -397,7 +408,7 @@ def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
     dist.barrier()
     state = _state_dict(args, model, optimizer, scheduler, train_state,
                         get_rng_state(device), is_loading=False, with_optimizer=True,
-                        with_rng=True)
+                        with_rng=True, resolved_args=resolved_args)
     dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
     dist.barrier()
     if dist.get_rank() == 0:

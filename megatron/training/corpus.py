@@ -224,9 +224,9 @@ def build_corpus_files(out_dir: str, max_bytes: int, vocab_size: int) -> Dict:
 
     Steps, timed in the stamp: extract documents; write ``corpus.jsonl``; train the
     tokenizer (:func:`megatron.training.tokenizer.train_sentencepiece` on each document's
-    non-blank lines); tokenize with :func:`megatron.training.data.preprocess_jsonl`.
+    non-blank lines); tokenize with :func:`megatron.training.preprocess.preprocess_jsonl`.
     """
-    from megatron.training.data import TokenizerSpec, preprocess_jsonl
+    from megatron.training.preprocess import TokenizerSpec, preprocess_jsonl
     from megatron.training.tokenizer import train_sentencepiece, training_sentences
 
     os.makedirs(out_dir, exist_ok=True)

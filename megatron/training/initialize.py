@@ -5,8 +5,9 @@
 2. ``validate_args`` checks every flag on every rank, before any process group exists;
 3. :func:`init_process_group` (gloo on CPU, NCCL on GPU) unless the caller already did;
 4. the CPU shims (:func:`megatron.usp.cpu_shims.apply_cpu_shims`) on a machine without CUDA;
-5. the tokenizer (the default corpus is built here when no data is given), the padded
-   vocabulary, the ``auto`` layout, and the data checks, on every rank alike;
+5. the data source (:func:`resolve_data_source`: the default corpus is built here when no
+   data is given; ``args`` keeps the flags as given), the tokenizer, the padded vocabulary,
+   the ``auto`` layout, and the data checks, on every rank alike;
 6. the USP process groups and the random seeds.
 """
 
@@ -17,7 +18,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -27,12 +28,30 @@ from megatron.training.arguments import padded_vocab_size, resolve_auto_layout, 
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import USPGroups, initialize_usp_parallel
 
+if TYPE_CHECKING:
+    from megatron.training.data_config import DataConfig
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where the run's tokens come from: ``--data-path`` and ``--tokenizer-model`` as given,
+    or, without ``--data-path`` and ``--mock-data``, the default corpus's."""
+
+    data_path: Optional[List[str]]
+    tokenizer_model: Optional[str]
+
+    def resolved_args(self) -> Dict[str, Any]:
+        """These values under their argument names: what the run records for those flags
+        (the metrics file's "run" record, the checkpoint's args)."""
+        return {"data_path": self.data_path, "tokenizer_model": self.tokenizer_model}
 
 
 @dataclass
 class Runtime:
-    """This process's place in the job, and what start-up built."""
+    """This process's place in the job, and what start-up built (``data_source`` and
+    ``data_config`` hold the resolved data flags; read them, not ``args.data_path``)."""
 
     rank: int
     world_size: int
@@ -42,6 +61,8 @@ class Runtime:
     owns_process_group: bool
     groups: Optional[USPGroups] = None
     tokenizer: object = None
+    data_source: Optional[DataSource] = None
+    data_config: Optional[DataConfig] = None
     plan_reasons: List[str] = field(default_factory=list)
 
     @property
@@ -79,17 +100,21 @@ def init_process_group(args, rank: int, world: int, local_rank: int) -> Tuple[to
     return device, True
 
 
-def build_tokenizer_for(args):
-    """The tokenizer of ``--tokenizer-type``; without data flags, the default corpus's."""
-    from megatron.training.tokenizer import build_tokenizer
-
+def resolve_data_source(args) -> DataSource:
+    """The data flags as given; without data flags, the default corpus (built on first use)."""
     if not args.data_path and not args.mock_data:
         from megatron.training.corpus import ensure_default_corpus
 
         corpus = ensure_default_corpus(args.corpus_cache_dir)
-        args.data_path = [corpus.data_prefix]
-        args.tokenizer_model = corpus.tokenizer_model
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        return DataSource([corpus.data_prefix], corpus.tokenizer_model)
+    return DataSource(args.data_path, args.tokenizer_model)
+
+
+def build_tokenizer_for(args, source: DataSource):
+    """The tokenizer of ``--tokenizer-type`` with ``source``'s tokenizer model."""
+    from megatron.training.tokenizer import build_tokenizer
+
+    return build_tokenizer(args.tokenizer_type, source.tokenizer_model, args.vocab_size)
 
 
 def check_optional_packages(args) -> None:
@@ -103,11 +128,12 @@ def check_optional_packages(args) -> None:
                              f"package: pip install tensorboard (or drop the flag)")
 
 
-def data_config_from_args(args):
-    from megatron.training.data import DataConfig
+def data_config_from_args(args, source: DataSource) -> DataConfig:
+    """The data flags of ``args``, with ``source``'s (resolved) data path."""
+    from megatron.training.data_config import DataConfig
 
     return DataConfig(
-        data_path=args.data_path or None, split=args.split, mock_data=args.mock_data,
+        data_path=source.data_path or None, split=args.split, mock_data=args.mock_data,
         seq_length=args.seq_length, seed=args.seed,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
@@ -133,7 +159,7 @@ def initialize(args) -> Runtime:
     """Steps 1-6 of the module docstring; returns the runtime with groups and tokenizer."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
-    from megatron.training.data import validate_data_config
+    from megatron.training.data_config import validate_data_config
     from megatron.usp.cpu_shims import apply_cpu_shims
 
     rank, world, local_rank = launch_env()
@@ -145,7 +171,8 @@ def initialize(args) -> Runtime:
     if device.type == "cpu":
         apply_cpu_shims()
     check_optional_packages(args)
-    rt.tokenizer = build_tokenizer_for(args)
+    rt.data_source = resolve_data_source(args)
+    rt.tokenizer = build_tokenizer_for(args, rt.data_source)
     if args.ulysses_degree == "auto":
         rt.plan_reasons = resolve_auto_layout(args, world, rt.tokenizer.vocab_size,
                                               rt.device_name)
@@ -153,7 +180,8 @@ def initialize(args) -> Runtime:
                                                args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     dims = ParallelDims.from_args(args, world)
-    validate_data_config(data_config_from_args(args), rt.tokenizer, dims.cp)
+    rt.data_config = data_config_from_args(args, rt.data_source)
+    validate_data_config(rt.data_config, rt.tokenizer, dims.cp)
     rt.groups = initialize_usp_parallel(dims,
                                         distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_random_seed(args.seed, rt.groups)

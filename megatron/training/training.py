@@ -48,7 +48,7 @@ from megatron.training.checkpointing import (
     save_checkpoint,
     set_rng_state,
 )
-from megatron.training.initialize import Runtime, data_config_from_args, initialize, shutdown
+from megatron.training.initialize import Runtime, initialize, shutdown
 from megatron.training.metrics import (
     GPTShape,
     MetricsWriter,
@@ -70,7 +70,7 @@ class NonFiniteLossError(FloatingPointError):
 def _input_errors():
     from megatron.training.arguments import ArgumentsError
     from megatron.training.checkpointing import CheckpointError
-    from megatron.training.data import DataConfigError
+    from megatron.training.data_config import DataConfigError
     from megatron.training.tokenizer import TokenizerError
     from megatron.usp.parallel_dims import USPConfigError
 
@@ -152,7 +152,7 @@ def build_data_iterators(args, rt: Runtime, state: TrainState):
     evals = args.train_iters // args.eval_interval + 1
     sizes = [args.train_iters * gbs, evals * args.eval_iters * gbs if args.eval_iters else None,
              None]
-    train_ds, valid_ds, _ = build_gpt_datasets(data_config_from_args(args), rt.tokenizer, sizes)
+    train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer, sizes)
     dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
     train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
                                 state.consumed_train_samples, args.num_workers)
@@ -307,7 +307,8 @@ class _Loop:
     def _save(self) -> None:
         with params_in_sync(self.args, self.model):
             path = save_checkpoint(self.args, self.state, self.model, self.optimizer,
-                                   self.scheduler, self.rt.groups, self.rt.device)
+                                   self.scheduler, self.rt.groups, self.rt.device,
+                                   resolved_args=self.rt.data_source.resolved_args())
         self.result.saved.append(path)
         print_rank_0(self.rt, f"saved checkpoint at iteration {self.state.iteration} to {path}")
 
@@ -431,7 +432,8 @@ def pretrain(args: argparse.Namespace,
         if resume.rng_state is not None:
             set_rng_state(resume.rng_state, rt.device)
         writer = _make_writer(args, rt)
-        writer.run_header(rt.groups.dims.short(), rt.world_size, plain_args(args))
+        writer.run_header(rt.groups.dims.short(), rt.world_size,
+                          plain_args(args, rt.data_source.resolved_args()))
         step_fn = partial(forward_step_func or batch_mod.forward_step, batch_context(rt))
         _Loop(args, rt, model, optimizer, scheduler, state, step_fn, writer, result).run(
             train_iter, valid_iter)

@@ -93,9 +93,22 @@ def test_straight_run_published_checkpoints(straight_run):
     assert _tracker(str(ckpt)) == 10
     names = sorted(os.listdir(ckpt))
     assert names == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
+    from megatron.core import dist_checkpointing
+
     from megatron.training.checkpointing import verify_complete
+    from megatron.training.corpus import ensure_default_corpus
 
     verify_complete(str(ckpt / "iter_0000005"))
+    # Without data flags the run records the default corpus it resolved, in the metrics
+    # file's run record and in the checkpoint's args (start-up leaves ``args`` as given).
+    corpus = ensure_default_corpus()
+    resolved = {"data_path": [corpus.data_prefix], "tokenizer_model": corpus.tokenizer_model}
+    with open(straight_run / "metrics.jsonl") as f:
+        run = json.loads(f.readline())
+    assert run["kind"] == "run"
+    saved = dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000005"))["args"]
+    for recorded in (run["args"], saved):
+        assert {k: recorded[k] for k in resolved} == resolved
 
 
 def test_resume_is_bitwise(straight_run, tmp_path):

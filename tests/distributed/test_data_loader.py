@@ -18,13 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.training import corpus as corpus_mod
-from megatron.training.data import (
-    DataConfig,
-    build_data_iterator,
-    build_gpt_datasets,
-    shard_batch_for_cp,
-    validate_data_config,
-)
+from megatron.training.batch import shard_batch_for_cp
+from megatron.training.data import build_data_iterator, build_gpt_datasets
+from megatron.training.data_config import DataConfig, validate_data_config
 from megatron.training.tokenizer import build_tokenizer
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks

@@ -12,20 +12,21 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from megatron.training.batch import shard_batch_for_cp
 from megatron.training.data import (
-    DataConfig,
-    DataConfigError,
     PretrainingSampler,
-    TokenizerSpec,
     build_data_iterator,
     build_gpt_datasets,
     collate_samples,
+)
+from megatron.training.data_config import (
+    DataConfig,
+    DataConfigError,
     parse_data_path,
     parse_split,
-    preprocess_jsonl,
-    shard_batch_for_cp,
     validate_data_config,
 )
+from megatron.training.preprocess import TokenizerSpec, preprocess_jsonl
 from megatron.training.tokenizer import build_tokenizer
 from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks
 
@@ -116,7 +117,7 @@ def test_tokenizer_vocabulary_mismatch_is_refused(small_corpus, tmp_path):
 
 
 def test_large_datasets_are_scanned_in_windows_that_reach_both_ends(tmp_path):
-    from megatron.training.data import inspect_indexed_dataset, scan_token_ids
+    from megatron.training.indexed_files import inspect_indexed_dataset, scan_token_ids
 
     docs = [[1] * 50 for _ in range(10)]
     docs[-1][-1] = 900  # the very last token

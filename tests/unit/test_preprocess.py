@@ -11,7 +11,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.training import corpus as corpus_mod
-from megatron.training.data import PreprocessError, TokenizerSpec, preprocess_jsonl
+from megatron.training.preprocess import PreprocessError, TokenizerSpec, preprocess_jsonl
 from megatron.training.tokenizer import build_tokenizer
 from tests.unit.conftest import SMALL_BYTES, SMALL_VOCAB
 
