@@ -28,5 +28,8 @@ setup(
         "flash-attn": ["flash-attn>=2.6"],
         "te": ["transformer-engine[pytorch]>=2.0"],
         "hf": ["transformers>=4.40"],
+        # tools/bench_e2e.py --peers hf,hf-liger, and --fused-kernels liger (CUDA)
+        "liger": ["liger-kernel>=0.8.5"],
+        "peers": ["transformers>=4.40", "liger-kernel>=0.8.5"],
     },
 )

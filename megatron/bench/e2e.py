@@ -29,13 +29,28 @@ counted. For the Llama-style 0.85B model this is ``6*N*S + 6*S^2*L*q`` per seque
 Activation recompute (``--recompute``): ``none``, ``full`` (megatron's
 ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``),
 ``selective`` (``--recompute-granularity selective --recompute-modules mlp``: the MLP is
-recomputed, the attention output kept, so no second attention forward), or ``auto``: no
+recomputed, the attention output kept, so no second attention forward), ``lean``
+(``--recompute-granularity selective --recompute-modules layernorm swiglu``: only the norm
+outputs and the SwiGLU product are recomputed, no matmul), or ``auto``: no
 recompute first, and full recompute if that runs out of memory (both outcomes are
 recorded).
 
 ``--find-max-seq`` doubles the sequence length from ``--start-seq`` (full recompute,
 ``--iters`` iterations each) until a run fails, and reports the longest that trained; an
 out-of-memory failure ends the search, any other failure is reported as an error.
+
+Peers (``--peers hf,hf-liger``): after this project's runs of a length, the same model is
+trained with Hugging Face transformers, plain and with Liger's kernels
+(:mod:`megatron.bench.hf_peer`, one GPU, a process each, the same tokens per step and the same
+FLOP count), at the recompute setting this project's run of that length ended with (``auto``:
+none, then full if that runs out of memory; ``selective`` has no Hugging Face equivalent and
+is compared with the peer's ``none``). The report gives each peer's tokens/s, MFU and peak
+memory and the ratio of this project's per-GPU tokens/s to the peer's. A peer whose package
+is missing is reported as ``missing`` with the install line (``pip install -e .[peers]``).
+
+Ceiling (``--ceiling``, default on CUDA): :mod:`megatron.bench.ceiling` times the step's
+matmuls and attention alone for each length, in a process of its own before the training
+runs; one-GPU rows then show the ceiling MFU and the share of it reached.
 
 Each run's full log and metrics file stay under ``--log-dir``.
 """
@@ -105,7 +120,7 @@ MODELS: Dict[str, ModelPreset] = {
                         kv_channels=16, ffn_hidden_size=128, vocab_size=512),
 }
 
-RECOMPUTE_CHOICES = ("none", "full", "selective", "auto")
+RECOMPUTE_CHOICES = ("none", "full", "selective", "lean", "auto")
 
 # Log lines that mean "out of memory" (CUDA caching allocator, NCCL, host).
 OOM_MARKERS = ("outofmemoryerror", "out of memory", "cudaerrormemoryallocation",
@@ -137,6 +152,8 @@ class E2EConfig:
     seed: int = 1234
     out: Optional[str] = None
     markdown: Optional[str] = None
+    peers: List[str] = field(default_factory=list)
+    ceiling: str = "auto"                # auto (on CUDA) | on | off
 
     @property
     def shape(self) -> ModelPreset:
@@ -200,6 +217,10 @@ class E2EResult:
     last_loss: Optional[float] = None
     log_path: Optional[str] = None
     command: Optional[str] = None
+    stack: str = "megatron-usp"          # megatron-usp | hf | hf-liger
+    tokens_per_s_per_gpu: Optional[float] = None
+    ceiling_mfu: Optional[float] = None  # one-GPU rows, with --ceiling
+    ceiling_share: Optional[float] = None
 
 
 # --------------------------------------------------------------------------- the command
@@ -242,10 +263,13 @@ def recompute_flags(recompute: str) -> List[str]:
         return []
     if recompute == "selective":
         return ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]
+    if recompute == "lean":
+        return ["--recompute-granularity", "selective", "--recompute-modules", "layernorm",
+                "swiglu"]
     if recompute == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", "1"]
-    raise ValueError(f"recompute {recompute!r}: a run uses none, selective or full")
+    raise ValueError(f"recompute {recompute!r}: a run uses none, selective, lean or full")
 
 
 def pretrain_args(cfg: E2EConfig, spec: RunSpec, metrics_path: str) -> List[str]:
@@ -429,33 +453,141 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     seconds = sum(times) / len(times)
     res.iter_ms = 1e3 * seconds
     res.tokens_per_s = gbs * spec.seq_len / seconds
+    res.tokens_per_s_per_gpu = res.tokens_per_s / cfg.nproc_per_node
     res.tflops_per_gpu = tflops_per_gpu(res.flops_per_iteration, seconds, cfg.nproc_per_node)
     res.peak_tflops = cfg.peak_tflops or peak_tflops_of_run(steps)
     res.mfu = res.tflops_per_gpu / res.peak_tflops if res.peak_tflops else None
     return res
 
 
+# --------------------------------------------------------------------------- peers
+def run_peer(cfg: E2EConfig, peer: str, seq_len: int, recompute: str) -> E2EResult:
+    """Train ``peer`` (:mod:`megatron.bench.hf_peer`) at ``seq_len`` in a process of its own."""
+    log_dir = Path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    name = f"S{seq_len}_{peer}_{recompute}"
+    out, log_path = log_dir / f"{name}.json", log_dir / f"{name}.log"
+    if out.exists():
+        out.unlink()
+    cmd = [sys.executable, "-m", "megatron.bench.hf_peer", "--peer", peer, "--model", cfg.model,
+           "--seq-len", str(seq_len), "--iters", str(cfg.iters), "--warmup", str(cfg.warmup),
+           "--recompute", recompute, "--seed", str(cfg.seed), "--out", str(out)]
+    if cfg.peak_tflops is not None:
+        cmd += ["--peak-tflops", str(cfg.peak_tflops)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+        log.flush()
+        rc = _run_to_end(cmd, env, log, cfg.timeout_s)
+    data = json.loads(out.read_text()) if out.exists() else None
+    if data is None:
+        text = log_path.read_text(errors="replace")
+        status = "timeout" if rc is None else "oom" if is_oom_log(text) else "error"
+        tail = " / ".join(t.strip()[:160] for t in text.splitlines()[-3:] if t.strip())
+        data = {"status": status, "note": f"exit {rc}: {tail}"}
+    return peer_result(peer, seq_len, recompute, data, str(log_path),
+                       " ".join(shlex.quote(c) for c in cmd))
+
+
+def peer_result(peer: str, seq_len: int, recompute: str, data: dict, log_path: str,
+                command: str) -> E2EResult:
+    """A report row from a peer's JSON (:class:`megatron.bench.hf_peer.PeerResult` keys)."""
+    res = E2EResult(seq_len, 1, 1, recompute, 1, 1, data.get("status", "error"),
+                    data.get("note"), log_path=log_path, command=command, stack=peer)
+    for key in ("iterations_measured", "iter_ms", "tokens_per_s", "tflops_per_gpu", "mfu",
+                "peak_mem_gib", "flops_per_iteration", "peak_tflops", "last_loss"):
+        if data.get(key) is not None:
+            setattr(res, key, data[key])
+    res.tokens_per_s_per_gpu = res.tokens_per_s
+    return res
+
+
+def peer_recompute_order(recompute: str) -> List[str]:
+    """Recompute settings to try for a peer, in order, given ``--recompute``."""
+    if recompute in ("auto", "lean"):
+        return ["none", "full"]  # lean: Hugging Face has no elementwise-only recompute
+    if recompute == "selective":
+        return ["none"]          # Hugging Face has no MLP-only recompute
+    return [recompute]
+
+
+def peer_ratios(results: Sequence[E2EResult]) -> List[dict]:
+    """For each peer row that trained, this project's rows of the same length that trained:
+    per-GPU tokens/s and peak memory of ours over the peer's."""
+    out = []
+    for peer in (r for r in results if r.stack != "megatron-usp" and r.status == "ok"):
+        for ours in (r for r in results if r.stack == "megatron-usp" and r.status == "ok"
+                     and r.seq_len == peer.seq_len):
+            out.append({
+                "seq_len": ours.seq_len, "split": f"{ours.ulysses}x{ours.ring}",
+                "recompute": ours.recompute, "peer": peer.stack,
+                "peer_recompute": peer.recompute,
+                "tokens_per_s_ratio": ours.tokens_per_s_per_gpu / peer.tokens_per_s_per_gpu,
+                "peak_mem_ratio": (ours.peak_mem_gib / peer.peak_mem_gib
+                                   if ours.peak_mem_gib and peer.peak_mem_gib else None)})
+    return out
+
+
+# --------------------------------------------------------------------------- ceiling
+def run_ceiling(cfg: E2EConfig) -> Dict[int, dict]:
+    """:mod:`megatron.bench.ceiling` for every length, in a process of its own; by length."""
+    log_dir = Path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out, log_path = log_dir / "ceiling.json", log_dir / "ceiling.log"
+    lengths = ",".join(str(s) for s in cfg.seq_lens)
+    cmd = [sys.executable, "-m", "megatron.bench.ceiling", "--model", cfg.model,
+           "--seq-lens", lengths, "--out", str(out)]
+    if cfg.peak_tflops is not None:
+        cmd += ["--peak-tflops", str(cfg.peak_tflops)]
+    with open(log_path, "w") as log:
+        rc = _run_to_end(cmd, dict(os.environ), log, cfg.timeout_s)
+    if rc != 0 or not out.exists():
+        print(f"{PROGRESS_PREFIX} ceiling measurement failed (log {log_path})", flush=True)
+        return {}
+    return {int(c["seq_len"]): c for c in json.loads(out.read_text())}
+
+
+def apply_ceiling(res: E2EResult, ceilings: Dict[int, dict]) -> None:
+    """Ceiling MFU and the share of it reached, for rows of one GPU that trained."""
+    c = ceilings.get(res.seq_len)
+    if c is None or res.gpus != 1 or res.status != "ok" or not res.iter_ms:
+        return
+    res.ceiling_mfu = c.get("ceiling_mfu")
+    res.ceiling_share = c["ceiling_ms"] / res.iter_ms
+
+
+def ceiling_enabled(cfg: E2EConfig) -> bool:
+    return cfg.ceiling == "on" or (cfg.ceiling == "auto" and cfg.use_cuda())
+
+
 # --------------------------------------------------------------------------- sweeps
 Runner = Callable[[E2EConfig, RunSpec], RunOutcome]
+PeerRunner = Callable[[E2EConfig, str, int, str], E2EResult]
 
 
 def throughput_sweep(cfg: E2EConfig, runner: Runner = run_training,
-                     on_result: Callable[[E2EResult], None] = lambda r: None
-                     ) -> List[E2EResult]:
-    """Every (length, split), lengths in the given order.
+                     on_result: Callable[[E2EResult], None] = lambda r: None,
+                     peer_runner: PeerRunner = run_peer,
+                     ceilings: Optional[Dict[int, dict]] = None) -> List[E2EResult]:
+    """Every (length, split), lengths in the given order, then the peers of that length.
 
     ``--recompute auto``: a run without recompute that runs out of memory is reported and
     repeated with full recompute; longer lengths of that split then start with full
-    recompute (they would run out of memory too), saving a failed launch each.
+    recompute (they would run out of memory too), saving a failed launch each. Peers follow
+    :func:`peer_recompute_order` the same way.
     """
     results: List[E2EResult] = []
     needs_full = set()
+    ceilings = ceilings or {}
 
-    def run(spec: RunSpec) -> E2EResult:
-        res = summarize(cfg, spec, runner(cfg, spec))
+    def record(res: E2EResult) -> E2EResult:
+        apply_ceiling(res, ceilings)
         results.append(res)
         on_result(res)
         return res
+
+    def run(spec: RunSpec) -> E2EResult:
+        return record(summarize(cfg, spec, runner(cfg, spec)))
 
     for seq_len in cfg.seq_lens:
         for u, r in cfg.splits:
@@ -466,6 +598,11 @@ def throughput_sweep(cfg: E2EConfig, runner: Runner = run_training,
             if res.status == "oom" and cfg.recompute == "auto" and first == "none":
                 needs_full.add((u, r))
                 run(RunSpec(seq_len, u, r, "full", cfg.iters))
+        for peer in cfg.peers:
+            for recompute in peer_recompute_order(cfg.recompute):
+                res = record(peer_runner(cfg, peer, seq_len, recompute))
+                if res.status != "oom":
+                    break
     return results
 
 
@@ -493,15 +630,30 @@ def find_max_seq(cfg: E2EConfig, runner: Runner = run_training,
 
 
 # --------------------------------------------------------------------------- output
+def _who(r: E2EResult) -> str:
+    return f"U{r.ulysses}xR{r.ring}" if r.stack == "megatron-usp" else r.stack
+
+
 def progress_line(r: E2EResult) -> str:
-    head = (f"{PROGRESS_PREFIX} S={r.seq_len} U{r.ulysses}xR{r.ring} recompute={r.recompute:<4} "
-            f"{r.status}")
+    head = f"{PROGRESS_PREFIX} S={r.seq_len} {_who(r)} recompute={r.recompute:<4} {r.status}"
     if r.status != "ok":
         return f"{head}: {r.note or ''} (log {r.log_path})"
     mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
     mem = "n/a" if r.peak_mem_gib is None else f"{r.peak_mem_gib:.1f} GiB"
-    return (f"{head}: {r.iter_ms:.1f} ms/iter, {r.tokens_per_s:,.0f} tokens/s, "
+    line = (f"{head}: {r.iter_ms:.1f} ms/iter, {r.tokens_per_s:,.0f} tokens/s, "
             f"{r.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {mfu}, peak {mem}")
+    if r.ceiling_share is not None:
+        line += (f", {100 * r.ceiling_share:.1f}% of the ceiling "
+                 f"({report.fmt(r.ceiling_mfu, pct=True)} MFU)")
+    return line
+
+
+def ratio_line(ratio: dict) -> str:
+    mem = ratio["peak_mem_ratio"]
+    return (f"{PROGRESS_PREFIX} S={ratio['seq_len']} U x R {ratio['split']} "
+            f"({ratio['recompute']}) vs {ratio['peer']} ({ratio['peer_recompute']}): "
+            f"{ratio['tokens_per_s_ratio']:.3f}x tokens/s per GPU, "
+            f"{'n/a' if mem is None else f'{mem:.2f}x'} peak memory")
 
 
 def _peaks(results: List[E2EResult]) -> str:
@@ -517,14 +669,24 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
              f"{s.ffn_hidden_size}, vocab {s.vocab_size}), {cfg.nproc_per_node} processes, "
              f"mean of iterations {cfg.warmup + 1}..{cfg.iters}; MFU against "
              f"{_peaks(results)} TFLOP/s\n\n")
-    headers = ["S", "U x R", "recompute", "status", "ms/iter", "tokens/s", "TFLOP/s/GPU", "MFU",
-               "peak GiB/GPU"]
-    rows = [[seq_label(r.seq_len), f"{r.ulysses}x{r.ring}", r.recompute,
+    headers = ["S", "stack", "U x R", "recompute", "status", "ms/iter", "tokens/s/GPU",
+               "TFLOP/s/GPU", "MFU", "peak GiB/GPU", "ceiling MFU", "share of ceiling"]
+    rows = [[seq_label(r.seq_len), r.stack, f"{r.ulysses}x{r.ring}", r.recompute,
              r.status if r.status == "ok" else f"{r.status}: {r.note or ''}"[:80],
-             report.fmt(r.iter_ms), report.fmt(r.tokens_per_s, 0),
+             report.fmt(r.iter_ms), report.fmt(r.tokens_per_s_per_gpu, 0),
              report.fmt(r.tflops_per_gpu), report.fmt(r.mfu, pct=True),
-             report.fmt(r.peak_mem_gib)] for r in results]
+             report.fmt(r.peak_mem_gib), report.fmt(r.ceiling_mfu, pct=True),
+             report.fmt(r.ceiling_share, pct=True)] for r in results]
     text = title + report.metadata_markdown(meta) + "\n" + report.markdown_table(headers, rows)
+    ratios = peer_ratios(results)
+    if ratios:
+        text += "\n" + report.markdown_table(
+            ["S", "U x R", "recompute", "peer", "peer recompute", "tokens/s per GPU vs peer",
+             "peak memory vs peer"],
+            [[seq_label(x["seq_len"]), x["split"], x["recompute"], x["peer"],
+              x["peer_recompute"], f"{x['tokens_per_s_ratio']:.3f}x",
+              "n/a" if x["peak_mem_ratio"] is None else f"{x['peak_mem_ratio']:.2f}x"]
+             for x in ratios])
     if longest is not None:
         text += "\nLongest sequence that trained (full recompute): " + ", ".join(
             f"{k}: {seq_label(v) if v else 'none'}" for k, v in longest.items()) + "\n"
@@ -565,7 +727,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--markdown", default=None, help="markdown table file")
+    p.add_argument("--peers", default="none",
+                   help="comma-separated peers trained on one GPU after each length's runs: "
+                        "hf (Hugging Face transformers), hf-liger (with Liger's kernels), or "
+                        "none; install them with pip install -e .[peers]")
+    p.add_argument("--ceiling", default="auto", choices=["auto", "on", "off"],
+                   help="time the step's matmuls and attention alone first (the zero-overhead "
+                        "ceiling); auto: on CUDA")
     return p
+
+
+def parse_peers(text: str) -> List[str]:
+    """``hf,hf-liger`` -> ["hf", "hf-liger"]; ``none`` or empty -> []."""
+    from megatron.bench.hf_peer import PEERS
+
+    names = [p.strip() for p in text.split(",") if p.strip() and p.strip() != "none"]
+    unknown = [p for p in names if p not in PEERS]
+    if unknown:
+        raise BenchConfigError(f"--peers {text!r}: unknown {unknown}; choose from "
+                               f"{list(PEERS)} or none, e.g. --peers hf,hf-liger")
+    if len(set(names)) != len(names):
+        raise BenchConfigError(f"--peers {text!r} names a peer twice")
+    return names
 
 
 def config_from_args(ns: argparse.Namespace) -> E2EConfig:
@@ -580,7 +763,8 @@ def config_from_args(ns: argparse.Namespace) -> E2EConfig:
         peak_tflops=ns.peak_tflops, find_max_seq=ns.find_max_seq, start_seq=start,
         max_seq=stop, timeout_s=ns.timeout, log_dir=ns.log_dir,
         pretrain_script=ns.pretrain_script, extra_args=shlex.split(ns.extra_args),
-        seed=ns.seed, out=ns.out, markdown=ns.markdown)
+        seed=ns.seed, out=ns.out, markdown=ns.markdown, peers=parse_peers(ns.peers),
+        ceiling=ns.ceiling)
 
 
 def validate_config(cfg: E2EConfig) -> None:
@@ -598,6 +782,9 @@ def validate_config(cfg: E2EConfig) -> None:
             raise BenchConfigError(
                 f"--splits {u}x{r}: U*R = {u * r} must divide --nproc-per-node "
                 f"{cfg.nproc_per_node}; try --splits {cfg.nproc_per_node}x1")
+    if cfg.peers and cfg.find_max_seq:
+        raise BenchConfigError("--peers compares throughput; it cannot run with "
+                               "--find-max-seq (drop one of them)")
     if cfg.find_max_seq and cfg.start_seq > cfg.max_seq:
         raise BenchConfigError(f"--start-seq {cfg.start_seq} exceeds --max-seq {cfg.max_seq}; "
                                f"try --max-seq {2 * cfg.start_seq}")
@@ -642,7 +829,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         payload["longest_seq"] = longest
         print(f"{PROGRESS_PREFIX} longest sequence that trained: {longest}", flush=True)
     else:
-        throughput_sweep(cfg, on_result=on_result)
+        ceilings = run_ceiling(cfg) if ceiling_enabled(cfg) else {}
+        payload["ceilings"] = list(ceilings.values())
+        throughput_sweep(cfg, on_result=on_result, ceilings=ceilings)
+        payload["peer_ratios"] = peer_ratios(done)
+        for ratio in payload["peer_ratios"]:
+            print(ratio_line(ratio), flush=True)
     meta["device"] = report.device_description(_device(cfg))
     _write(cfg, payload, meta, done, longest)
     return 0

@@ -104,5 +104,8 @@ def forward_step(ctx: BatchContext, data_iterator, model) -> Tuple[torch.Tensor,
     on other stages) and the loss function for them.
     """
     batch = get_batch(data_iterator, ctx)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # loss_mask lets the fused output layer compute its gradients in the forward (the loss
+    # function below weighs the per-token losses by exactly this mask); GPTModel ignores it.
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])

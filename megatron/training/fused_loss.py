@@ -41,6 +41,19 @@ The arithmetic of each chunk is megatron-core's ``VocabParallelCrossEntropy`` (s
 global row max, sum of exponentials, ``loss = log(sum_exp) - (target_logit - max)``, and a
 target outside this rank's vocabulary rows contributes 0), done in float32 (float64 for
 float64 weights: megatron-core casts even those to float32, the tests compare in float64).
+
+Gradients in the forward (``loss_weights``, what :class:`FusedLossGPTModel` passes: the loss
+mask). The training objective weighs each token's loss by its loss-mask entry (times one
+scale for the whole micro-batch: 1 in bf16, the loss scale in fp16), so the forward can
+compute each chunk's logit gradient ``(softmax - onehot) * weight`` while the logits exist and
+turn it into the hidden-state and weight gradients at once, as Liger's fused linear
+cross-entropy does: one output-layer matmul fewer per token (the backward's recompute) and no
+float32 logits kept anywhere. The backward then only scales the saved gradients by the one
+factor ``c`` with ``grad_loss == c * weights``; if the gradient it receives is not of that form
+(another loss function), it recomputes as above, so the result is exact either way. Saved in
+this mode: the gradients (``[N, H]`` in the hidden dtype, ``[V/tp, H]`` float32) besides the
+tensors above. On CUDA the per-chunk statistics and gradient run as ``torch.compile``d fusions
+(one pass over the bf16 logits each); on the CPU the same functions run eagerly.
 """
 
 from __future__ import annotations
@@ -140,6 +153,96 @@ def backward_chunk(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.
     return probs.to(weight.dtype)
 
 
+# --------------------------------------------------------------------------- gradient in forward
+def _row_stats(logits: torch.Tensor, local: torch.Tensor, owned: torch.Tensor):
+    """Per row of this rank's logits [n, V/tp]: (max, sum of exp(x - max), target logit or 0),
+    in the accumulation dtype."""
+    x = logits.to(accumulation_dtype(logits.dtype))
+    row_max = x.max(dim=-1).values
+    sum_exp = torch.exp(x - row_max.unsqueeze(-1)).sum(dim=-1)
+    target = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+    return row_max, sum_exp, target
+
+
+def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor,
+                owned: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
+    """``(softmax - onehot(label)) * weight`` per row, in the logits' dtype."""
+    x = logits.to(lse.dtype)
+    cols = torch.arange(x.shape[-1], device=x.device).unsqueeze(0)
+    onehot = ((cols == local.unsqueeze(-1)) & owned.unsqueeze(-1)).to(x.dtype)
+    return ((torch.exp(x - lse.unsqueeze(-1)) - onehot) * row_weight.unsqueeze(-1)).to(
+        logits.dtype)
+
+
+_COMPILED = {}
+
+
+def _fused(fn, on_cuda: bool):
+    """``fn`` compiled by Inductor on CUDA (one fused pass over the logits), eager elsewhere."""
+    if not on_cuda:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
+
+
+def forward_chunk_with_grads(hidden, weight, labels, row_weight, vocab, tp_group):
+    """One chunk's (loss [n], lse [n], grad_hidden [n, H], grad_weight [V/tp, H]), the
+    gradients of ``sum(loss * row_weight)`` (grad_hidden this rank's partial sum over its
+    vocabulary rows; grad_weight in the logits' dtype). Same all-reduces as
+    :func:`forward_chunk`."""
+    cuda = hidden.is_cuda
+    logits = torch.matmul(hidden, weight.t())                    # [n, V/tp] weight dtype
+    local, owned = _local_targets(labels, vocab)
+    row_max, sum_exp, target = _fused(_row_stats, cuda)(logits, local, owned)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        global_max = row_max.clone()
+        _all_reduce(global_max, dist.ReduceOp.MAX, tp_group)
+        sums = torch.stack([sum_exp * torch.exp(row_max - global_max), target])
+        _all_reduce(sums, dist.ReduceOp.SUM, tp_group)
+        row_max, sum_exp, target = global_max, sums[0], sums[1]
+    lse = torch.log(sum_exp) + row_max
+    grad_logits = _fused(_logit_grad, cuda)(logits, lse, local, owned,
+                                             row_weight.to(lse.dtype))
+    del logits
+    return (lse - target, lse, torch.matmul(grad_logits, weight),
+            torch.matmul(grad_logits.t(), hidden))
+
+
+def linear_cross_entropy_forward_with_grads(hidden, weight, labels, row_weights,
+                                            chunk_tokens, tp_group):
+    """(loss [N], lse [N], grad_hidden [N, H], grad_weight [V/tp, H] float32) chunk by chunk."""
+    acc = accumulation_dtype(weight.dtype)
+    num_tokens = hidden.shape[0]
+    loss = torch.empty(num_tokens, dtype=acc, device=hidden.device)
+    lse = torch.empty(num_tokens, dtype=acc, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    vocab = vocab_range(weight, tp_group)
+    for start, end in chunk_bounds(num_tokens, chunk_tokens):
+        loss[start:end], lse[start:end], grad_hidden[start:end], gw = forward_chunk_with_grads(
+            hidden[start:end], weight, labels[start:end], row_weights[start:end], vocab,
+            tp_group)
+        grad_weight.add_(gw)
+    return loss, lse, grad_hidden, grad_weight
+
+
+def common_scale(grad_loss: torch.Tensor, row_weights: torch.Tensor) -> Optional[float]:
+    """``c`` with ``grad_loss == c * row_weights`` (to float32 rounding), or None.
+
+    One device-to-host read per call: the backward needs to know whether the gradients the
+    forward computed apply."""
+    w = row_weights.to(grad_loss.dtype)
+    scale = grad_loss.abs().max()
+    peak = w.abs().max()
+    if float(peak) == 0.0:
+        return 0.0 if float(scale) == 0.0 else None
+    idx = torch.argmax(w.abs())
+    c = grad_loss[idx] / w[idx]
+    tol = 1e-6 * float(scale) + 1e-30
+    return float(c) if float((grad_loss - c * w).abs().max()) <= tol else None
+
+
 def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor,
                                  labels: torch.Tensor, chunk_tokens: int,
                                  tp_group: Optional[dist.ProcessGroup]):
@@ -186,38 +289,58 @@ def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor,
 class LinearCrossEntropy(torch.autograd.Function):
     """Per-token loss [N] of ``hidden [N, H]`` through ``weight [V/tp, H]``; see the module.
 
-    Saves ``hidden``, ``weight``, ``labels`` and the float32 log-sum-exp only.
+    Saves ``hidden``, ``weight``, ``labels`` and the float32 log-sum-exp; with
+    ``row_weights`` (and gradients wanted) also the gradients computed in the forward.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, tp_group):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, tp_group, row_weights=None):
+        ctx.chunk_tokens, ctx.tp_group = chunk_tokens, tp_group
+        ctx.precomputed = row_weights is not None and any(ctx.needs_input_grad[:2])
+        if ctx.precomputed:
+            loss, lse, grad_hidden, grad_weight = linear_cross_entropy_forward_with_grads(
+                hidden, weight, labels, row_weights, chunk_tokens, tp_group)
+            ctx.save_for_backward(hidden, weight, labels, lse, row_weights, grad_hidden,
+                                  grad_weight)
+            return loss
         loss, lse = linear_cross_entropy_forward(hidden, weight, labels, chunk_tokens, tp_group)
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_tokens, ctx.tp_group = chunk_tokens, tp_group
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        hidden, weight, labels, lse = ctx.saved_tensors
+        hidden, weight, labels, lse = ctx.saved_tensors[:4]
+        if ctx.precomputed:
+            row_weights, grad_hidden, grad_weight = ctx.saved_tensors[4:]
+            c = common_scale(grad_loss, row_weights)
+            if c is not None:
+                if c != 1.0:
+                    grad_hidden, grad_weight = grad_hidden * c, grad_weight * c
+                return (grad_hidden if ctx.needs_input_grad[0] else None,
+                        grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+                        None, None, None, None)
         grad_hidden, grad_weight = linear_cross_entropy_backward(
             grad_loss.contiguous(), hidden, weight, labels, lse, ctx.chunk_tokens,
             ctx.tp_group, need_hidden=ctx.needs_input_grad[0],
             need_weight=ctx.needs_input_grad[1])
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                labels: torch.Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                                tp_group: Optional[dist.ProcessGroup] = None,
-                               sequence_parallel: bool = False) -> torch.Tensor:
+                               sequence_parallel: bool = False,
+                               loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token losses ``[b, s]`` of the output layer ``weight`` applied to ``hidden``.
 
     ``hidden [s, b, H]`` (``[s/tp, b, H]`` with ``sequence_parallel``), ``weight [V/tp, H]``
     (this rank's vocabulary shard over ``tp_group``; ``tp_group=None``: the whole
     vocabulary, no communication), ``labels [b, s]``. Equals megatron-core's
     ``output_layer`` followed by ``compute_language_model_loss`` (see the module docstring
-    for the TP wiring, the communication and the memory).
+    for the TP wiring, the communication and the memory). ``loss_weights [b, s]`` (the loss
+    mask): how the objective weighs each loss, up to one common factor; given, the gradients
+    are computed in the forward (module docstring), with the same result.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
@@ -238,5 +361,12 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                          f"[s={seq}, b={batch}, H]: expected [b, s] = [{batch}, {seq}]")
     rows = hidden.reshape(seq * batch, hidden_size)                  # [N, H], N = s*b
     flat_labels = labels.t().reshape(seq * batch)                    # [b, s] -> [N]
-    loss = LinearCrossEntropy.apply(rows, weight, flat_labels, chunk_tokens, tp_group)
+    flat_weights = None
+    if loss_weights is not None:
+        if tuple(loss_weights.shape) != (batch, seq):
+            raise ValueError(f"loss_weights {tuple(loss_weights.shape)} must be [b, s] = "
+                             f"[{batch}, {seq}] like the labels")
+        flat_weights = loss_weights.t().reshape(seq * batch).detach()
+    loss = LinearCrossEntropy.apply(rows, weight, flat_labels, chunk_tokens, tp_group,
+                                    flat_weights)
     return loss.view(seq, batch).t().contiguous()                   # [N] -> [b, s]

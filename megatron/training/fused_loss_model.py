@@ -72,4 +72,5 @@ class FusedLossGPTModel(GPTModel):
             raise RuntimeError(f"output weight {tuple(weight.shape)}, expected {expected}")
         return fused_linear_cross_entropy(
             hidden_states, weight, labels, chunk_tokens=self.loss_chunk_tokens,
-            tp_group=layer.tp_group, sequence_parallel=layer.sequence_parallel)
+            tp_group=layer.tp_group, sequence_parallel=layer.sequence_parallel,
+            loss_weights=loss_mask)

@@ -29,12 +29,27 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
+from megatron.training.arguments import SPEC_RECOMPUTE_MODULES
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import USPGroups
 
 
 def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
+
+
+def spec_recompute(args):
+    """(norm outputs recomputed, SwiGLU output recomputed): the ``--recompute-modules``
+    the layer spec implements (:mod:`megatron.usp.fused_linears`)."""
+    modules = (args.recompute_modules or []) if args.recompute_granularity == "selective" \
+        else []
+    return "layernorm" in modules, "swiglu" in modules   # SPEC_RECOMPUTE_MODULES
+
+
+def fused_kernels_impl(args) -> str:
+    """The ``--fused-kernels`` implementation ``validate_args`` resolved (``torch`` when
+    ``args`` did not go through it)."""
+    return getattr(args, "fused_kernels_impl", "torch")
 
 
 def transformer_config_from_args(args):
@@ -44,6 +59,16 @@ def transformer_config_from_args(args):
     on_gpu = args.device == "cuda"
     add_bias = not args.disable_bias_linear
     dtype = params_dtype(args)
+    # --fused-kernels: the layer spec's SwiGLU module replaces megatron-core's activation
+    # (its activation_func slot, read when use_te_activation_func is set) for a bias-free
+    # SwiGLU MLP; with "torch" megatron-core's own (TorchScript-fused on GPU) path stays.
+    fused_swiglu = fused_kernels_impl(args) != "torch" and args.swiglu and not add_bias
+    lean_norms, lean_swiglu = spec_recompute(args)
+    granularity, mcore_modules = args.recompute_granularity, None   # None: megatron's default
+    if args.recompute_modules is not None:
+        mcore_modules = [m for m in args.recompute_modules if m not in SPEC_RECOMPUTE_MODULES]
+        if granularity == "selective" and not mcore_modules:
+            granularity = None      # all of it is done by the layer spec
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -67,13 +92,15 @@ def transformer_config_from_args(args):
         bf16=args.bf16,
         use_cpu_initialization=args.use_cpu_initialization,
         calculate_per_token_loss=True,
-        recompute_granularity=args.recompute_granularity,
-        recompute_modules=list(args.recompute_modules) if args.recompute_modules else None,
+        recompute_granularity=granularity,
+        recompute_modules=mcore_modules if granularity == "selective" else None,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         deallocate_pipeline_outputs=True,
         # Fusions: the pure-PyTorch ones on GPU; none needs apex or TransformerEngine.
-        bias_activation_fusion=on_gpu and (args.swiglu or add_bias),
+        bias_activation_fusion=(on_gpu and (args.swiglu or add_bias) and not fused_swiglu
+                                and not lean_swiglu),
+        use_te_activation_func=fused_swiglu or lean_swiglu,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -106,7 +133,10 @@ def build_gpt_model(args, config, groups: USPGroups):
     chunks = getattr(args, "usp_overlap_chunks", "auto")
     spec = get_usp_gpt_block_spec(config, pp_rank=pp_rank,
                                   attention_backend=args.attention_backend,
-                                  overlap_chunks=None if chunks == "auto" else chunks)
+                                  overlap_chunks=None if chunks == "auto" else chunks,
+                                  fused_kernels=fused_kernels_impl(args),
+                                  lean_norms=spec_recompute(args)[0],
+                                  lean_swiglu=spec_recompute(args)[1])
     model_class, loss_kwargs = GPTModel, {}
     if getattr(args, "fused_linear_cross_entropy", False):
         from megatron.training.fused_loss_model import FusedLossGPTModel

@@ -271,6 +271,43 @@ class _USPAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def _heads_view(x: Tensor) -> Tensor:
+    """[s, b, h, d] -> the kernels' [b, h, s, d] as a view of sequence-major storage (a
+    contiguous copy first only when ``x`` is not contiguous, e.g. megatron's V, a view into the
+    QKV projection that would otherwise stay alive with it)."""
+    return (x if x.is_contiguous() else x.contiguous()).permute(1, 2, 0, 3)
+
+
+class _LocalAttentionFunction(torch.autograd.Function):
+    """U = R = 1: the kernel straight on [b, h, s, d] views of megatron's [s, b, h, d] tensors.
+
+    Nothing is communicated, so no head-major copy is needed: cuDNN reads sequence-major
+    operands natively (:func:`megatron.usp.kernels.cudnn_layout`) and PyTorch allocates its
+    output in q's layout, so the returned ``[s, b, h, d]`` output is the very tensor the kernel
+    keeps for its backward (one copy of it in memory, not two). Kernels that return head-major
+    outputs (the CPU ones) get one relayout copy, as before.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, sched):
+        q_b, k_b, v_b = _heads_view(q), _heads_view(k), _heads_view(v)
+        out_b, lse = sched.kernel.forward(q_b, k_b, v_b, sched.causal, sched.scale)
+        out = out_b.permute(2, 0, 1, 3)                                   # [s, b, h, d]
+        if not out.is_contiguous():
+            out = out.contiguous()
+        ctx.save_for_backward(q_b, k_b, v_b, out_b, lse)
+        ctx.sched = sched
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q_b, k_b, v_b, out_b, lse = ctx.saved_tensors
+        sched = ctx.sched
+        dq, dk, dv = sched.kernel.backward(_heads_view(dout), q_b, k_b, v_b, out_b, lse,
+                                           sched.causal, sched.scale)
+        return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3), None
+
+
 def usp_attention(
     q: Tensor,
     k: Tensor,
@@ -323,4 +360,6 @@ def usp_attention(
         causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3]),
     )
+    if U == 1 and R == 1:
+        return _LocalAttentionFunction.apply(q, k, v, sched)
     return _USPAttentionFunction.apply(q, k, v, sched)

@@ -351,10 +351,28 @@ def _cpu_backward(kernel, dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
+def cudnn_layout(x: Tensor) -> Tensor:
+    """``x [b, h, s, d]`` as cuDNN gets it: unchanged when it is contiguous or a ``[b, h, s, d]``
+    view of ``[b, s, h, d]`` storage (sequence-major, e.g. megatron's ``[s, 1, h, d]``), the
+    two layouts cuDNN's attention reads natively; else a contiguous copy."""
+    if x.is_contiguous() or x.transpose(1, 2).is_contiguous():
+        return x
+    return x.contiguous()
+
+
+def matching_layout(x: Tensor, like: Tensor) -> Tensor:
+    """``x`` with exactly ``like``'s strides (a copy only when they differ)."""
+    if x.stride() == like.stride():
+        return x
+    out = torch.empty_strided(like.shape, like.stride(), dtype=x.dtype, device=x.device)
+    return out.copy_(x)
+
+
 def _cudnn_forward(q, k, v, causal, scale):
-    # cuDNN takes GQA natively; contiguous inputs keep its stride assumptions simple.
+    # cuDNN takes GQA natively, and reads head-major or sequence-major operands as they are
+    # (:func:`cudnn_layout`); PyTorch allocates the output in q's layout.
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, False,
+        cudnn_layout(q), cudnn_layout(k), cudnn_layout(v), None, True, 0.0, causal, False,
         scale=scale,
     )
     out, lse = res[0], res[1]                     # lse comes back [b, h, sq, 1]
@@ -362,12 +380,13 @@ def _cudnn_forward(q, k, v, causal, scale):
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
-    # dout must share out's (contiguous) strides: with mismatched strides cuDNN returns
-    # wrong gradients without an error (seen on torch 2.11 + cuDNN 9.19).
+    # dout must share out's strides: with mismatched strides cuDNN returns wrong gradients
+    # without an error (seen on torch 2.11 + cuDNN 9.19), so it is laid out like out.
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     sq, sk = q.shape[2], k.shape[2]
+    out = cudnn_layout(out)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        matching_layout(dout, out), cudnn_layout(q), cudnn_layout(k), cudnn_layout(v), out,
         lse.float().unsqueeze(-1).contiguous(), zero, zero, None, None, None, sq, sk,
         0.0, causal, scale=scale,
     )

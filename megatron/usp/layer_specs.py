@@ -12,6 +12,21 @@ so that assert is never reached, and no other module of the local GPT spec check
 context-parallel size (``TransformerConfig`` only checks ``cp_comm_type``'s length, which
 USP ignores).
 
+Kernels around attention (``fused_kernels``, ``--fused-kernels`` resolved by
+:func:`megatron.usp.fused_kernels.resolve_fused_kernels`): the norms get it as their ``impl``;
+RoPE is applied by :class:`megatron.usp.self_attention.USPSelfAttention`, which fills the
+``self_attention`` slot; with ``fused_swiglu`` the MLP's ``activation_func`` submodule is
+:class:`megatron.usp.fused_kernels.SwiGLU` (megatron-core builds and calls it when
+``config.use_te_activation_func`` is set, which :mod:`megatron.training.model` does exactly
+then). With ``torch`` everything is as in megatron-core's local spec (its own RoPE and its
+TorchScript-fused SwiGLU on GPU).
+
+Elementwise outputs not kept (``lean_norms`` / ``lean_swiglu``, ``--recompute-modules
+layernorm`` / ``swiglu``): the norms before QKV and FC1 move into those linear layers
+(:class:`~megatron.usp.fused_linears.NormColumnParallelLinear`, the norm slots become
+``IdentityOp``), the SwiGLU into FC2 (:class:`~megatron.usp.fused_linears.SwiGLURowParallelLinear`,
+the activation slot passes FC1's output through); each recomputes its elementwise op in the backward.
+
 Which to use: :func:`get_usp_gpt_block_spec` for ``GPTModel(transformer_layer_spec=...)``.
 Given only a layer spec, megatron-core's ``TransformerBlock`` builds its final norm from its
 module-level default (``WrappedTorchNorm`` without TransformerEngine or apex), which refuses
@@ -25,6 +40,7 @@ from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -33,8 +49,15 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from megatron.usp.core_attention import USPAttention
+from megatron.usp.fused_kernels import FUSED_KERNEL_CHOICES, SwiGLU, op_impl
+from megatron.usp.fused_linears import (
+    NormColumnParallelLinear,
+    PassThroughActivation,
+    SwiGLURowParallelLinear,
+)
 from megatron.usp.kernels import BACKEND_NAMES
 from megatron.usp.norms import norm_class
+from megatron.usp.self_attention import USPSelfAttention
 
 
 def usp_core_attention_spec(attention_backend: str = "auto",
@@ -56,11 +79,20 @@ def usp_core_attention_spec(attention_backend: str = "auto",
     return ModuleSpec(module=USPAttention, params=params)
 
 
+def norm_spec(normalization: str, fused_kernels: str = "torch") -> ModuleSpec:
+    """``ModuleSpec`` of the :mod:`megatron.usp.norms` class for ``normalization``."""
+    return ModuleSpec(module=norm_class(normalization), params={"impl": fused_kernels})
+
+
 def get_usp_gpt_layer_spec(
     attention_backend: str = "auto",
     qk_layernorm: bool = False,
     normalization: str = "RMSNorm",
     overlap_chunks: Optional[int] = None,
+    fused_kernels: str = "torch",
+    fused_swiglu: bool = False,
+    lean_norms: bool = False,
+    lean_swiglu: bool = False,
 ) -> ModuleSpec:
     """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
     norms of :mod:`megatron.usp.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
@@ -75,8 +107,17 @@ def get_usp_gpt_layer_spec(
         qk_layernorm: normalise queries and keys per head (``TransformerConfig.qk_layernorm``).
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
         overlap_chunks: as for :func:`usp_core_attention_spec`.
+        fused_kernels: the resolved ``--fused-kernels`` (``torch``, ``compile``, ``liger``)
+            for the norms, RoPE and, with ``fused_swiglu``, the MLP activation.
+        fused_swiglu: put :class:`~megatron.usp.fused_kernels.SwiGLU` in the MLP's
+            ``activation_func`` slot (the config must set ``use_te_activation_func``).
+        lean_norms, lean_swiglu: the norm outputs / the SwiGLU output are not kept (module
+            docstring); ``lean_swiglu`` also needs ``use_te_activation_func``.
     """
-    norm = norm_class(normalization)
+    if fused_kernels not in FUSED_KERNEL_CHOICES[1:]:
+        raise ValueError(f"fused_kernels {fused_kernels!r}: pass a resolved choice, one of "
+                         f"{list(FUSED_KERNEL_CHOICES[1:])}")
+    norm = norm_spec(normalization, op_impl(fused_kernels, "rms_norm"))
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
     layer = spec.submodules
     attn = layer.self_attention
@@ -91,7 +132,28 @@ def get_usp_gpt_layer_spec(
         attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks),
         **attn_norms
     )
-    spec.submodules = dataclasses.replace(layer, input_layernorm=norm, pre_mlp_layernorm=norm)
+    attn.module = USPSelfAttention
+    attn.params = dict(attn.params or {}, rope_impl=op_impl(fused_kernels, "rope"))
+    mlp = layer.mlp
+    if lean_swiglu:
+        mlp.submodules = dataclasses.replace(
+            mlp.submodules, activation_func=PassThroughActivation,
+            linear_fc2=ModuleSpec(module=SwiGLURowParallelLinear,
+                                  params={"swiglu_impl": op_impl(fused_kernels, "swiglu")}))
+    elif fused_swiglu:
+        mlp.submodules = dataclasses.replace(
+            mlp.submodules, activation_func=ModuleSpec(
+                module=SwiGLU, params={"impl": op_impl(fused_kernels, "swiglu")}))
+    if lean_norms:
+        normed_linear = ModuleSpec(module=NormColumnParallelLinear,
+                                   params={"norm_impl": op_impl(fused_kernels, "rms_norm")})
+        attn.submodules = dataclasses.replace(attn.submodules, linear_qkv=normed_linear)
+        mlp.submodules = dataclasses.replace(mlp.submodules, linear_fc1=normed_linear)
+        spec.submodules = dataclasses.replace(layer, input_layernorm=IdentityOp,
+                                              pre_mlp_layernorm=IdentityOp)
+    else:
+        spec.submodules = dataclasses.replace(layer, input_layernorm=norm,
+                                              pre_mlp_layernorm=norm)
     return spec
 
 
@@ -101,6 +163,9 @@ def get_usp_gpt_block_spec(
     attention_backend: str = "auto",
     vp_stage: Optional[int] = None,
     overlap_chunks: Optional[int] = None,
+    fused_kernels: str = "torch",
+    lean_norms: bool = False,
+    lean_swiglu: bool = False,
 ) -> TransformerBlockSubmodules:
     """Decoder-block spec of one pipeline stage: its layers and the final norm, both USP's.
 
@@ -116,10 +181,21 @@ def get_usp_gpt_block_spec(
         attention_backend: as for :func:`get_usp_gpt_layer_spec`.
         vp_stage: virtual pipeline stage, or None.
         overlap_chunks: as for :func:`usp_core_attention_spec`.
+        fused_kernels: as for :func:`get_usp_gpt_layer_spec`; the MLP activation is the fused
+            SwiGLU exactly when ``config.use_te_activation_func`` is set (and not
+            ``lean_swiglu``).
+        lean_norms, lean_swiglu: as for :func:`get_usp_gpt_layer_spec`.
     """
+    if lean_swiglu and not config.use_te_activation_func:
+        raise ValueError("lean_swiglu moves the SwiGLU into FC2: the config must set "
+                         "use_te_activation_func so that the MLP calls its (identity) "
+                         "activation slot")
     layer = get_usp_gpt_layer_spec(attention_backend, qk_layernorm=config.qk_layernorm,
                                    normalization=config.normalization,
-                                   overlap_chunks=overlap_chunks)
+                                   overlap_chunks=overlap_chunks, fused_kernels=fused_kernels,
+                                   fused_swiglu=config.use_te_activation_func,
+                                   lean_norms=lean_norms, lean_swiglu=lean_swiglu)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
-                                      layer_norm=norm_class(config.normalization))
+                                      layer_norm=norm_spec(config.normalization,
+                                                           op_impl(fused_kernels, "rms_norm")))

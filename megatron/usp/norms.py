@@ -26,6 +26,11 @@ Constructor: ``(config, hidden_size, eps)``, as megatron-core's ``build_module``
 ``config.layernorm_zero_centered_gamma`` stores ``gamma - 1`` (initialised to 0) and applies
 ``weight + 1``, as megatron-core's fused norms do. ``config.persist_layer_norm`` and
 ``config.memory_efficient_layer_norm`` choose apex kernels (same math) and are ignored.
+
+Kernel: ``impl`` (the layer spec passes ``--fused-kernels``' choice) selects the RMSNorm
+kernel of :func:`megatron.usp.fused_kernels.rms_norm` (``torch``, ``compile`` or ``liger``);
+the parameters and their names do not depend on it, so a checkpoint loads under any choice.
+LayerNorm always uses PyTorch's kernel (no model of this project's presets uses it).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from typing import Type
 
 import torch
 import torch.nn.functional as F
+
+from megatron.usp.fused_kernels import FUSED_KERNEL_CHOICES, rms_norm
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 
@@ -49,8 +56,11 @@ def _new_param(config, hidden_size: int, fill: float) -> torch.nn.Parameter:
 class _Norm(torch.nn.Module):
     """What both norms share: the constructor megatron-core calls, ``weight``, ``eps``."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, impl: str = "torch"):
         super().__init__()
+        if impl not in FUSED_KERNEL_CHOICES[1:]:
+            raise ValueError(f"norm impl {impl!r}; use one of {list(FUSED_KERNEL_CHOICES[1:])}")
+        self.impl = impl
         self.normalized_shape = (hidden_size,)
         self.eps = eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
@@ -61,7 +71,7 @@ class _Norm(torch.nn.Module):
         return self.weight + 1 if self.zero_centered_gamma else self.weight
 
     def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, "
+        return (f"{self.normalized_shape}, eps={self.eps}, impl={self.impl}, "
                 f"sequence_parallel={self.weight.sequence_parallel}")
 
 
@@ -74,7 +84,8 @@ class RMSNorm(_Norm):
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden, self.normalized_shape, self.gamma(), self.eps)
+        return rms_norm(hidden, self.weight, self.eps, self.impl,
+                        offset=1.0 if self.zero_centered_gamma else 0.0)
 
 
 class LayerNorm(_Norm):
@@ -84,8 +95,8 @@ class LayerNorm(_Norm):
     zero-centred) and ``bias`` (zeros), both ``[hidden_size]``.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__(config, hidden_size, eps)
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, impl: str = "torch"):
+        super().__init__(config, hidden_size, eps, impl)
         self.bias = _new_param(config, hidden_size, 0.0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -153,7 +153,7 @@ def test_bench_e2e_tiny_model_under_torchrun(tmp_path):
     out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
     cmd = [sys.executable, "tools/bench_e2e.py", "--model", "tiny", "--seq-lens", "128",
            "--splits", "1x2", "--nproc-per-node", "2", "--iters", "2", "--warmup", "1",
-           "--extra-args", "--num-workers 0",
+           "--extra-args", "--num-workers 0", "--peers", "hf",
            "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--markdown", str(md)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -161,8 +161,11 @@ def test_bench_e2e_tiny_model_under_torchrun(tmp_path):
     payload = json.loads(out.read_text())
     assert payload["tool"] == "bench_e2e"
     runs = payload["results"]
-    assert [(r["seq_len"], r["ulysses"], r["ring"], r["recompute"]) for r in runs] == [
-        (128, 1, 2, "none")]
+    assert [(r["seq_len"], r["stack"], r["ulysses"], r["ring"], r["recompute"])
+            for r in runs] == [(128, "megatron-usp", 1, 2, "none"), (128, "hf", 1, 1, "none")]
+    peer = runs[1]                       # Hugging Face's Llama, trained in its own process
+    assert peer["status"] == "ok" and peer["tokens_per_s"] > 0 and peer["last_loss"] > 0
+    assert payload["peer_ratios"][0]["peer"] == "hf"
     r = runs[0]
     assert r["status"] == "ok", r
     assert r["iterations_measured"] == 1 and r["global_batch_size"] == 1
@@ -171,5 +174,5 @@ def test_bench_e2e_tiny_model_under_torchrun(tmp_path):
     assert r["mfu"] is None                         # CPU: no peak rate to compare with
     assert (tmp_path / "logs" / "S128_U1xR2_none.metrics.jsonl").exists()
     assert payload["metadata"]["device"]["type"] == "cpu"
-    assert "| 128 | 1x2 | none | ok |" in md.read_text()
+    assert "| 128 | megatron-usp | 1x2 | none | ok |" in md.read_text()
     assert res.stdout.count("[bench_e2e] S=128 U1xR2") == 1

@@ -55,7 +55,7 @@ def _gather_rows(shard, group):
     return torch.cat(parts, dim=0)
 
 
-def _check_fused(tp_rank, tp, sequence_parallel, chunk_tokens, problem, ref):
+def _check_fused(tp_rank, tp, sequence_parallel, chunk_tokens, problem, ref, weighted=False):
     from megatron.training.fused_loss import fused_linear_cross_entropy
 
     hidden, weight, labels, probe = problem
@@ -68,10 +68,12 @@ def _check_fused(tp_rank, tp, sequence_parallel, chunk_tokens, problem, ref):
     else:
         h_ref_grad = ref[1]
         h = hidden.clone().requires_grad_(True)
+    # With loss_weights = the probe the gradients come from the forward (fused_loss module).
     loss = fused_linear_cross_entropy(h, w, labels, chunk_tokens=chunk_tokens, tp_group=tp,
-                                      sequence_parallel=sequence_parallel)
+                                      sequence_parallel=sequence_parallel,
+                                      loss_weights=probe if weighted else None)
     (loss * probe).sum().backward()
-    what = f"sp={sequence_parallel} chunk={chunk_tokens}"
+    what = f"sp={sequence_parallel} chunk={chunk_tokens} weighted={weighted}"
     torch.testing.assert_close(loss.detach(), ref[0], **TOL, msg=f"loss {what}")
     torch.testing.assert_close(h.grad, h_ref_grad, **TOL, msg=f"grad h {what}")
     torch.testing.assert_close(_gather_rows(w.grad, tp), ref[2], **TOL,
@@ -120,6 +122,7 @@ def _tp2_checks(rank, world_size):
     for sequence_parallel in (False, True):
         for chunk_tokens in CHUNKS:
             _check_fused(tp_rank, groups.tp, sequence_parallel, chunk_tokens, problem, ref)
+        _check_fused(tp_rank, groups.tp, sequence_parallel, 3, problem, ref, weighted=True)
     _check_megatron_path(tp_rank, groups.tp, problem, ref)
 
 

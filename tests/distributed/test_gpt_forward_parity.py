@@ -26,6 +26,20 @@ rounding (1e-6 relative; ~2e-7 observed).
 Layouts (TP, U, R, sequence parallel): 1x1x2, 1x2x1 (world 2), 1x2x2 and 2x2x1 with sequence
 parallelism (world 4), 1x4x2 and 1x2x4 (world 8). With 8 query heads and 2 KV heads, U = 4
 and TP2 x U2 (1 KV head per TP rank) exercise the KV-head replication path.
+
+Elementwise recompute (the layouts marked ``lean``, on top of ``fused``): the norms before
+QKV and FC1 run inside those linear layers and the SwiGLU inside FC2
+(:mod:`megatron.usp.fused_linears`), each recomputed in the backward; the reference weights
+load under the names the local spec's checkpoint map gives the norms
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
+
+Fused-kernel plumbing (the layouts marked ``fused``): the block spec is built with
+``fused_kernels="compile"`` and ``config.use_te_activation_func``, so RoPE runs in
+:class:`~megatron.usp.self_attention.USPSelfAttention` (not megatron-core's attention), the
+SwiGLU in the MLP's ``activation_func`` submodule and the norms through
+:func:`megatron.usp.fused_kernels.rms_norm`; ``torch.compile`` is replaced by the identity on
+these CPU ranks, so the plain functions run eagerly and must reproduce megatron-core's own
+path to the same float64 tolerance.
 """
 
 from __future__ import annotations
@@ -43,13 +57,25 @@ from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_par
 TOL = dict(atol=1e-9, rtol=1e-9)
 FLOAT32_LOSS_TOL = dict(atol=1e-9, rtol=1e-6)
 SEQ, BATCH, VOCAB, SEED = 64, 2, 96, 1234
-# world size -> [(TP, U, R, sequence parallel)]
-LAYOUTS = {2: [(1, 1, 2, False), (1, 2, 1, False)],
-           4: [(1, 2, 2, False), (2, 2, 1, True)],
-           8: [(1, 4, 2, False), (1, 2, 4, False)]}
+# world size -> [(TP, U, R, sequence parallel, fused-kernel plumbing)]
+LAYOUTS = {2: [(1, 1, 2, False, "plain"), (1, 2, 1, False, "plain"),
+               (1, 2, 1, False, "fused"), (1, 1, 2, False, "lean")],
+           4: [(1, 2, 2, False, "plain"), (2, 2, 1, True, "plain"), (2, 2, 1, True, "fused"),
+               (2, 2, 1, True, "lean")],
+           8: [(1, 4, 2, False, "plain"), (1, 2, 4, False, "plain")]}
+# The norms' parameter names inside the lean linear layers (the local spec's checkpoint map).
+LEAN_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-def _config(cp: int, ulysses: int, ring: int, tp: int = 1, sequence_parallel: bool = False):
+def _lean_name(name: str) -> str:
+    for old, new in LEAN_NAMES.items():
+        name = name.replace(old, new)
+    return name
+
+
+def _config(cp: int, ulysses: int, ring: int, tp: int = 1, sequence_parallel: bool = False,
+            fused: bool = False):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -63,6 +89,7 @@ def _config(cp: int, ulysses: int, ring: int, tp: int = 1, sequence_parallel: bo
         context_parallel_size=cp,
         hierarchical_context_parallel_sizes=[ulysses, ring] if cp > 1 else None,
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+        use_te_activation_func=fused,
     )
 
 
@@ -135,34 +162,68 @@ def _tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: i
     return torch.cat(pieces[tp_rank::tp], dim=dim)
 
 
-def _check_norms(model, sequence_parallel: bool) -> None:
+def _check_norms(model, sequence_parallel: bool, lean: bool = False) -> None:
     from megatron.usp.norms import RMSNorm
 
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert model.decoder.final_layernorm in norms
-    assert len(norms) == 2 * len(model.decoder.layers) + 1
+    assert len(norms) == (1 if lean else 2 * len(model.decoder.layers) + 1)
     for norm in norms:
         assert norm.weight.sequence_parallel is sequence_parallel
     marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
-    assert all("layernorm" in n for n in marked), marked
+    assert all("layernorm" in n or "layer_norm" in n for n in marked), marked
+    if sequence_parallel:
+        assert len(marked) == 2 * len(model.decoder.layers) + 1, marked
 
 
-def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, ref: dict) -> None:
+def _check_fused_modules(model, mode: str) -> None:
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron.usp.fused_kernels import SwiGLU, op_impl
+    from megatron.usp.fused_linears import NormColumnParallelLinear, SwiGLURowParallelLinear
+    from megatron.usp.self_attention import USPSelfAttention
+
+    for layer in model.decoder.layers:
+        assert isinstance(layer.self_attention, USPSelfAttention)
+        assert layer.self_attention.rope_impl == "compile"
+        if mode == "fused":
+            assert isinstance(layer.mlp.activation_func, SwiGLU)
+            assert layer.input_layernorm.impl == op_impl("compile", "rms_norm")
+        else:
+            assert isinstance(layer.input_layernorm, IdentityOp)
+            assert isinstance(layer.self_attention.linear_qkv, NormColumnParallelLinear)
+            assert isinstance(layer.mlp.linear_fc1, NormColumnParallelLinear)
+            assert isinstance(layer.mlp.linear_fc2, SwiGLURowParallelLinear)
+
+
+def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: dict) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from megatron.usp import fused_kernels
     from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=tp,
                                                   ulysses=ulysses, ring=ring))
     model_parallel_cuda_manual_seed(SEED)
     cp, cp_rank, tp_rank = ulysses * ring, groups.cp_rank, dist.get_rank(groups.tp)
-    config = _config(cp, ulysses, ring, tp, sp)
-    model = _model(get_usp_gpt_block_spec(config, pp_rank=0), config, groups.pg_collection)
-    _check_norms(model, sp)
+    fused, lean = mode in ("fused", "lean"), mode == "lean"
+    config = _config(cp, ulysses, ring, tp, sp, fused)
+    if fused:
+        fused_kernels._compiled = lambda fn: fn   # the plain functions, eagerly (CPU ranks)
+    spec = get_usp_gpt_block_spec(config, pp_rank=0,
+                                  fused_kernels="compile" if fused else "torch",
+                                  lean_norms=lean, lean_swiglu=lean)
+    model = _model(spec, config, groups.pg_collection)
+    _check_norms(model, sp, lean)
+    if fused:
+        _check_fused_modules(model, mode)
     params = dict(model.named_parameters())
+    rename = _lean_name if lean else (lambda n: n)
+    state = {rename(k): v for k, v in ref["state"].items()}
     model.load_state_dict({k: _tp_shard(v, params[k], tp_rank, tp) if k in params else v
-                           for k, v in ref["state"].items()})
-    where = f"TP={tp} U={ulysses} R={ring} SP={sp}"
+                           for k, v in state.items()})
+    ref_grads = {rename(k): v for k, v in ref["grads"].items()}
+    where = f"TP={tp} U={ulysses} R={ring} SP={sp} mode={mode}"
 
     def shard(t):
         return layout.shard_for_cp_rank(t, 1, cp_rank, cp)
@@ -180,7 +241,7 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, ref: dict) -> None
         dist.all_reduce(grad, group=groups.cp)
         if getattr(param, "sequence_parallel", False):
             dist.all_reduce(grad, group=groups.tp)
-        close(grad, _tp_shard(ref["grads"][name], param, tp_rank, tp), f"grad {name}")
+        close(grad, _tp_shard(ref_grads[name], param, tp_rank, tp), f"grad {name}")
     destroy_usp_parallel()
 
 
@@ -189,8 +250,8 @@ def _usp_layouts(rank, world_size, layouts, out_dir):
 
     apply_cpu_shims()
     ref = torch.load(os.path.join(out_dir, "reference.pt"))
-    for tp, ulysses, ring, sp in layouts:
-        _check_layout(tp, ulysses, ring, sp, ref)
+    for tp, ulysses, ring, sp, mode in layouts:
+        _check_layout(tp, ulysses, ring, sp, mode, ref)
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +266,37 @@ def reference_dir(tmp_path_factory):
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_gpt_forward_matches_single_rank(dist_run, reference_dir, world_size):
     dist_run(_usp_layouts, world_size, LAYOUTS[world_size], reference_dir, timeout=300)
+
+
+def _checkpoint_keys(rank, world_size):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron.usp import fused_kernels
+    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.usp.layer_specs import get_usp_gpt_block_spec
+
+    apply_cpu_shims()
+    groups = initialize_usp_parallel(ParallelDims(world_size))
+    model_parallel_cuda_manual_seed(SEED)
+    fused_kernels._compiled = lambda fn: fn
+    keys = {}
+    for mode in ("plain", "fused", "lean"):
+        config = _config(1, 1, 1, fused=mode != "plain")
+        spec = get_usp_gpt_block_spec(config, pp_rank=0, lean_norms=mode == "lean",
+                                      lean_swiglu=mode == "lean",
+                                      fused_kernels="torch" if mode == "plain" else "compile")
+        sd = _model(spec, config, groups.pg_collection).sharded_state_dict()
+        # The checkpoint's own key of each tensor (ShardedTensor.key), not the module path.
+        keys[mode] = {v.key: tuple(v.global_shape) for v in sd.values()
+                      if hasattr(v, "global_shape")}
+    for mode in ("fused", "lean"):
+        assert keys["plain"] == keys[mode], (mode, set(keys["plain"]) ^ set(keys[mode]))
+    assert any("linear_qkv.layer_norm_weight" in k for k in keys["lean"])
+    destroy_usp_parallel()
+
+
+def test_lean_layers_checkpoint_under_the_same_names(dist_run):
+    """Distributed-checkpoint keys and shapes do not depend on --fused-kernels or
+    --recompute-modules layernorm / swiglu, so a checkpoint saved with them loads without
+    them and back (and every module of those layers can be checkpointed)."""
+    dist_run(_checkpoint_keys, 1, timeout=120)

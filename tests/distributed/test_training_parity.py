@@ -66,9 +66,13 @@ LAYOUTS = {
               "--micro-batch-size", "4", "--use-distributed-optimizer",
               "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
     # Norms, residuals and dropout on 16 of each CP rank's 32 tokens; the norm-weight
-    # gradients are summed over TP by finalize_model_grads.
+    # gradients are summed over TP by finalize_model_grads. The norm outputs and the SwiGLU
+    # product are recomputed in the backward (the layer spec's layernorm / swiglu recompute:
+    # norms inside QKV / FC1, SwiGLU inside FC2).
     "tp2u2sp": ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
-                "--sequence-parallel", "--micro-batch-size", "4"],
+                "--sequence-parallel", "--micro-batch-size", "4",
+                "--recompute-granularity", "selective", "--recompute-modules", "layernorm",
+                "swiglu"],
 }
 
 

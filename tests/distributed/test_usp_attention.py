@@ -437,8 +437,12 @@ def test_layer_spec_swaps_only_core_attention():
     # Norms are ours (megatron/usp/norms.py): same math, and they support --sequence-parallel.
     from megatron.usp.norms import RMSNorm
 
-    assert mine.q_layernorm is RMSNorm and mine.k_layernorm is RMSNorm
-    assert spec.submodules.mlp == upstream.submodules.mlp
+    assert mine.q_layernorm.module is RMSNorm and mine.k_layernorm.module is RMSNorm
+    assert spec.submodules.mlp == upstream.submodules.mlp    # fused_swiglu off: upstream's
+    from megatron.usp.self_attention import USPSelfAttention
+
+    assert spec.submodules.self_attention.module is USPSelfAttention
+    assert spec.submodules.self_attention.params["rope_impl"] == "torch"
     with pytest.raises(ValueError, match="--attention-backend 'cudnn'"):
         get_usp_gpt_layer_spec(attention_backend="cudnn")
     with pytest.raises(ValueError, match="--normalization"):

@@ -136,3 +136,45 @@ def test_torch_kernel_routes_on_gpu(route):
         dv[:, :, cols] += gv
     for got, want in zip((dq, dk, dv), ref_grads):
         assert _rel(got, want) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_attention_on_sequence_major_tensors_on_gpu(batch, causal):
+    """U = R = 1: ``usp_attention`` hands cuDNN megatron's ``[s, b, h, d]`` tensors as they are
+    (q contiguous, k and v views into one QKV projection buffer). out, dq, dk, dv against
+    float64 within 2x the error of the head-major cuDNN call on the same values."""
+    from megatron.usp.attention import usp_attention
+    from megatron.usp.kernels import MathKernel, get_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s, h, hk, d = 4096, 16, 4, 128
+    q = torch.randn(s, batch, h, d, generator=gen, device="cuda").bfloat16()
+    kv = torch.randn(s, batch, hk, 2 * d, generator=gen, device="cuda").bfloat16()
+    k, v = kv[..., :d], kv[..., d:]                          # strided views, like megatron's
+    dout = torch.randn(s, batch, h, d, generator=gen, device="cuda").bfloat16()
+    scale = d ** -0.5
+
+    def heads(x):
+        return x.permute(1, 2, 0, 3).contiguous()
+
+    exact = MathKernel()
+    qd, kd, vd = (heads(x).double() for x in (q, k, v))
+    ref_out, ref_lse = exact.forward(qd, kd, vd, causal, scale)
+    ref = (ref_out,) + exact.backward(heads(dout).double(), qd, kd, vd, ref_out, ref_lse,
+                                      causal, scale)
+    kernel = get_kernel("auto")
+    b_out, b_lse = kernel.forward(heads(q), heads(k), heads(v), causal, scale)
+    base = (b_out,) + kernel.backward(heads(dout), heads(q), heads(k), heads(v), b_out, b_lse,
+                                      causal, scale)
+    qq = q.detach().clone().requires_grad_()
+    kvv = kv.detach().clone().requires_grad_()
+    out = usp_attention(qq, kvv[..., :d], kvv[..., d:], ulysses_group=None, ring_group=None,
+                        causal=causal)
+    assert out.shape == q.shape and out.is_contiguous()
+    out.backward(dout)
+    dk, dv = kvv.grad[..., :d], kvv.grad[..., d:]
+    got = (heads(out), heads(qq.grad), heads(dk), heads(dv))
+    for g, b_, r in zip(got, base, ref):
+        assert _rel(g, r) <= 2 * _rel(b_, r) + 1e-3, (_rel(g, r), _rel(b_, r))

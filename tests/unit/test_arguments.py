@@ -328,8 +328,28 @@ def test_recompute_modules_reach_megatron_and_are_checked():
         _valid(["--recompute-modules", "mlp"])
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--recompute-granularity", "selective", "--recompute-modules", "moe"])
-    import importlib.util
 
-    if importlib.util.find_spec("transformer_engine") is None:
-        with pytest.raises(ArgumentsError, match="--recompute-modules mlp"):
-            _valid(["--recompute-granularity", "selective", "--recompute-modules", "layernorm"])
+
+
+def test_layernorm_and_swiglu_recompute_are_the_layer_spec_s():
+    """They never reach megatron-core (whose layernorm recompute needs TransformerEngine):
+    the layer spec's fused linear layers do them; megatron-core's own modules still go through."""
+    from megatron.training.arguments import ArgumentsError
+    from megatron.training.model import spec_recompute, transformer_config_from_args
+
+    mlp = ["--swiglu", "--disable-bias-linear"]
+    lean = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm",
+            "swiglu"]
+    args = _valid(lean + mlp)
+    config = transformer_config_from_args(args)
+    assert config.recompute_granularity is None and spec_recompute(args) == (True, True)
+    assert config.use_te_activation_func              # the MLP calls its activation slot
+    both = _valid(["--recompute-granularity", "selective", "--recompute-modules", "layernorm",
+                   "core_attn"])
+    config = transformer_config_from_args(both)
+    assert config.recompute_granularity == "selective"
+    assert config.recompute_modules == ["core_attn"] and spec_recompute(both) == (True, False)
+    with pytest.raises(ArgumentsError, match="--swiglu and --disable-bias-linear"):
+        _valid(lean[:3] + ["swiglu"])
+    with pytest.raises(ArgumentsError, match="drop swiglu"):
+        _valid(lean[:3] + ["mlp", "swiglu"] + mlp)

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import torch
 from megatron.bench import attention_bench as ab
 from megatron.bench import cli, e2e, flops, native_cp, report, timing
 from megatron.usp.token_layout import positions_for_cp_rank
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- parsing
@@ -395,6 +398,86 @@ def test_e2e_bad_input_names_the_flag(tmp_path):
         e2e.config_from_args(e2e.build_parser().parse_args(["--max-seq", "lots"]))
 
 
+def _peer_runner(fails):
+    """A peer runner: ``fails(peer, seq_len, recompute)`` gives a status, else a 200 ms run."""
+    calls = []
+
+    def run(cfg, peer, seq_len, recompute):
+        calls.append((peer, seq_len, recompute))
+        status = fails(peer, seq_len, recompute)
+        data = ({"status": status, "note": status} if status else
+                {"status": "ok", "iter_ms": 200.0, "tokens_per_s": seq_len / 0.2,
+                 "peak_mem_gib": 20.0, "mfu": 0.3, "iterations_measured": 2})
+        return e2e.peer_result(peer, seq_len, recompute, data, "l", "cmd")
+
+    return run, calls
+
+
+def test_peers_follow_each_length_and_retry_after_oom():
+    run, _ = _fake_runner(lambda s: None)
+    peer_run, calls = _peer_runner(lambda p, s, r: "oom" if s > 32768 and r == "none" else None)
+    cfg = _e2e_cfg(seq_lens=[32768, 65536], splits=[(1, 1)], nproc_per_node=1,
+                   peers=["hf-liger", "hf"])
+    results = e2e.throughput_sweep(cfg, runner=run, peer_runner=peer_run,
+                                   ceilings={32768: {"ceiling_ms": 50.0, "ceiling_mfu": 0.55}})
+    assert calls == [("hf-liger", 32768, "none"), ("hf", 32768, "none"),
+                     ("hf-liger", 65536, "none"), ("hf-liger", 65536, "full"),
+                     ("hf", 65536, "none"), ("hf", 65536, "full")]
+    assert [r.stack for r in results] == ["megatron-usp", "hf-liger", "hf", "megatron-usp",
+                                          "hf-liger", "hf-liger", "hf", "hf"]
+    ours = results[0]
+    assert ours.tokens_per_s_per_gpu == pytest.approx(32768 / 0.1)
+    assert ours.ceiling_share == pytest.approx(0.5) and ours.ceiling_mfu == 0.55
+    assert results[3].ceiling_share is None                        # no ceiling measured
+    ratios = e2e.peer_ratios(results)
+    assert [(x["seq_len"], x["peer"], x["peer_recompute"]) for x in ratios] == [
+        (32768, "hf-liger", "none"), (32768, "hf", "none"),
+        (65536, "hf-liger", "full"), (65536, "hf", "full")]
+    assert ratios[0]["tokens_per_s_ratio"] == pytest.approx(2.0)   # 100 ms vs 200 ms
+    assert ratios[0]["peak_mem_ratio"] == pytest.approx(ours.peak_mem_gib / 20.0)
+    assert "2.000x tokens/s per GPU" in e2e.ratio_line(ratios[0])
+    meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 1)
+    md = e2e.results_markdown(meta, cfg, results)
+    assert (f"| 32K | 1x1 | none | hf-liger | none | 2.000x | "
+            f"{ours.peak_mem_gib / 20.0:.2f}x |") in md
+    assert e2e.peer_recompute_order("selective") == ["none"]
+    assert e2e.peer_recompute_order("full") == ["full"]
+
+
+def test_a_missing_peer_is_reported_not_retried():
+    run, _ = _fake_runner(lambda s: None)
+    peer_run, calls = _peer_runner(lambda p, s, r: "missing" if p == "hf-liger" else None)
+    cfg = _e2e_cfg(seq_lens=[32768], splits=[(1, 1)], nproc_per_node=1, peers=["hf-liger"])
+    results = e2e.throughput_sweep(cfg, runner=run, peer_runner=peer_run)
+    assert calls == [("hf-liger", 32768, "none")] and results[-1].status == "missing"
+    assert e2e.peer_ratios(results) == []
+    assert "missing" in e2e.progress_line(results[-1])
+
+
+def test_peer_flags():
+    assert e2e.parse_peers("hf,hf-liger") == ["hf", "hf-liger"] and e2e.parse_peers("none") == []
+    for bad, needle in [("hf,transformers", "unknown"), ("hf,hf", "twice")]:
+        with pytest.raises(cli.BenchConfigError, match=needle):
+            e2e.parse_peers(bad)
+    script = REPO / "pretrain_gpt.py"
+    with pytest.raises(cli.BenchConfigError, match="--find-max-seq"):
+        e2e.validate_config(_e2e_cfg(peers=["hf"], find_max_seq=True,
+                                     pretrain_script=str(script)))
+
+
+def test_hf_peer_reports_missing_packages(monkeypatch):
+    from megatron.bench import hf_peer
+
+    real = hf_peer.importlib.util.find_spec
+    monkeypatch.setattr(hf_peer.importlib.util, "find_spec",
+                        lambda name: None if name == "liger_kernel" else real(name))
+    assert "pip install -e .[peers]" in hf_peer.missing_packages("hf-liger", cuda=True)
+    monkeypatch.setattr(hf_peer.importlib.util, "find_spec",
+                        lambda name: object() if name == "liger_kernel" else real(name))
+    assert "CUDA GPU" in hf_peer.missing_packages("hf-liger", cuda=False)
+    assert hf_peer.missing_packages("hf-liger", cuda=True) is None
+
+
 def test_e2e_markdown_and_progress():
     pytest.importorskip("megatron.training.metrics")
     cfg = _e2e_cfg()
@@ -403,7 +486,7 @@ def test_e2e_markdown_and_progress():
     oom = e2e.summarize(cfg, spec, e2e.RunOutcome("oom", 1, [], "l", [], "out of memory"))
     meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 2)
     md = e2e.results_markdown(meta, cfg, [ok, oom], {"1x2": 524288})
-    assert "| 64K | 1x2 | full | ok |" in md and "oom: out of memory" in md
+    assert "| 64K | megatron-usp | 1x2 | full | ok |" in md and "oom: out of memory" in md
     assert "MFU against 989 TFLOP/s" in md
     assert "1x2: 512K" in md
     assert "MFU" in e2e.progress_line(ok) and "oom" in e2e.progress_line(oom)

@@ -227,3 +227,68 @@ def test_rejects_mismatched_labels_and_dtypes():
         fused_linear_cross_entropy(hidden, weight, labels.t())
     with pytest.raises(ValueError, match="needs one dtype"):
         fused_linear_cross_entropy(hidden.float(), weight, labels)
+
+
+def _weighted(hidden, weight, labels, weights, grad, chunk_tokens):
+    hidden = hidden.clone().requires_grad_(True)
+    weight = weight.clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk_tokens,
+                                      loss_weights=weights)
+    loss.backward(grad)
+    return loss.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 64])
+@pytest.mark.parametrize("case", ["mask", "scaled_mask", "weights", "other_gradient",
+                                  "all_masked"])
+def test_gradients_computed_in_forward_equal_reference(chunk_tokens, case):
+    """``loss_weights``: the forward computes the gradients of ``sum(loss * weights)``; the
+    backward scales them when the incoming gradient is ``c * weights`` and recomputes
+    otherwise. Every case equals the float64 reference for the gradient actually received."""
+    hidden, weight, labels, probe = _inputs()
+    gen = torch.Generator().manual_seed(7)
+    mask = (torch.rand(BATCH, SEQ, generator=gen) > 0.3).double()
+    weights = {"weights": torch.rand(BATCH, SEQ, generator=gen, dtype=torch.float64),
+               "all_masked": torch.zeros(BATCH, SEQ, dtype=torch.float64)}.get(case, mask)
+    grad = {"mask": mask, "scaled_mask": 0.25 * mask, "weights": 3.0 * weights,
+            "other_gradient": probe, "all_masked": weights}[case]
+    got = _weighted(hidden, weight, labels, weights, grad, chunk_tokens)
+    want = _torch_reference(hidden, weight, labels, grad)
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
+def test_gradients_in_forward_only_when_gradients_are_wanted():
+    from megatron.training import fused_loss
+
+    hidden, weight, labels, _ = _inputs()
+    calls = []
+    real = fused_loss.linear_cross_entropy_forward_with_grads
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    fused_loss.linear_cross_entropy_forward_with_grads = spy
+    try:
+        with torch.no_grad():
+            loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_tokens=4,
+                                              loss_weights=torch.ones(BATCH, SEQ))
+        assert not calls and loss.shape == (BATCH, SEQ)
+        _weighted(hidden, weight, labels, torch.ones(BATCH, SEQ, dtype=torch.float64),
+                  torch.ones(BATCH, SEQ, dtype=torch.float64), 4)
+        assert calls
+    finally:
+        fused_loss.linear_cross_entropy_forward_with_grads = real
+    with pytest.raises(ValueError, match="loss_weights"):
+        fused_linear_cross_entropy(hidden, weight, labels, loss_weights=torch.ones(SEQ, BATCH))
+
+
+def test_common_scale():
+    from megatron.training.fused_loss import common_scale
+
+    w = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    assert common_scale(0.5 * w, w) == 0.5
+    assert common_scale(torch.tensor([0.1, 1.0, 1.0, 0.0]), w) is None
+    assert common_scale(torch.zeros(4), torch.zeros(4)) == 0.0
+    assert common_scale(torch.ones(4), torch.zeros(4)) is None

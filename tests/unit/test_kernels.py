@@ -376,3 +376,33 @@ def test_functional_path_imports_without_megatron_core():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_single_rank_usp_attention_on_sequence_major_views(batch, causal):
+    """U = R = 1 runs the kernel on [b, h, s, d] views of megatron's [s, b, h, d] tensors (k, v
+    strided views of one buffer): float64 out and gradients equal the reference."""
+    from megatron.usp.attention import usp_attention
+
+    gen = torch.Generator().manual_seed(5)
+    s, h, hk, d = 32, 4, 2, 16
+    q = torch.randn(s, batch, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(s, batch, hk, 2 * d, generator=gen, dtype=torch.float64,
+                     requires_grad=True)
+    dout = torch.randn(s, batch, h, d, generator=gen, dtype=torch.float64)
+    out = usp_attention(q, kv[..., :d], kv[..., d:], ulysses_group=None, ring_group=None,
+                        causal=causal)
+    assert out.is_contiguous() and out.shape == q.shape
+    out.backward(dout)
+
+    def heads(x):
+        return x.permute(1, 2, 0, 3)
+
+    refs = [t.detach().clone().requires_grad_() for t in (q, kv)]
+    want, _ = reference(heads(refs[0]), heads(refs[1][..., :d]), heads(refs[1][..., d:]),
+                        causal, d ** -0.5)
+    want.backward(heads(dout))
+    torch.testing.assert_close(heads(out), want.detach(), **F64_TOL)
+    torch.testing.assert_close(q.grad, refs[0].grad, **F64_TOL)
+    torch.testing.assert_close(kv.grad, refs[1].grad, **F64_TOL)

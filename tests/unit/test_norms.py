@@ -125,16 +125,22 @@ def test_norm_class_names_the_flag():
 def test_layer_spec_uses_our_norms(qk_layernorm):
     from megatron.core.transformer.identity_op import IdentityOp
 
+    from megatron.usp.fused_kernels import op_impl
     from megatron.usp.layer_specs import get_usp_gpt_layer_spec
+
+    def norm_module(slot):
+        return slot.module if hasattr(slot, "module") else slot
 
     for normalization, cls in NORMS.items():
         spec = get_usp_gpt_layer_spec(attention_backend="math", qk_layernorm=qk_layernorm,
-                                      normalization=normalization)
-        assert spec.submodules.input_layernorm is cls
-        assert spec.submodules.pre_mlp_layernorm is cls
+                                      normalization=normalization, fused_kernels="compile")
+        assert norm_module(spec.submodules.input_layernorm) is cls
+        assert spec.submodules.input_layernorm.params == {
+            "impl": op_impl("compile", "rms_norm")}
+        assert norm_module(spec.submodules.pre_mlp_layernorm) is cls
         attn = spec.submodules.self_attention.submodules
-        assert attn.q_layernorm is (cls if qk_layernorm else IdentityOp)
-        assert attn.k_layernorm is (cls if qk_layernorm else IdentityOp)
+        assert norm_module(attn.q_layernorm) is (cls if qk_layernorm else IdentityOp)
+        assert norm_module(attn.k_layernorm) is (cls if qk_layernorm else IdentityOp)
     with pytest.raises(ValueError, match="--normalization 'ScaleNorm'"):
         get_usp_gpt_layer_spec(normalization="ScaleNorm")
 
@@ -147,13 +153,13 @@ def test_block_spec_holds_this_stage_layers_and_our_final_norm():
                      pipeline_dtype=torch.float64)
     for pp_rank in (0, 1):
         block = get_usp_gpt_block_spec(config, pp_rank=pp_rank, attention_backend="torch")
-        assert block.layer_norm is LayerNorm
+        assert block.layer_norm.module is LayerNorm
         assert len(block.layer_specs) == 2  # 4 layers over 2 stages
         layer = block.layer_specs[0]
-        assert layer.submodules.input_layernorm is LayerNorm
+        assert layer.submodules.input_layernorm.module is LayerNorm
         attn = layer.submodules.self_attention.submodules
-        assert attn.q_layernorm is LayerNorm and attn.k_layernorm is LayerNorm
+        assert attn.q_layernorm.module is LayerNorm and attn.k_layernorm.module is LayerNorm
         assert attn.core_attention.module is USPAttention
         assert attn.core_attention.params["attention_backend"] == "torch"
     assert len(get_usp_gpt_block_spec(_config(), pp_rank=0).layer_specs) == 4
-    assert get_usp_gpt_block_spec(_config(), pp_rank=0).layer_norm is RMSNorm
+    assert get_usp_gpt_block_spec(_config(), pp_rank=0).layer_norm.module is RMSNorm

@@ -1,0 +1,165 @@
+"""The zero-overhead ceiling of a training step: its matmuls and attention alone, timed here.
+
+A training step can be no faster than the time its matrix multiplies and its attention
+kernel take on their own. :func:`measure_ceiling` times exactly those, with the model's own
+shapes, on this GPU, in this run:
+
+* per layer, the four linear layers (QKV ``[N, H] x [H, (n+2g)d]``, output projection
+  ``[N, nd] x [nd, H]``, FC1 ``[N, H] x [H, 2F]`` (SwiGLU), FC2 ``[N, F] x [F, H]``), each as
+  its forward GEMM plus the two backward GEMMs (data and weight gradients);
+* per layer, the causal attention forward and backward through USP's local kernel
+  (:func:`megatron.usp.kernels.get_kernel`, cuDNN on H100/H200) over the whole sequence;
+* once, the output layer ``[N, H] x [H, V]`` forward and backward.
+
+``ceiling_s = L * (linears + attention) + output layer``, and the ceiling MFU is the step's
+Megatron FLOP count (:func:`megatron.training.metrics.training_flops_per_iteration`) over
+``ceiling_s`` and the peak. Norms, RoPE, the activation, the loss, the optimizer and every
+copy count as overhead, so ``share = ceiling_s / measured step time`` is the fraction of
+the ideal a stack reaches. Timings are medians of CUDA-event timed repeats on random bf16
+data (``N = S`` tokens, batch 1).
+
+Run alone (``python -m megatron.bench.ceiling --model llama-0.85b --seq-lens 32k,64k --out
+c.json``) or from ``tools/bench_e2e.py``, which runs it in a process of its own before the
+training runs so that none of its memory stays allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Ceiling:
+    """The ideal step of one length: times in ms, the FLOP count and the ceiling MFU."""
+
+    seq_len: int
+    linears_ms_per_layer: float
+    attention_ms_per_layer: float
+    output_layer_ms: float
+    ceiling_ms: float
+    flops_per_iteration: float
+    ceiling_tflops: float
+    peak_tflops: Optional[float]
+    ceiling_mfu: Optional[float]
+    gemm_tflops: float               # achieved rate of the timed matmuls
+    attention_tflops: float          # fwd+bwd, 3.5x-forward convention
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats: int) -> float:
+    """Forward ``y = x W^T`` plus both backward GEMMs (``dx = dy W``, ``dW = dy^T x``)."""
+    x = torch.randn(tokens, n_in, device=device, dtype=dtype)
+    w = torch.randn(n_out, n_in, device=device, dtype=dtype)
+    dy = torch.randn(tokens, n_out, device=device, dtype=dtype)
+
+    def step():
+        torch.matmul(x, w.t())
+        torch.matmul(dy, w)
+        torch.matmul(dy.t(), x)
+
+    return _median_ms(step, repeats)
+
+
+def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int, device,
+                         dtype, repeats: int) -> float:
+    """USP's local kernel, causal, forward then backward, batch 1, ``[b, h, S, d]``."""
+    from megatron.usp.kernels import get_kernel
+
+    kernel = get_kernel("auto")
+    q = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype)
+    k = torch.randn(1, kv_heads, seq_len, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    scale = head_dim ** -0.5
+
+    def step():
+        out, lse = kernel.forward(q, k, v, True, scale)
+        kernel.backward(dout, q, k, v, out, lse, True, scale)
+
+    return _median_ms(step, repeats)
+
+
+def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
+                    repeats: int = 5) -> Ceiling:
+    """Time the step's matmuls and attention for ``shape`` (a ``ModelPreset``) at ``seq_len``."""
+    from megatron.bench.flops import attention_fwd_bwd_flops
+    from megatron.training.metrics import training_flops_per_iteration
+
+    device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    h, n, g, d = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, \
+        shape.kv_channels
+    f, v = shape.ffn_hidden_size, shape.vocab_size
+    linears = [(h, (n + 2 * g) * d), (n * d, h), (h, 2 * f), (f, h)]
+    lin_ms = sum(linear_fwd_bwd_ms(seq_len, a, b, device, dtype, repeats) for a, b in linears)
+    attn_ms = attention_fwd_bwd_ms(seq_len, n, g, d, device, dtype, repeats)
+    out_ms = linear_fwd_bwd_ms(seq_len, h, v, device, dtype, repeats)
+    ceiling_ms = shape.num_layers * (lin_ms + attn_ms) + out_ms
+    flops = training_flops_per_iteration(shape.flops_shape(seq_len), 1)
+    gemm_flops = 6.0 * seq_len * (sum(a * b for a, b in linears) * shape.num_layers + h * v)
+    tflops = flops / (ceiling_ms / 1e3) / 1e12
+    if peak_tflops is None:
+        from megatron.planner.hardware import peak_tflops_for_device
+
+        peak_tflops = peak_tflops_for_device(torch.cuda.get_device_name(device))
+    return Ceiling(
+        seq_len=seq_len, linears_ms_per_layer=lin_ms, attention_ms_per_layer=attn_ms,
+        output_layer_ms=out_ms, ceiling_ms=ceiling_ms, flops_per_iteration=flops,
+        ceiling_tflops=tflops, peak_tflops=peak_tflops,
+        ceiling_mfu=tflops / peak_tflops if peak_tflops else None,
+        gemm_tflops=gemm_flops / ((shape.num_layers * lin_ms + out_ms) / 1e3) / 1e12,
+        attention_tflops=attention_fwd_bwd_flops(1, n, seq_len, d, True) / (attn_ms / 1e3)
+        / 1e12)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megatron.bench.cli import BenchConfigError, parse_seq_lens
+    from megatron.bench.e2e import MODELS
+
+    p = argparse.ArgumentParser(prog="python -m megatron.bench.ceiling",
+                                description="Zero-overhead step time of a benchmark model.")
+    p.add_argument("--model", default="llama-0.85b", choices=list(MODELS))
+    p.add_argument("--seq-lens", default="32k,64k,128k")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", required=True)
+    ns = p.parse_args(argv)
+    try:
+        seq_lens = parse_seq_lens(ns.seq_lens)
+    except BenchConfigError as exc:
+        p.error(str(exc))
+    if not torch.cuda.is_available():
+        p.error("the ceiling is measured on a CUDA GPU; none is visible")
+    results: List[Dict] = [asdict(measure_ceiling(MODELS[ns.model], s, ns.peak_tflops,
+                                                  ns.repeats)) for s in seq_lens]
+    with open(ns.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+    for r in results:
+        mfu = "n/a" if r["ceiling_mfu"] is None else f"{100 * r['ceiling_mfu']:.1f}%"
+        print(f"[ceiling] S={r['seq_len']}: {r['ceiling_ms']:.1f} ms, {mfu} MFU "
+              f"(GEMM {r['gemm_tflops']:.0f}, attention {r['attention_tflops']:.0f} TFLOP/s)",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

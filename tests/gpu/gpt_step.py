@@ -1,0 +1,60 @@
+"""One forward/backward of a small bf16 GPT on one GPU with a given ``--fused-kernels`` choice
+(shared by the GPU tests; not a test module)."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+SEQ, BATCH, VOCAB, SEED = 1024, 2, 512, 1234
+
+
+def _config(fused_swiglu: bool):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+        kv_channels=32, ffn_hidden_size=512, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        bias_activation_fusion=not fused_swiglu, use_te_activation_func=fused_swiglu,
+        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, params_dtype=torch.bfloat16, bf16=True,
+        pipeline_dtype=torch.bfloat16)
+
+
+def one_gpt_step(impl: str) -> Tuple[float, Dict[str, torch.Tensor]]:
+    """(mean loss, {parameter name: gradient}) with fused kernels ``impl``, fixed seed."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron.usp.layer_specs import get_usp_gpt_block_spec
+    from megatron.usp.parallel_dims import ParallelDims
+    from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    groups = initialize_usp_parallel(ParallelDims(1))
+    try:
+        model_parallel_cuda_manual_seed(SEED)
+        torch.manual_seed(SEED)
+        config = _config(impl != "torch")
+        spec = get_usp_gpt_block_spec(config, pp_rank=0, fused_kernels=impl)
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                         max_sequence_length=SEQ, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False,
+                         pg_collection=groups.pg_collection).cuda()
+        gen = torch.Generator().manual_seed(SEED)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).cuda()
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).cuda()
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ).cuda()
+        loss = model(tokens, position_ids, None, labels=labels).float().mean()
+        loss.backward()
+        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+        return float(loss.detach()), grads
+    finally:
+        destroy_usp_parallel()

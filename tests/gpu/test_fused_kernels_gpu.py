@@ -1,0 +1,151 @@
+"""GPU checks of ``--fused-kernels`` (RMSNorm, SwiGLU, RoPE): each implementation against a
+float64 reference on the same bf16 inputs, forward and input gradients, within twice the
+error of the plain PyTorch path in bf16 (plus 1e-3 of slack for bf16's rounding step), and
+a whole GPT forward/backward whose losses and gradients agree between ``torch`` and each
+fused implementation to bf16 training accuracy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+IMPLS = ["compile", "liger"]
+
+
+def _available(impl: str) -> bool:
+    from megatron.usp.fused_kernels import liger_importable
+
+    return impl != "liger" or liger_importable()
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _check(fn_impl, fn_torch, fn_ref, inputs, extra=()):
+    """Same inputs and output gradients for all three; each run gets its own copies (Liger's
+    RoPE rotates its inputs and its incoming gradients in place)."""
+    douts = None
+
+    def run(fn, xs):
+        nonlocal douts
+        leaves = [x.clone().requires_grad_(True) for x in xs]
+        out = fn(*leaves, *extra)
+        outs = out if isinstance(out, tuple) else (out,)
+        if douts is None:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            douts = [torch.randn(o.shape, generator=gen, device="cuda").bfloat16() for o in outs]
+        torch.autograd.backward(outs, [d.clone().to(o.dtype) for d, o in zip(douts, outs)])
+        return [o.detach().clone() for o in outs], [x.grad for x in leaves]
+
+    outs_t, grads_t = run(fn_torch, inputs)
+    outs, grads = run(fn_impl, inputs)
+    outs_r, grads_r = run(fn_ref, [x.double() for x in inputs])
+    for got, base, ref in list(zip(outs, outs_t, outs_r)) + list(zip(grads, grads_t, grads_r)):
+        assert got.dtype == base.dtype and got.shape == base.shape
+        err, err_t = _rel(got, ref), _rel(base, ref)
+        assert err_t < 2e-2, err_t                   # the plain bf16 path is itself right
+        assert err <= 2 * err_t + 1e-3, (err, err_t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rms_norm_on_gpu(impl):
+    from megatron.usp import fused_kernels as fk
+
+    if not _available(impl):
+        pytest.skip("liger-kernel is not installed")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 2048, generator=gen, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(2048, generator=gen, device="cuda")).bfloat16()
+    _check(lambda x, w: fk.rms_norm(x, w, 1e-5, impl),
+           lambda x, w: fk.rms_norm(x, w, 1e-5, "torch"),
+           lambda x, w: fk.rms_norm_torch(x, w, 1e-5), [x, w])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_swiglu_on_gpu(impl):
+    from megatron.usp import fused_kernels as fk
+
+    if not _available(impl):
+        pytest.skip("liger-kernel is not installed")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 1, 2 * 5632, generator=gen, device="cuda").bfloat16()
+    _check(lambda x: fk.swiglu(x, impl), lambda x: fk.swiglu(x, "torch"), fk.swiglu_torch, [x])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_rope_on_gpu(impl, batch):
+    """Positions in a load-balanced order (chunks 0 and 3 of 4) and, for batch 2, per-row
+    positions: the kernel must follow the frequencies it is given."""
+    from megatron.bench.fused_kernels_bench import rope_freqs
+    from megatron.usp import fused_kernels as fk
+
+    if not _available(impl):
+        pytest.skip("liger-kernel is not installed")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s, total = 2048, 4096
+    table = rope_freqs(total, 128, device="cuda")                      # [S, 1, 1, d]
+    pos = torch.cat([torch.arange(0, 1024), torch.arange(3072, 4096)]).cuda()
+    freqs = table[pos]                                                 # [s, 1, 1, d]
+    if batch == 2:
+        other = torch.randperm(total, generator=torch.Generator().manual_seed(2))[:s].cuda()
+        freqs = torch.cat([freqs, table[other]], dim=1)                # [s, 2, 1, d]
+    q = torch.randn(s, batch, 16, 128, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(s, batch, 4, 128, generator=gen, device="cuda").bfloat16()
+    _check(lambda q, k: fk.rope(q, k, freqs, impl), lambda q, k: fk.rope(q, k, freqs, "torch"),
+           lambda q, k: fk._rope_pair_torch(q, k, freqs), [q, k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpt_step_with_fused_kernels_on_gpu(impl, tmp_path):
+    """A 2-layer GPT (RMSNorm, SwiGLU, RoPE, GQA) in bf16: loss and gradients of ``impl`` vs
+    ``torch``, same weights and tokens (the bf16 model's own noise: 1e-2 relative)."""
+    from tests.gpu.gpt_step import one_gpt_step
+
+    if not _available(impl):
+        pytest.skip("liger-kernel is not installed")
+    loss_t, grads_t = one_gpt_step("torch")
+    loss_f, grads_f = one_gpt_step(impl)
+    assert abs(loss_f - loss_t) <= 1e-2 * abs(loss_t)
+    assert grads_t.keys() == grads_f.keys()
+    for name, g in grads_t.items():
+        assert _rel(grads_f[name], g) < 5e-2, name
+
+
+@pytest.mark.gpu
+def test_fused_adam_switch_on_gpu():
+    """``use_fused_adam`` turns megatron-core's torch AdamW to the fused kernel: the same
+    update as the foreach implementation to float32 rounding."""
+    from megatron.training.training import use_fused_adam
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.randn(1000, 300, generator=gen, device="cuda"),
+              torch.randn(300, generator=gen, device="cuda")]
+    grads = [torch.randn(p.shape, generator=gen, device="cuda") for p in params]
+
+    class Wrapped:                                   # megatron's optimizers hold .optimizer
+        def __init__(self, opt):
+            self.optimizer = opt
+
+    results = []
+    for fused in (False, True):
+        ps = [p.clone().requires_grad_() for p in params]
+        opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+        if fused:
+            assert use_fused_adam(Wrapped(opt)) == 1
+            assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+        for _ in range(3):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach() for p in ps])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    cpu = torch.optim.AdamW([torch.zeros(3, requires_grad=True)])
+    assert use_fused_adam(Wrapped(cpu)) == 0
