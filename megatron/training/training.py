@@ -102,7 +102,8 @@ def print_rank_0(rt: Runtime, msg: str) -> None:
 
 # --------------------------------------------------------------------------- setup
 def build_optimizer(args, model):
-    """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer)."""
+    """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer; state and
+    step on the CPU with --optimizer-cpu-offload)."""
     from megatron.core import optimizer as mcore_optimizer
 
     config = mcore_optimizer.OptimizerConfig(
@@ -113,6 +114,11 @@ def build_optimizer(args, model):
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather_with_optimizer_step=False,
+        # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer (memory_args.py).
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction or 0.0,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
     )
     return mcore_optimizer.get_megatron_optimizer(config, model)
 

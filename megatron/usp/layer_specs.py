@@ -33,17 +33,21 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from megatron.usp.core_attention import USPAttention
+from megatron.usp.kept_attention import RecomputeKeep
 from megatron.usp.kernels import BACKEND_NAMES
 from megatron.usp.norms import norm_class
+from megatron.usp.tiled_mlp import tiled_mlp_class
 
 
 def usp_core_attention_spec(attention_backend: str = "auto",
-                            overlap_chunks: Optional[int] = None) -> ModuleSpec:
+                            overlap_chunks: Optional[int] = None,
+                            recompute_keep: Optional[RecomputeKeep] = None) -> ModuleSpec:
     """``ModuleSpec`` of :class:`megatron.usp.core_attention.USPAttention` with the given backend.
 
     ``overlap_chunks`` (``--usp-overlap-chunks``): head chunks of the all-to-all/attention
     pipeline; ``None`` lets USP attention choose (auto). It is checked against the heads when
-    the layer is built, so a bad value fails at start-up.
+    the layer is built, so a bad value fails at start-up. ``recompute_keep``
+    (``--recompute-keep-core-attn``): see :mod:`megatron.usp.kept_attention`.
     """
     if attention_backend not in BACKEND_NAMES:
         raise ValueError(
@@ -53,6 +57,8 @@ def usp_core_attention_spec(attention_backend: str = "auto",
     params = {"attention_backend": attention_backend}
     if overlap_chunks is not None:
         params["overlap_chunks"] = overlap_chunks
+    if recompute_keep is not None:
+        params["recompute_keep"] = recompute_keep
     return ModuleSpec(module=USPAttention, params=params)
 
 
@@ -61,6 +67,9 @@ def get_usp_gpt_layer_spec(
     qk_layernorm: bool = False,
     normalization: str = "RMSNorm",
     overlap_chunks: Optional[int] = None,
+    mlp_tile_tokens: Optional[int] = None,
+    recompute_keep: Optional[RecomputeKeep] = None,
+    mlp_tp_group=None,
 ) -> ModuleSpec:
     """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
     norms of :mod:`megatron.usp.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
@@ -74,7 +83,12 @@ def get_usp_gpt_layer_spec(
             fails at model construction with the ``pip install`` command to run.
         qk_layernorm: normalise queries and keys per head (``TransformerConfig.qk_layernorm``).
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
-        overlap_chunks: as for :func:`usp_core_attention_spec`.
+        overlap_chunks, recompute_keep: as for :func:`usp_core_attention_spec`.
+        mlp_tile_tokens: ``--mlp-tile-tokens``: the MLP runs over tiles of this many local
+            tokens (:mod:`megatron.usp.tiled_mlp`); ``None`` leaves megatron-core's MLP.
+        mlp_tp_group: the TP group of the tiled MLP's linears. ``TransformerLayer`` passes
+            ``pg_collection.tp`` only to megatron-core's own ``MLP`` class (for others it logs
+            "Unknown MLP type ... default kwargs"), so the tiled MLP gets it from its spec.
     """
     norm = norm_class(normalization)
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
@@ -88,10 +102,16 @@ def get_usp_gpt_layer_spec(
             f"TransformerLayerSubmodules / SelfAttentionSubmodules")
     attn_norms = dict(q_layernorm=norm, k_layernorm=norm) if qk_layernorm else {}
     attn.submodules = dataclasses.replace(
-        attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks),
+        attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks,
+                                                                recompute_keep),
         **attn_norms
     )
     spec.submodules = dataclasses.replace(layer, input_layernorm=norm, pre_mlp_layernorm=norm)
+    if mlp_tile_tokens is not None:
+        mlp = spec.submodules.mlp
+        spec.submodules.mlp = dataclasses.replace(
+            mlp, module=tiled_mlp_class(mlp.module),
+            params={**mlp.params, "tile_tokens": mlp_tile_tokens, "tp_group": mlp_tp_group})
     return spec
 
 
@@ -101,6 +121,9 @@ def get_usp_gpt_block_spec(
     attention_backend: str = "auto",
     vp_stage: Optional[int] = None,
     overlap_chunks: Optional[int] = None,
+    mlp_tile_tokens: Optional[int] = None,
+    recompute_keep: Optional[RecomputeKeep] = None,
+    mlp_tp_group=None,
 ) -> TransformerBlockSubmodules:
     """Decoder-block spec of one pipeline stage: its layers and the final norm, both USP's.
 
@@ -115,11 +138,14 @@ def get_usp_gpt_block_spec(
             ``vp_stage`` it decides how many layers this stage builds.
         attention_backend: as for :func:`get_usp_gpt_layer_spec`.
         vp_stage: virtual pipeline stage, or None.
-        overlap_chunks: as for :func:`usp_core_attention_spec`.
+        overlap_chunks, mlp_tile_tokens, recompute_keep, mlp_tp_group: as for
+            :func:`get_usp_gpt_layer_spec`.
     """
     layer = get_usp_gpt_layer_spec(attention_backend, qk_layernorm=config.qk_layernorm,
                                    normalization=config.normalization,
-                                   overlap_chunks=overlap_chunks)
+                                   overlap_chunks=overlap_chunks,
+                                   mlp_tile_tokens=mlp_tile_tokens,
+                                   recompute_keep=recompute_keep, mlp_tp_group=mlp_tp_group)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=norm_class(config.normalization))
