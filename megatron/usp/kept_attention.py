@@ -93,6 +93,7 @@ class AttentionKeeper:
         self.offloader = keep.offloader
         self.to_host = keep.to_host
         self._kept: deque = deque()
+        self.replayed = 0          # recomputes that reused a kept output (read by tests)
 
     @property
     def pending(self) -> int:
@@ -116,6 +117,7 @@ class AttentionKeeper:
                 raise RuntimeError(f"kept attention output is for q{tuple(kept.q_shape)}, the "
                                    f"recompute has q{tuple(q.shape)}")
             out = self.offloader.take(kept.out)
+            self.replayed += 1
             return _ReplayFunction.apply(q, k, v, sched, out, kept.lses)
         return usp_attention_with_schedule(q, k, v, sched)
 
