@@ -54,6 +54,7 @@ from megatron.training.metrics import (
     MetricsWriter,
     StepStats,
     Throughput,
+    peak_host_memory_gib,
     peak_memory_gib,
 )
 from megatron.training.model import build_model, count_parameters
@@ -345,7 +346,8 @@ class _Loop:
         self.writer.train_step(StepStats(
             iteration=it, consumed_samples=st.consumed_train_samples, lm_loss=loss,
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
-            step_time_s=step_time, skipped=skipped, mem_gib=mem), max_mem)
+            step_time_s=step_time, skipped=skipped, mem_gib=mem,
+            host_mem_gib=peak_host_memory_gib()), max_mem)
 
     def _validate(self, valid_iter) -> None:
         args = self.args
