@@ -156,7 +156,25 @@ def _recompute_offloader(args, device: torch.device):
         return None, None
     offloader = ActivationOffloader(device, config)
     keep = RecomputeKeep(offloader, to_host=config.core_attn) if config.keep_core_attn else None
+    _reserve_host_buffers(args, offloader)
     return offloader, keep
+
+
+def _reserve_host_buffers(args, offloader) -> None:
+    """Pin the host buffers of one micro-batch's offloaded items at start-up: layer inputs
+    ``[s/CP (/TP with SP), b, h]``, kept attention outputs ``[s/CP, b, heads/TP, d]``; one of
+    each per layer of this stage (more are allocated if micro-batches overlap, PP > 1)."""
+    config = offloader.config
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    local = args.seq_length // args.context_parallel_size
+    tp = args.tensor_model_parallel_size
+    dtype = params_dtype(args)
+    if config.layer_input:
+        tokens = local // tp if args.sequence_parallel else local
+        offloader.reserve((tokens, args.micro_batch_size, args.hidden_size), dtype, layers)
+    if config.core_attn:
+        offloader.reserve((local, args.micro_batch_size, args.num_attention_heads // tp,
+                           args.kv_channels), dtype, layers)
 
 
 def ddp_config_from_args(args):

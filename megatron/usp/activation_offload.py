@@ -125,6 +125,14 @@ class HostBufferPool:
     def put(self, buf: Tensor, ready: Optional[object]) -> None:
         self._free.setdefault((buf.numel(), buf.dtype), []).append((buf, ready))
 
+    def reserve(self, numel: int, dtype: torch.dtype, count: int) -> None:
+        """Allocate ``count`` buffers now (pinning 2 GiB takes a while; better at start-up,
+        where a host out-of-memory also shows before training)."""
+        have = len(self._free.get((numel, dtype), []))
+        bufs = [self.get(numel, dtype) for _ in range(max(0, count - have))]
+        for buf in bufs:
+            self.put(buf, None)
+
 
 class _Copies:
     """Device <-> host copies: on two side streams for CUDA, synchronous otherwise."""
@@ -201,6 +209,14 @@ class ActivationOffloader:
         self._group: Optional[List[OffloadItem]] = None
         self._layer_inputs: Dict[int, weakref.ref] = {}
         self.stats = OffloadStats()
+
+    def reserve(self, shape: Tuple[int, ...], dtype: torch.dtype, count: int) -> None:
+        """Pre-allocate host buffers for ``count`` offloaded items of ``shape``."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * torch.empty((), dtype=dtype).element_size() >= self.min_offload_bytes:
+            self.pool.reserve(numel, dtype, count)
 
     # ----------------------------------------------------------------- groups
     @property

@@ -58,6 +58,8 @@ def test_keep_outside_a_decoder_forward_is_refused():
 
 def test_host_buffers_are_reused_across_steps():
     off = _offloader()
+    off.reserve((8, 8), torch.float32, 4)         # what build_gpt_model does at start-up
+    assert off.pool.allocated_bytes == 4 * 8 * 8 * 4
     for _ in range(3):
         for it in reversed(_forward(off, [torch.randn(8, 8) for _ in range(4)])):
             off.take(it)
