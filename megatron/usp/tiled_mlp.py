@@ -2,15 +2,15 @@
 
 The MLP is the widest per-token activation of a layer: for the input ``[s, b, h]`` it holds
 ``[s, b, 2F/TP]`` after FC1 (SwiGLU's gate and up) and ``[s, b, F/TP]`` after the activation,
-plus their gradients in the backward, i.e. about ``s*b*(F/TP)*2*(2+1)*2`` bytes in bf16: 33 GiB
-at 512K tokens with F = 5632, where the layer input is 2 GiB. Because the MLP acts on each
+and as much again as gradients in the backward: ``s*b*(3F/TP)*2`` values, 12 bytes per token
+and FFN unit in bf16, 33 GiB at 512K tokens with F = 5632 (the layer input is 2 GiB). Because the MLP acts on each
 token alone, :class:`TiledMLP` runs megatron-core's ``MLP.forward`` (whatever it does: fused or
 plain SwiGLU, biases, TP linears) on tiles of ``N`` tokens along ``s`` and concatenates the
 outputs; with autograd on, each tile runs under a non-reentrant ``torch.utils.checkpoint``, so
 only the tile's input is kept and its ``[N, b, 2F/TP]`` intermediates exist for one tile at a
 time, in the forward and again in the backward. The sums are those of the untiled MLP token by
-token (the same GEMM per token row), so results agree to the kernels' blocking (bitwise on the
-CPU in float64 in the tests); the cost is one more MLP forward per step (the tile's recompute).
+token (the same GEMM per token row), so results agree to the GEMMs' rounding (1e-12 in the
+float64 tests); the cost is one more MLP forward per step (the tile's recompute).
 
 With Megatron sequence parallelism the MLP's input is the rank's ``[s/TP, b, h]``: each tile's
 FC1 all-gathers the tile over TP (``[TP*N, b, h]``, rank-major) and FC2 reduce-scatters it back
