@@ -12,7 +12,10 @@ first ``--warmup`` iterations and reports, over the rest:
   ``mfu = tflops_per_gpu / peak``, the peak being ``--peak-tflops`` or else the one the
   training loop took from its device table (989 TFLOP/s dense bf16 on H100/H200 SXM); n/a on
   the CPU;
-* ``peak_mem_gib``: peak ``torch.cuda.max_memory_allocated`` of the logging rank.
+* ``peak_mem_gib``: peak ``torch.cuda.max_memory_allocated`` of the logging rank;
+* ``peak_host_gib``: peak resident memory (RSS) of the logging rank's process, which holds the
+  pinned buffers of ``--recompute-cpu-offload`` and the CPU state of
+  ``--optimizer-cpu-offload``.
 
 Model FLOPs are the training loop's count,
 :func:`megatron.training.metrics.training_flops_per_iteration`: Megatron-LM's
@@ -35,9 +38,16 @@ outputs and the SwiGLU product are recomputed, no matmul), or ``auto``: no
 recompute first, and full recompute if that runs out of memory (both outcomes are
 recorded).
 
-``--find-max-seq`` doubles the sequence length from ``--start-seq`` (full recompute,
-``--iters`` iterations each) until a run fails, and reports the longest that trained; an
-out-of-memory failure ends the search, any other failure is reported as an error.
+``--find-max-seq`` doubles the sequence length from ``--start-seq`` (full recompute, or
+``--recompute selective``; ``--iters`` iterations each) until a run fails, and reports the
+longest that trained with its MFU and GPU / host peaks; an out-of-memory failure ends the
+search, any other failure is reported as an error. ``--num-layers N`` runs a slice of the
+preset's layers (for :mod:`megatron.bench.depth`, which extrapolates memory and time to full
+depth from two slices).
+
+Presets: ``llama-0.85b`` (issue 6's model) and ``llama3-8b`` (Llama-3-8B: 32 layers, hidden
+4096, 32 heads / 8 KV heads, FFN 14336, vocabulary 128256, RoPE base 500000, output layer and
+loss in chunks of 2048 tokens, whose logits take 2048 * 128256 * 10 bytes = 2.4 GiB).
 
 Peers (``--peers hf,hf-liger``): after this project's runs of a length, the same model is
 trained with Hugging Face transformers, plain and with Liger's kernels
@@ -65,7 +75,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -98,6 +108,8 @@ class ModelPreset:
     # --fused-linear-cross-entropy: the output layer and the loss over chunks of tokens,
     # without full-sequence logits (at 256K tokens and V = 32000: 16 GiB bf16 + 31 GiB fp32)
     fused_loss: bool = False
+    loss_chunk_tokens: Optional[int] = None   # --linear-cross-entropy-chunk-tokens
+    rotary_base: Optional[int] = None         # --rotary-base (pretrain_gpt.py's default 10000)
 
     def flops_shape(self, seq_len: int):
         """The training loop's FLOP-count shape (:mod:`megatron.training.metrics`)."""
@@ -116,6 +128,11 @@ MODELS: Dict[str, ModelPreset] = {
                                num_query_groups=4, kv_channels=128, ffn_hidden_size=5632,
                                vocab_size=32000, fused_loss=True),
     # A few-second CPU smoke model with the same structure.
+    # Llama-3-8B (issue 16); a 2048-token loss chunk keeps its 128256-wide logits at 2.4 GiB
+    "llama3-8b": ModelPreset(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                             num_query_groups=8, kv_channels=128, ffn_hidden_size=14336,
+                             vocab_size=128256, fused_loss=True, loss_chunk_tokens=2048,
+                             rotary_base=500000),
     "tiny": ModelPreset(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                         kv_channels=16, ffn_hidden_size=128, vocab_size=512),
 }
@@ -133,6 +150,7 @@ class E2EConfig:
 
     seq_lens: List[int]
     model: str = "llama-0.85b"
+    num_layers: Optional[int] = None     # a slice of the preset's layers (None: all)
     splits: List[Tuple[int, int]] = field(default_factory=lambda: [(2, 1), (1, 2)])
     nproc_per_node: int = 2
     iters: int = 10
@@ -157,7 +175,10 @@ class E2EConfig:
 
     @property
     def shape(self) -> ModelPreset:
-        return MODELS[self.model]
+        preset = MODELS[self.model]
+        if self.num_layers is None:
+            return preset
+        return replace(preset, num_layers=self.num_layers)
 
     def use_cuda(self) -> bool:
         if self.device == "auto":
@@ -212,6 +233,8 @@ class E2EResult:
     tflops_per_gpu: Optional[float] = None
     mfu: Optional[float] = None
     peak_mem_gib: Optional[float] = None
+    peak_host_gib: Optional[float] = None
+    num_layers: Optional[int] = None
     flops_per_iteration: Optional[float] = None
     peak_tflops: Optional[float] = None
     last_loss: Optional[float] = None
@@ -253,6 +276,10 @@ def model_flags(shape: ModelPreset) -> List[str]:
         flags += ["--kv-channels", str(shape.kv_channels)]
     if shape.fused_loss:
         flags += ["--fused-linear-cross-entropy"]
+    if shape.loss_chunk_tokens is not None:
+        flags += ["--linear-cross-entropy-chunk-tokens", str(shape.loss_chunk_tokens)]
+    if shape.rotary_base is not None:
+        flags += ["--rotary-base", str(shape.rotary_base)]
     return flags
 
 
@@ -415,6 +442,11 @@ def _number(record: dict, key: str) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
+def _peak(steps: List[dict], key: str) -> Optional[float]:
+    values = [v for v in (_number(r, key) for r in steps) if v is not None]
+    return max(values) if values else None
+
+
 def peak_tflops_of_run(steps: List[dict]) -> Optional[float]:
     """The MFU denominator the training loop used (its device table): tflops / mfu."""
     for r in steps:
@@ -442,8 +474,9 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     steps = train_steps(outcome.records)
     if steps:
         res.last_loss = _number(steps[-1], "lm_loss")
-    mems = [m for m in (_number(r, "mem_gib") for r in steps) if m is not None]
-    res.peak_mem_gib = max(mems) if mems else None
+    res.num_layers = cfg.shape.num_layers
+    res.peak_mem_gib = _peak(steps, "mem_gib")
+    res.peak_host_gib = _peak(steps, "host_mem_gib")
     times = [t for t in (_number(r, "step_time_s") for r in steps[cfg.warmup:]) if t]
     if outcome.status != "ok" or not times:
         if outcome.status == "ok":
@@ -609,16 +642,18 @@ def throughput_sweep(cfg: E2EConfig, runner: Runner = run_training,
 def find_max_seq(cfg: E2EConfig, runner: Runner = run_training,
                  on_result: Callable[[E2EResult], None] = lambda r: None
                  ) -> Tuple[List[E2EResult], Dict[str, Optional[int]]]:
-    """Double S from ``start_seq`` (full recompute) per split until a run fails.
+    """Double S from ``start_seq`` per split until a run fails (full recompute, or
+    ``--recompute selective``; ``none`` and ``auto`` search with full recompute).
 
-    Returns the runs and, per split ``"UxR"``, the longest length that trained (None if even
-    ``start_seq`` failed).
+    Returns the runs (each with its MFU and GPU / host peaks) and, per split ``"UxR"``, the
+    longest length that trained (None if even ``start_seq`` failed).
     """
+    recompute = cfg.recompute if cfg.recompute in ("full", "selective") else "full"
     results, longest = [], {}
     for u, r in cfg.splits:
         key, best, seq = f"{u}x{r}", None, cfg.start_seq
         while seq <= cfg.max_seq:
-            spec = RunSpec(seq, u, r, "full", cfg.iters)
+            spec = RunSpec(seq, u, r, recompute, cfg.iters)
             res = summarize(cfg, spec, runner(cfg, spec))
             results.append(res)
             on_result(res)
@@ -640,8 +675,9 @@ def progress_line(r: E2EResult) -> str:
         return f"{head}: {r.note or ''} (log {r.log_path})"
     mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
     mem = "n/a" if r.peak_mem_gib is None else f"{r.peak_mem_gib:.1f} GiB"
+    host = "n/a" if r.peak_host_gib is None else f"{r.peak_host_gib:.1f} GiB"
     line = (f"{head}: {r.iter_ms:.1f} ms/iter, {r.tokens_per_s:,.0f} tokens/s, "
-            f"{r.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {mfu}, peak {mem}")
+            f"{r.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {mfu}, peak {mem}, host peak {host}")
     if r.ceiling_share is not None:
         line += (f", {100 * r.ceiling_share:.1f}% of the ceiling "
                  f"({report.fmt(r.ceiling_mfu, pct=True)} MFU)")
@@ -670,13 +706,15 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
              f"mean of iterations {cfg.warmup + 1}..{cfg.iters}; MFU against "
              f"{_peaks(results)} TFLOP/s\n\n")
     headers = ["S", "stack", "U x R", "recompute", "status", "ms/iter", "tokens/s/GPU",
-               "TFLOP/s/GPU", "MFU", "peak GiB/GPU", "ceiling MFU", "share of ceiling"]
+               "TFLOP/s/GPU", "MFU", "peak GiB/GPU", "host peak GiB", "ceiling MFU",
+               "share of ceiling"]
     rows = [[seq_label(r.seq_len), r.stack, f"{r.ulysses}x{r.ring}", r.recompute,
              r.status if r.status == "ok" else f"{r.status}: {r.note or ''}"[:80],
              report.fmt(r.iter_ms), report.fmt(r.tokens_per_s_per_gpu, 0),
              report.fmt(r.tflops_per_gpu), report.fmt(r.mfu, pct=True),
-             report.fmt(r.peak_mem_gib), report.fmt(r.ceiling_mfu, pct=True),
-             report.fmt(r.ceiling_share, pct=True)] for r in results]
+             report.fmt(r.peak_mem_gib), report.fmt(r.peak_host_gib),
+             report.fmt(r.ceiling_mfu, pct=True), report.fmt(r.ceiling_share, pct=True)]
+            for r in results]
     text = title + report.metadata_markdown(meta) + "\n" + report.markdown_table(headers, rows)
     ratios = peer_ratios(results)
     if ratios:
@@ -688,7 +726,7 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
               "n/a" if x["peak_mem_ratio"] is None else f"{x['peak_mem_ratio']:.2f}x"]
              for x in ratios])
     if longest is not None:
-        text += "\nLongest sequence that trained (full recompute): " + ", ".join(
+        text += "\nLongest sequence that trained: " + ", ".join(
             f"{k}: {seq_label(v) if v else 'none'}" for k, v in longest.items()) + "\n"
     return text
 
@@ -700,6 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="End-to-end training throughput of pretrain_gpt.py (tokens/s, TFLOP/s per "
                     "GPU, MFU) and the longest trainable sequence. Launches torchrun itself.")
     p.add_argument("--model", default="llama-0.85b", choices=list(MODELS))
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="run a slice of this many of the preset's layers (FLOPs and MFU count "
+                        "the slice); see python -m megatron.bench.depth")
     p.add_argument("--seq-lens", default="32k,64k,128k", help="comma-separated (k = 1024)")
     p.add_argument("--splits", default="2x1,1x2", help="U x R splits, e.g. 2x1,1x2")
     p.add_argument("--nproc-per-node", type=int, default=2, help="processes (GPUs) per run")
@@ -714,7 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak dense TFLOP/s per GPU for MFU (default: the training loop's "
                         "device table, e.g. 989 on H100/H200; n/a on CPU)")
     p.add_argument("--find-max-seq", action="store_true",
-                   help="double S from --start-seq with full recompute until a run fails")
+                   help="double S from --start-seq until a run fails (full recompute, or "
+                        "--recompute selective); records MFU and GPU / host peaks")
     p.add_argument("--start-seq", default="128k")
     p.add_argument("--max-seq", default="2m", help="stop doubling past this length")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
@@ -757,7 +799,8 @@ def config_from_args(ns: argparse.Namespace) -> E2EConfig:
     start = parse_seq_len(ns.start_seq, "--start-seq")
     stop = parse_seq_len(ns.max_seq, "--max-seq")
     return E2EConfig(
-        seq_lens=seq_lens, model=ns.model, splits=splits, nproc_per_node=ns.nproc_per_node,
+        seq_lens=seq_lens, model=ns.model, num_layers=ns.num_layers, splits=splits,
+        nproc_per_node=ns.nproc_per_node,
         iters=ns.iters, warmup=ns.warmup, micro_batch_size=ns.micro_batch_size,
         recompute=ns.recompute, attention_backend=ns.attention_backend, device=ns.device,
         peak_tflops=ns.peak_tflops, find_max_seq=ns.find_max_seq, start_seq=start,
@@ -772,6 +815,9 @@ def validate_config(cfg: E2EConfig) -> None:
     if not Path(cfg.pretrain_script).exists():
         raise BenchConfigError(f"--pretrain-script {cfg.pretrain_script} does not exist; "
                                f"point it at the repository's pretrain_gpt.py")
+    if cfg.num_layers is not None and not 1 <= cfg.num_layers <= MODELS[cfg.model].num_layers:
+        raise BenchConfigError(f"--num-layers {cfg.num_layers}: a slice of {cfg.model} has 1 to "
+                               f"{MODELS[cfg.model].num_layers} layers")
     if cfg.iters <= cfg.warmup or cfg.warmup < 0:
         raise BenchConfigError(f"--iters {cfg.iters} must exceed --warmup {cfg.warmup} "
                                f"(>= 0); try --iters {cfg.warmup + 5}")

@@ -24,6 +24,7 @@ import math
 import os
 from typing import List, Optional, Sequence
 
+from megatron.training.memory_args import add_memory_args, validate_memory_args
 from megatron.usp.fused_kernels import (
     FUSED_KERNEL_CHOICES,
     FusedKernelsUnavailable,
@@ -351,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_training_args(parser)
+    add_memory_args(parser)
     _add_lr_args(parser)
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
@@ -483,6 +485,7 @@ def _validate_parallel(args, world_size: int) -> None:
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer")
     _derive_batch(args)
+    validate_memory_args(args)   # needs the layout (the MLP's local tokens)
 
 
 def _derive_batch(args) -> None:

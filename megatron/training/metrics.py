@@ -7,7 +7,8 @@
   :func:`megatron.planner.hardware.peak_tflops_for_device` (``--peak-tflops`` overrides it;
   on the CPU MFU is reported as n/a without it).
 * Memory (:func:`peak_memory_gib`): CUDA max allocated on GPU, peak RSS on the CPU; the
-  console shows the maximum over ranks.
+  console shows the maximum over ranks. ``host_mem_gib`` (:func:`peak_host_memory_gib`): the
+  process's peak RSS, pinned host buffers of activation and optimizer offload included.
 * :class:`MetricsWriter` writes what one logging rank reports: the Megatron-style console
   line every ``--log-interval``, one JSON line per iteration (``--metrics-file``, read by
   ``tools/compare_loss.py``) and TensorBoard scalars (``--tensorboard-dir``).
@@ -17,7 +18,8 @@ Metrics-file records (one JSON object per line, ``kind`` says which)::
     {"kind": "run", "layout": "TP1 U2 R2 DP1 PP1", "world_size": 4, "args": {...}}
     {"kind": "train", "iteration": 7, "consumed_samples": 56, "lm_loss": 5.12, "grad_norm": 1.3,
      "lr": 3e-4, "step_time_s": 0.21, "tokens_per_s": 2438.1, "tokens_per_s_per_gpu": 609.5,
-     "tflops_per_gpu": 0.01, "mfu": null, "mem_gib": 0.61, "skipped": false}
+     "tflops_per_gpu": 0.01, "mfu": null, "mem_gib": 0.61, "host_mem_gib": 2.1,
+     "skipped": false}
     {"kind": "valid", "iteration": 10, "lm_loss": 5.01, "ppl": 149.9}
 
 A resumed run appends to the same file; readers keep the last record of each iteration.
@@ -99,8 +101,12 @@ def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: CUDA max allocated, or the peak RSS on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return rss_kib / 2**20
+    return peak_host_memory_gib()
+
+
+def peak_host_memory_gib() -> float:
+    """Peak resident memory of this process (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 @dataclass
@@ -115,6 +121,7 @@ class StepStats:
     step_time_s: float
     skipped: bool
     mem_gib: float
+    host_mem_gib: Optional[float] = None
 
 
 class Throughput:
@@ -184,7 +191,8 @@ class MetricsWriter:
         self._record({"kind": "train", "iteration": st.iteration,
                       "consumed_samples": st.consumed_samples, "lm_loss": st.lm_loss,
                       "grad_norm": st.grad_norm, "lr": st.lr, "step_time_s": st.step_time_s,
-                      **rates, "mem_gib": st.mem_gib, "skipped": st.skipped})
+                      **rates, "mem_gib": st.mem_gib, "host_mem_gib": st.host_mem_gib,
+                      "skipped": st.skipped})
         self._window.append(st)
         if st.iteration % self.log_interval == 0 or st.iteration == self.train_iters:
             self._print_interval(max_mem_gib if max_mem_gib is not None else st.mem_gib)

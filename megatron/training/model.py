@@ -123,7 +123,11 @@ def build_gpt_model(args, config, groups: USPGroups):
     With ``--fused-linear-cross-entropy`` it is a
     :class:`~megatron.training.fused_loss_model.FusedLossGPTModel`: the same model whose
     last stage computes the output layer and the loss together over chunks of
-    ``--linear-cross-entropy-chunk-tokens`` tokens.
+    ``--linear-cross-entropy-chunk-tokens`` tokens. ``--mlp-tile-tokens`` tiles the MLP
+    (:mod:`megatron.usp.tiled_mlp`); ``--recompute-keep-core-attn`` /
+    ``--recompute-cpu-offload`` give the model an
+    :class:`~megatron.usp.activation_offload.ActivationOffloader` (``model.activation_offloader``)
+    hooked to its decoder.
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -131,12 +135,17 @@ def build_gpt_model(args, config, groups: USPGroups):
 
     pp_rank, pre_process, post_process = _pipeline_stage(groups)
     chunks = getattr(args, "usp_overlap_chunks", "auto")
+    device = (torch.device(args.device, torch.cuda.current_device())
+              if args.device == "cuda" else torch.device("cpu"))
+    offloader, keep = _recompute_offloader(args, device)
     spec = get_usp_gpt_block_spec(config, pp_rank=pp_rank,
                                   attention_backend=args.attention_backend,
                                   overlap_chunks=None if chunks == "auto" else chunks,
                                   fused_kernels=fused_kernels_impl(args),
                                   lean_norms=spec_recompute(args)[0],
-                                  lean_swiglu=spec_recompute(args)[1])
+                                  lean_swiglu=spec_recompute(args)[1],
+                                  mlp_tile_tokens=getattr(args, "mlp_tile_tokens", None),
+                                  recompute_keep=keep, mlp_tp_group=groups.tp)
     model_class, loss_kwargs = GPTModel, {}
     if getattr(args, "fused_linear_cross_entropy", False):
         from megatron.training.fused_loss_model import FusedLossGPTModel
@@ -158,8 +167,44 @@ def build_gpt_model(args, config, groups: USPGroups):
         pg_collection=groups.pg_collection,
         **loss_kwargs,
     )
-    return model.to(torch.device(args.device, torch.cuda.current_device())
-                    if args.device == "cuda" else torch.device("cpu"))
+    if offloader is not None:
+        from megatron.usp.activation_offload import install_recompute_offload
+
+        install_recompute_offload(model.decoder, offloader)
+        model.activation_offloader = offloader
+    return model.to(device)
+
+
+def _recompute_offloader(args, device: torch.device):
+    """(offloader, RecomputeKeep or None) for ``--recompute-cpu-offload`` /
+    ``--recompute-keep-core-attn`` (full recompute), or (None, None)."""
+    from megatron.usp.activation_offload import ActivationOffloader, OffloadConfig
+    from megatron.usp.kept_attention import RecomputeKeep
+
+    config = OffloadConfig.from_args(args)
+    if not config.active:
+        return None, None
+    offloader = ActivationOffloader(device, config)
+    keep = RecomputeKeep(offloader, to_host=config.core_attn) if config.keep_core_attn else None
+    _reserve_host_buffers(args, offloader)
+    return offloader, keep
+
+
+def _reserve_host_buffers(args, offloader) -> None:
+    """Pin the host buffers of one micro-batch's offloaded items at start-up: layer inputs
+    ``[s/CP (/TP with SP), b, h]``, kept attention outputs ``[s/CP, b, heads/TP, d]``; one of
+    each per layer of this stage (more are allocated if micro-batches overlap, PP > 1)."""
+    config = offloader.config
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    local = args.seq_length // args.context_parallel_size
+    tp = args.tensor_model_parallel_size
+    dtype = params_dtype(args)
+    if config.layer_input:
+        tokens = local // tp if args.sequence_parallel else local
+        offloader.reserve((tokens, args.micro_batch_size, args.hidden_size), dtype, layers)
+    if config.core_attn:
+        offloader.reserve((local, args.micro_batch_size, args.num_attention_heads // tp,
+                           args.kv_channels), dtype, layers)
 
 
 def ddp_config_from_args(args):
@@ -172,11 +217,21 @@ def ddp_config_from_args(args):
         use_distributed_optimizer=args.use_distributed_optimizer,
         # NaN/inf is checked on the loss by the training loop, which can skip the step.
         check_for_nan_in_grad=False,
+        **_fsdp_kwargs(args),
     )
 
 
+def _fsdp_kwargs(args) -> dict:
+    """DistributedDataParallelConfig fields of ``--use-megatron-fsdp``."""
+    if not getattr(args, "use_megatron_fsdp", False):
+        return {}
+    return {"use_megatron_fsdp": True,
+            "data_parallel_sharding_strategy": args.data_parallel_sharding_strategy}
+
+
 def build_model(args, groups: USPGroups) -> List[torch.nn.Module]:
-    """``[DistributedDataParallel([Float16Module](GPTModel))]``: this stage's model chunk.
+    """``[DistributedDataParallel([Float16Module](GPTModel))]``: this stage's model chunk
+    (``FullyShardedDataParallel`` in place of DDP with ``--use-megatron-fsdp``).
 
     One chunk per pipeline stage (no virtual pipeline stages). Gradients of the chunk are
     reduced over ``groups.dp_cp`` by DDP; ``config.no_sync_func`` /
@@ -196,8 +251,13 @@ def build_model(args, groups: USPGroups) -> List[torch.nn.Module]:
         # the optimizer keeps float32 main params.
         module = Float16Module(config, module)
     # Every DP x CP replica initialises identically (same seeds), so no broadcast is needed.
-    ddp = DistributedDataParallel(config, ddp_config_from_args(args), module,
-                                  pg_collection=groups.pg_collection)
+    wrapper = DistributedDataParallel
+    if getattr(args, "use_megatron_fsdp", False):
+        # Megatron-FSDP (GPU only, memory_args.py): shards over DP x CP, units of one layer.
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        wrapper = FullyShardedDataParallel
+    ddp = wrapper(config, ddp_config_from_args(args), module, pg_collection=groups.pg_collection)
     return [ddp]
 
 

@@ -55,6 +55,7 @@ from megatron.training.metrics import (
     MetricsWriter,
     StepStats,
     Throughput,
+    peak_host_memory_gib,
     peak_memory_gib,
 )
 from megatron.training.model import build_model, count_parameters
@@ -103,7 +104,8 @@ def print_rank_0(rt: Runtime, msg: str) -> None:
 
 # --------------------------------------------------------------------------- setup
 def build_optimizer(args, model):
-    """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer)."""
+    """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer; state and
+    step on the CPU with --optimizer-cpu-offload)."""
     from megatron.core import optimizer as mcore_optimizer
 
     config = mcore_optimizer.OptimizerConfig(
@@ -114,6 +116,11 @@ def build_optimizer(args, model):
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather_with_optimizer_step=False,
+        # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer (memory_args.py).
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction or 0.0,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
     )
     optimizer = mcore_optimizer.get_megatron_optimizer(config, model)
     use_fused_adam(optimizer)
@@ -373,7 +380,8 @@ class _Loop:
         self.writer.train_step(StepStats(
             iteration=it, consumed_samples=st.consumed_train_samples, lm_loss=loss,
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
-            step_time_s=step_time, skipped=skipped, mem_gib=mem), max_mem)
+            step_time_s=step_time, skipped=skipped, mem_gib=mem,
+            host_mem_gib=peak_host_memory_gib()), max_mem)
 
     def _validate(self, valid_iter) -> None:
         args = self.args

@@ -350,8 +350,20 @@ def usp_attention(
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    sched = make_schedule(q, k, ulysses_group=ulysses_group, ring_group=ring_group,
+                          causal=causal, softmax_scale=softmax_scale, backend=backend,
+                          overlap_chunks=overlap_chunks)
+    return usp_attention_with_schedule(q, k, v, sched)
+
+
+def make_schedule(q: Tensor, k: Tensor, *, ulysses_group: Optional[dist.ProcessGroup],
+                  ring_group: Optional[dist.ProcessGroup], causal: bool,
+                  softmax_scale: Optional[float], backend: Union[str, AttentionKernel],
+                  overlap_chunks: Optional[int]) -> USPSchedule:
+    """The :class:`USPSchedule` of a call with q [s, b, h, d] and k [s, b, hk, d] (arguments as
+    for :func:`usp_attention`)."""
     U, R = group_size(ulysses_group), group_size(ring_group)
-    sched = USPSchedule(
+    return USPSchedule(
         ulysses=ulysses_group if U > 1 else None,
         ring=RingComm(ring_group if R > 1 else None),
         kv_rep=kv_replication(k.shape[2], U),
@@ -360,6 +372,10 @@ def usp_attention(
         causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3]),
     )
-    if U == 1 and R == 1:
+
+
+def usp_attention_with_schedule(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule) -> Tensor:
+    """:func:`usp_attention` for an already built schedule (differentiable)."""
+    if sched.ulysses is None and sched.ring.size == 1:
         return _LocalAttentionFunction.apply(q, k, v, sched)
     return _USPAttentionFunction.apply(q, k, v, sched)

@@ -13,7 +13,8 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.usp.attention import resolve_overlap_chunks, usp_attention
+from megatron.usp.attention import make_schedule, resolve_overlap_chunks, usp_attention
+from megatron.usp.kept_attention import AttentionKeeper, RecomputeKeep
 from megatron.usp.kernels import get_kernel
 from megatron.usp.ulysses import group_size
 
@@ -49,6 +50,10 @@ class USPAttention(MegatronModule):
     Softmax scale: ``softmax_scale`` or 1/sqrt(hn). ``apply_query_key_layer_scaling``
     does not change the result in megatron (it divides the scale by the layer number
     and multiplies it back inside the softmax), so it is ignored.
+
+    ``recompute_keep`` (``--recompute-keep-core-attn``, full recompute): the forward keeps
+    the output and the recompute reuses it instead of running attention again
+    (:mod:`megatron.usp.kept_attention`).
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class USPAttention(MegatronModule):
         pg_collection=None,
         attention_backend: str = "auto",
         overlap_chunks: Optional[int] = None,
+        recompute_keep: Optional[RecomputeKeep] = None,
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -75,6 +81,7 @@ class USPAttention(MegatronModule):
         self.kernel = get_kernel(attention_backend)
         self.overlap_chunks = _overlap_chunks_for(config, pg_collection, self.ulysses_group,
                                                   self.ring_group, overlap_chunks)
+        self.keeper = AttentionKeeper(recompute_keep) if recompute_keep is not None else None
 
     def forward(
         self,
@@ -97,11 +104,13 @@ class USPAttention(MegatronModule):
             raise NotImplementedError("USP attention does not support an attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = _is_causal(mask_type)
-        out = usp_attention(
-            query, key, value, ulysses_group=self.ulysses_group,
-            ring_group=self.ring_group, causal=causal, softmax_scale=self.softmax_scale,
-            backend=self.kernel, overlap_chunks=self.overlap_chunks,
-        )
+        call_args = dict(ulysses_group=self.ulysses_group, ring_group=self.ring_group,
+                         causal=causal, softmax_scale=self.softmax_scale, backend=self.kernel,
+                         overlap_chunks=self.overlap_chunks)
+        if self.keeper is not None and self.training:
+            out = self.keeper(query, key, value, make_schedule(query, key, **call_args))
+        else:
+            out = usp_attention(query, key, value, **call_args)
         s, b = out.shape[:2]
         return out.view(s, b, -1)
 

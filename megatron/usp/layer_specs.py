@@ -55,18 +55,22 @@ from megatron.usp.fused_linears import (
     PassThroughActivation,
     SwiGLURowParallelLinear,
 )
+from megatron.usp.kept_attention import RecomputeKeep
 from megatron.usp.kernels import BACKEND_NAMES
 from megatron.usp.norms import norm_class
 from megatron.usp.self_attention import USPSelfAttention
+from megatron.usp.tiled_mlp import tiled_mlp_class
 
 
 def usp_core_attention_spec(attention_backend: str = "auto",
-                            overlap_chunks: Optional[int] = None) -> ModuleSpec:
+                            overlap_chunks: Optional[int] = None,
+                            recompute_keep: Optional[RecomputeKeep] = None) -> ModuleSpec:
     """``ModuleSpec`` of :class:`megatron.usp.core_attention.USPAttention` with the given backend.
 
     ``overlap_chunks`` (``--usp-overlap-chunks``): head chunks of the all-to-all/attention
     pipeline; ``None`` lets USP attention choose (auto). It is checked against the heads when
-    the layer is built, so a bad value fails at start-up.
+    the layer is built, so a bad value fails at start-up. ``recompute_keep``
+    (``--recompute-keep-core-attn``): see :mod:`megatron.usp.kept_attention`.
     """
     if attention_backend not in BACKEND_NAMES:
         raise ValueError(
@@ -76,6 +80,8 @@ def usp_core_attention_spec(attention_backend: str = "auto",
     params = {"attention_backend": attention_backend}
     if overlap_chunks is not None:
         params["overlap_chunks"] = overlap_chunks
+    if recompute_keep is not None:
+        params["recompute_keep"] = recompute_keep
     return ModuleSpec(module=USPAttention, params=params)
 
 
@@ -93,6 +99,9 @@ def get_usp_gpt_layer_spec(
     fused_swiglu: bool = False,
     lean_norms: bool = False,
     lean_swiglu: bool = False,
+    mlp_tile_tokens: Optional[int] = None,
+    recompute_keep: Optional[RecomputeKeep] = None,
+    mlp_tp_group=None,
 ) -> ModuleSpec:
     """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
     norms of :mod:`megatron.usp.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
@@ -106,13 +115,18 @@ def get_usp_gpt_layer_spec(
             fails at model construction with the ``pip install`` command to run.
         qk_layernorm: normalise queries and keys per head (``TransformerConfig.qk_layernorm``).
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
-        overlap_chunks: as for :func:`usp_core_attention_spec`.
+        overlap_chunks, recompute_keep: as for :func:`usp_core_attention_spec`.
         fused_kernels: the resolved ``--fused-kernels`` (``torch``, ``compile``, ``liger``)
             for the norms, RoPE and, with ``fused_swiglu``, the MLP activation.
         fused_swiglu: put :class:`~megatron.usp.fused_kernels.SwiGLU` in the MLP's
             ``activation_func`` slot (the config must set ``use_te_activation_func``).
         lean_norms, lean_swiglu: the norm outputs / the SwiGLU output are not kept (module
             docstring); ``lean_swiglu`` also needs ``use_te_activation_func``.
+        mlp_tile_tokens: ``--mlp-tile-tokens``: the MLP runs over tiles of this many local
+            tokens (:mod:`megatron.usp.tiled_mlp`); ``None`` leaves megatron-core's MLP.
+        mlp_tp_group: the TP group of the tiled MLP's linears. ``TransformerLayer`` passes
+            ``pg_collection.tp`` only to megatron-core's own ``MLP`` class (for others it logs
+            "Unknown MLP type ... default kwargs"), so the tiled MLP gets it from its spec.
     """
     if fused_kernels not in FUSED_KERNEL_CHOICES[1:]:
         raise ValueError(f"fused_kernels {fused_kernels!r}: pass a resolved choice, one of "
@@ -129,7 +143,8 @@ def get_usp_gpt_layer_spec(
             f"TransformerLayerSubmodules / SelfAttentionSubmodules")
     attn_norms = dict(q_layernorm=norm, k_layernorm=norm) if qk_layernorm else {}
     attn.submodules = dataclasses.replace(
-        attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks),
+        attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks,
+                                                                recompute_keep),
         **attn_norms
     )
     attn.module = USPSelfAttention
@@ -154,6 +169,11 @@ def get_usp_gpt_layer_spec(
     else:
         spec.submodules = dataclasses.replace(layer, input_layernorm=norm,
                                               pre_mlp_layernorm=norm)
+    if mlp_tile_tokens is not None:
+        mlp = spec.submodules.mlp
+        spec.submodules.mlp = dataclasses.replace(
+            mlp, module=tiled_mlp_class(mlp.module),
+            params={**mlp.params, "tile_tokens": mlp_tile_tokens, "tp_group": mlp_tp_group})
     return spec
 
 
@@ -166,6 +186,9 @@ def get_usp_gpt_block_spec(
     fused_kernels: str = "torch",
     lean_norms: bool = False,
     lean_swiglu: bool = False,
+    mlp_tile_tokens: Optional[int] = None,
+    recompute_keep: Optional[RecomputeKeep] = None,
+    mlp_tp_group=None,
 ) -> TransformerBlockSubmodules:
     """Decoder-block spec of one pipeline stage: its layers and the final norm, both USP's.
 
@@ -180,7 +203,8 @@ def get_usp_gpt_block_spec(
             ``vp_stage`` it decides how many layers this stage builds.
         attention_backend: as for :func:`get_usp_gpt_layer_spec`.
         vp_stage: virtual pipeline stage, or None.
-        overlap_chunks: as for :func:`usp_core_attention_spec`.
+        overlap_chunks, mlp_tile_tokens, recompute_keep, mlp_tp_group: as for
+            :func:`get_usp_gpt_layer_spec`.
         fused_kernels: as for :func:`get_usp_gpt_layer_spec`; the MLP activation is the fused
             SwiGLU exactly when ``config.use_te_activation_func`` is set (and not
             ``lean_swiglu``).
@@ -194,7 +218,9 @@ def get_usp_gpt_block_spec(
                                    normalization=config.normalization,
                                    overlap_chunks=overlap_chunks, fused_kernels=fused_kernels,
                                    fused_swiglu=config.use_te_activation_func,
-                                   lean_norms=lean_norms, lean_swiglu=lean_swiglu)
+                                   lean_norms=lean_norms, lean_swiglu=lean_swiglu,
+                                   mlp_tile_tokens=mlp_tile_tokens,
+                                   recompute_keep=recompute_keep, mlp_tp_group=mlp_tp_group)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=norm_spec(config.normalization,

@@ -1,0 +1,82 @@
+"""Start-up checks of the long-sequence flags (megatron/training/memory_args.py).
+
+Every combination that cannot work is refused by validate_args with an error that names the
+flag and a way out; valid combinations pass and fill in defaults (the offload fraction, the
+FSDP sharding strategy). Megatron-LM's names parse to Megatron-LM's dests.
+"""
+
+import pytest
+
+from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+        "--seq-length", "256", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+        "--vocab-size", "1000"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]
+OFFLOAD = ["--use-distributed-optimizer", "--use-precision-aware-optimizer",
+           "--optimizer-cpu-offload"]
+
+
+def _valid(extra, world=2, cuda=False):
+    return validate_args(parse_args(BASE + extra), world, cuda_available=cuda)
+
+
+def test_megatron_lm_names_parse_to_their_dests():
+    args = parse_args(BASE + OFFLOAD + ["--optimizer-offload-fraction", "0.5",
+                                        "--overlap-cpu-optimizer-d2h-h2d", "--use-megatron-fsdp",
+                                        "--data-parallel-sharding-strategy", "optim_grads"])
+    assert args.optimizer_cpu_offload and args.use_precision_aware_optimizer
+    assert args.optimizer_offload_fraction == 0.5 and args.overlap_cpu_optimizer_d2h_h2d
+    assert args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "optim_grads"
+
+
+def test_valid_long_sequence_combinations_pass():
+    args = _valid(FULL + ["--recompute-keep-core-attn", "--recompute-cpu-offload",
+                          "layer_input", "core_attn", "--mlp-tile-tokens", "32",
+                          "--ulysses-degree", "2"])
+    assert args.recompute_cpu_offload == ["layer_input", "core_attn"]
+    args = _valid(FULL + OFFLOAD, world=1, cuda=True)
+    assert args.optimizer_offload_fraction == 1.0      # Megatron-LM's default
+    args = _valid(["--use-distributed-optimizer", "--use-megatron-fsdp"], world=1, cuda=True)
+    assert args.data_parallel_sharding_strategy == "optim_grads_params"
+    # tile = the MLP's local tokens: 256 / U2 / TP2 with sequence parallelism
+    _valid(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ulysses-degree",
+            "2", "--mlp-tile-tokens", "64"], world=4)
+
+
+@pytest.mark.parametrize("extra, world, cuda, match", [
+    (["--recompute-keep-core-attn"], 2, False, "needs|recompute-granularity full"),
+    (["--recompute-granularity", "selective", "--recompute-keep-core-attn"], 2, False,
+     "--recompute-granularity full"),
+    (["--recompute-cpu-offload", "layer_input"], 2, False, "add --recompute-granularity full"),
+    (FULL + ["--recompute-cpu-offload", "core_attn"], 2, False,
+     "add --recompute-keep-core-attn"),
+    (["--mlp-tile-tokens", "0"], 2, False, "must be >= 1"),
+    (["--ulysses-degree", "2", "--mlp-tile-tokens", "48"], 2, False,
+     r"does not divide the MLP's 128 local tokens .*--mlp-tile-tokens 32"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--mlp-tile-tokens", "256"],
+     2, False, r"128 local tokens .*--sequence-parallel"),
+    (OFFLOAD, 1, False, "CUDA-only.*drop --optimizer-cpu-offload"),
+    (["--optimizer-cpu-offload"], 1, True,
+     "needs --use-distributed-optimizer and --use-precision-aware-optimizer"),
+    (OFFLOAD + ["--optimizer", "sgd"], 1, True, "offloads Adam only"),
+    (OFFLOAD + ["--optimizer-offload-fraction", "1.5"], 1, True, r"must be in \[0, 1\]"),
+    (["--optimizer-offload-fraction", "0.5"], 1, True, "without --optimizer-cpu-offload"),
+    (["--overlap-cpu-optimizer-d2h-h2d"], 1, True, "without --optimizer-cpu-offload"),
+    (["--use-precision-aware-optimizer", "--use-distributed-optimizer"], 1, True,
+     "TransformerEngine's FusedAdam"),
+    (["--data-parallel-sharding-strategy", "optim"], 1, True, "without --use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer"], 1, False, "needs --device cuda"),
+    (["--use-megatron-fsdp"], 1, True, "needs --use-distributed-optimizer"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--pipeline-model-parallel-size",
+      "2"], 2, True, "pipeline-model-parallel-size"),
+    (["--use-megatron-fsdp"] + OFFLOAD, 1, True, "not combined with --optimizer-cpu-offload"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--save", "/tmp/x"], 1, True,
+     "fsdp_dtensor"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer"] + FULL
+     + ["--recompute-cpu-offload", "layer_input"], 1, True, "--recompute-cpu-offload"),
+])
+def test_impossible_combinations_are_refused(extra, world, cuda, match):
+    with pytest.raises(ArgumentsError, match=match):
+        _valid(extra, world=world, cuda=cuda)

@@ -1,0 +1,139 @@
+"""The long-sequence training paths on one GPU: losses of short runs, for tests/gpu.
+
+Runs ``pretrain(args)`` in one process (NCCL, world 1) for each case below, on a small
+Llama-style model (2 layers, hidden 512, 8 query / 2 KV heads of 64, SwiGLU 1024, RoPE, mock
+data, 4096 tokens, 2 micro-batches per step, bf16, ZeRO-1, full recompute, 6 steps), and writes
+``{case: {"losses": [...], "error": null | traceback, "extra": {...}}}`` as JSON. The cases:
+
+* ``full``: the baseline (megatron-core's full recompute);
+* ``keep_offload_tiled``: + ``--recompute-keep-core-attn --recompute-cpu-offload layer_input
+  core_attn --mlp-tile-tokens 1024`` (pinned host buffers, side streams, 4 MLP tiles);
+* ``optimizer_offload``: + ``--optimizer-cpu-offload --use-precision-aware-optimizer
+  --overlap-cpu-optimizer-d2h-h2d`` (megatron-core's HybridDeviceOptimizer, all state on the
+  CPU), saving a checkpoint at step 3; ``optimizer_offload_resumed``: the same run resumed from
+  that checkpoint to step 6;
+* ``fsdp``: ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``.
+
+``extra`` records where the optimizer state lives (``optimizer_state_devices``) and, for the
+offload case, the offloader's counters. The assertions are in
+``tests/gpu/test_long_sequence_gpu.py``::
+
+    python tools/gpu_long_sequence_check.py --out /tmp/long_seq_gpu.json [--cases full fsdp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+STEPS = 6
+BASE = [
+    "--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "1024",
+    "--seq-length", "4096", "--max-position-embeddings", "4096", "--swiglu",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--mock-data", "--vocab-size", "2047",
+    "--fused-linear-cross-entropy", "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--train-iters", str(STEPS), "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "1234",
+    "--eval-iters", "0", "--num-workers", "0", "--log-interval", "1", "--bf16",
+    "--use-distributed-optimizer", "--recompute-granularity", "full",
+    "--recompute-method", "uniform", "--recompute-num-layers", "1",
+]
+OPT_OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+               "--overlap-cpu-optimizer-d2h-h2d"]
+
+
+def cases(ckpt_dir: str):
+    return {
+        "full": [],
+        "keep_offload_tiled": ["--recompute-keep-core-attn", "--recompute-cpu-offload",
+                               "layer_input", "core_attn", "--mlp-tile-tokens", "1024"],
+        "optimizer_offload": OPT_OFFLOAD + ["--save", ckpt_dir, "--save-interval", "3",
+                                            "--exit-interval", "3"],
+        "optimizer_offload_resumed": OPT_OFFLOAD + ["--load", ckpt_dir, "--save", ckpt_dir],
+        "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                 "optim_grads_params"],
+    }
+
+
+def _state_devices(optimizer) -> list:
+    """Devices of the optimizer's state tensors (sorted, unique)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    found = set()
+    for state in getattr(inner, "state", {}).values():
+        for v in state.values():
+            if hasattr(v, "device"):
+                found.add(v.device.type)
+    return sorted(found)
+
+
+def run_case(name: str, flags, extra: dict) -> list:
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+
+    seen = {}
+    build = training.build_optimizer
+
+    def recording_build(args, model):     # a wrapper in this tool only, to look inside
+        opt = build(args, model)
+        seen["optimizer"], seen["model"] = opt, model
+        return opt
+
+    training.build_optimizer = recording_build
+    try:
+        result = training.pretrain(parse_args(BASE + list(flags)))
+    finally:
+        training.build_optimizer = build
+    if "optimizer" in seen:
+        extra["optimizer_state_devices"] = _state_devices(seen["optimizer"])
+        from megatron.training.model import unwrap
+
+        off = getattr(unwrap(seen["model"][0]), "activation_offloader", None)
+        if off is not None:
+            extra["offload_stats"] = vars(off.stats)
+            bufs = [buf for free in off.pool._free.values() for buf, _ in free]
+            extra["host_buffers"] = len(bufs)
+            extra["host_pinned"] = bool(bufs) and all(buf.is_pinned() for buf in bufs)
+    return [result.losses[i] for i in sorted(result.losses)]
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--cases", nargs="*", default=None)
+    ns = p.parse_args(argv)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29577")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    ckpt = tempfile.mkdtemp(prefix="long_seq_ckpt_")
+    out = {}
+    for name, flags in cases(ckpt).items():
+        if ns.cases and name not in ns.cases:
+            continue
+        extra, losses, error = {}, None, None
+        try:
+            losses = run_case(name, flags, extra)
+        except Exception:  # noqa: BLE001 - each case reports its own failure
+            error = traceback.format_exc()
+        out[name] = {"losses": losses, "error": error, "extra": extra}
+        print(f"[gpu_long_sequence_check] {name}: {'error' if error else losses}", flush=True)
+        with open(ns.out, "w") as f:
+            json.dump(out, f, indent=2)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
