@@ -170,20 +170,23 @@ def _plot_signed(ax, cmp: Comparison, drift: loss_drift.DriftReport, pair_series
               for it in sorted(set(a.values) & set(b.values))}
         its = [i for i in sorted(xs) if math.isfinite(xs[i])]
         ax.plot(its, [xs[i] for i in its], color="0.45", linewidth=0.8, linestyle=":",
-                label=f"pair {st.label}: mean {st.mean:+.2%}, above {st.above:.0%}")
+                label=f"pair {st.label}: mean {loss_drift.percent(st.mean)}, above "
+                      f"{st.above:.0%}")
     for k, (s, st) in enumerate(zip(cmp.others, drift.stats), start=1):
         xs = _signed_percent(cmp, s)
         its = [i for i in sorted(xs) if math.isfinite(xs[i])]
         color = colors[k % len(colors)]
         ax.plot(its, [xs[i] for i in its], color=color, linewidth=0.7, alpha=0.6)
         ax.hlines(100 * st.mean, w.start, w.end, color=color, linewidth=2.4,
-                  label=f"{s.label}: mean {st.mean:+.2%}, above {st.above:.0%}")
+                  label=f"{s.label}: mean {loss_drift.percent(st.mean)}, above "
+                        f"{st.above:.0%}")
         shown += [abs(xs[i]) for i in its if w.start <= i <= w.end]
     limit = 1.5 * _percentile(shown, 0.98)
     if drift.band is not None:
         b = 100 * drift.band.mean
         ax.fill_between([w.start, w.end], [-b, -b], [b, b], color="gold", alpha=0.45,
-                        label=f"noise band of the mean: +-{drift.band.mean:.2%}")
+                        label=f"noise band of the mean: "
+                              f"+-{loss_drift.percent(drift.band.mean, False)}")
         limit = max(limit, 2 * b)
     limit = max([limit] + [2 * abs(100 * st.mean) for st in drift.stats]) or 1.0
     ax.set_ylim(-limit, limit)   # spikes beyond the window's spread are clipped
@@ -267,7 +270,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drift-z", type=float, default=loss_drift.DEFAULT_Z,
                    help="standard errors of the pair's drift the band allows beyond the "
                         "pair's own drift (default %(default)s)")
+    p.add_argument("--summary-json", default=None, metavar="PATH",
+                   help="write the verdicts (max divergence, drift statistics, band, exit "
+                        "status) to this JSON file")
     return p
+
+
+def _stats_json(st: loss_drift.DriftStats) -> Dict:
+    return {"label": st.label, "steps": st.steps, "mean_signed_rel_diff": st.mean,
+            "se_mean": st.se_mean, "share_above": st.above, "se_share_above": st.se_above}
+
+
+def summary(cmp: Comparison, drift: Optional[loss_drift.DriftReport], tolerance: float,
+            enforced: bool, status: int) -> Dict:
+    """What ``--summary-json`` writes: the checks and their inputs, no per-step data."""
+    worst, label, it = cmp.max_divergence()
+    out: Dict = {"reference": cmp.reference.label, "runs": [s.label for s in cmp.others],
+                 "iterations": [cmp.iterations[0], cmp.iterations[-1]],
+                 "missing": cmp.missing,
+                 "max_divergence": {"value": worst, "run": label, "iteration": it,
+                                    "tolerance": tolerance, "enforced": enforced},
+                 "exit_status": status}
+    if drift is not None:
+        verdicts = {v.stats.label: v for v in drift.verdicts}
+        out["drift"] = {
+            "window": [drift.window.start, drift.window.end],
+            "runs": [dict(_stats_json(st), **({"drifts": verdicts[st.label].drifts,
+                                                "message": verdicts[st.label].message()}
+                                               if st.label in verdicts else {}))
+                     for st in drift.stats],
+            "pairs": [_stats_json(st) for st in drift.pairs],
+            "band": None if drift.band is None else {
+                "mean": drift.band.mean, "share_above_half_width": drift.band.above,
+                "z": drift.band.z}}
+    return out
 
 
 def _pair_label(series: Series) -> str:
@@ -379,7 +415,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not failed:
         print("OK: the curves agree within the tolerance" if enforce_tolerance else
               "OK: no layout drifts outside the noise band")
-    return 1 if failed else 0
+    status = 1 if failed else 0
+    if args.summary_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.summary_json)), exist_ok=True)
+        with open(args.summary_json, "w", encoding="utf-8") as f:
+            json.dump(summary(cmp, drift, tolerance, enforce_tolerance, status), f, indent=1)
+    return status
 
 
 if __name__ == "__main__":

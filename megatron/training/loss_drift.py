@@ -162,6 +162,13 @@ def _batch_means_se(values: Sequence[float], blocks: int) -> float:
     return math.sqrt(var / blocks)
 
 
+def percent(x: float, signed: bool = True) -> str:
+    """``x`` as a percentage: ``+0.419%``; below 0.001 % in scientific notation."""
+    if x != 0.0 and abs(x) < 1e-5:
+        return f"{100 * x:{'+' if signed else ''}.2e}%"
+    return f"{x:{'+' if signed else ''}.3%}"
+
+
 def _sign(x: float) -> float:
     return 1.0 if x > 0 else (0.5 if x == 0 else 0.0)
 
@@ -180,7 +187,8 @@ class DriftStats:
     differences: Tuple[Tuple[int, float], ...]
 
     def describe(self) -> str:
-        return (f"mean signed difference {self.mean:+.3%} (s.e. {self.se_mean:.3%}), above "
+        return (f"mean signed difference {percent(self.mean)} (s.e. "
+                f"{percent(self.se_mean, False)}), above "
                 f"the reference at {self.above:.0%} of {self.steps} steps")
 
 
@@ -212,7 +220,8 @@ class NoiseBand:
 
     def describe(self) -> str:
         names = ", ".join(p.label for p in self.pairs)
-        return (f"noise band from {names}: |mean| <= {self.mean:.3%}, share above within "
+        return (f"noise band from {names}: |mean| <= {percent(self.mean, False)}, share above "
+                f"within "
                 f"50% +- {self.above:.0%} (pair drift + {self.z:g} s.e.)")
 
 
@@ -254,16 +263,18 @@ class Verdict:
         s, b = self.stats, self.band
         if not self.drifts:
             return (f"{s.label}: within the noise band ({s.describe()}; band |mean| <= "
-                    f"{b.mean:.3%}, share 50% +- {b.above:.0%})")
+                    f"{percent(b.mean, False)}, share 50% +- {b.above:.0%})")
         what = []
         if self.mean_outside:
-            what.append(f"its mean signed difference {s.mean:+.3%} is outside +-{b.mean:.3%}")
+            what.append(f"its mean signed difference {percent(s.mean)} is outside "
+                        f"+-{percent(b.mean, False)}")
         if self.above_outside:
             what.append(f"it is above the reference at {s.above:.0%} of the steps, outside "
                         f"50% +- {b.above:.0%}")
         direction = "higher" if s.mean > 0 else "lower"
         return (f"{s.label} drifts from the reference over {s.window}: its loss is "
-                f"{direction} by {abs(s.mean):.3%} on average; " + " and ".join(what))
+                f"{direction} by {percent(abs(s.mean), False)} on average; "
+                + " and ".join(what))
 
 
 def judge(stats: DriftStats, band: NoiseBand) -> Verdict:

@@ -96,6 +96,11 @@ def test_statistics_of_a_known_series():
     assert band2.mean == pytest.approx(0.01)
 
 
+def test_percent_format():
+    assert ld.percent(0.00419) == "+0.419%" and ld.percent(0.00419, signed=False) == "0.419%"
+    assert ld.percent(-2.1e-8) == "-2.10e-06%" and ld.percent(0.0) == "+0.000%"
+
+
 def test_windows():
     assert ld.default_window(range(1, 201)) == ld.Window(101, 200)
     assert ld.default_window([5, 6, 7]) == ld.Window(4, 7)
@@ -176,9 +181,17 @@ def test_tool_fails_naming_the_drifting_layout(tool, curves, capsys):
     png = curves["dir"] / "drift.png"
     code = tool.main([curves["ref"], curves["u2"], curves["r2"], "--labels", "DP2", "U2", "R2",
                       "--noise-pair", curves["ref"], curves["pair"], "--png", str(png),
-                      "--print-every", "100"])
+                      "--print-every", "100", "--summary-json",
+                      str(curves["dir"] / "summary.json")])
     out = capsys.readouterr().out
     assert code == 1, out
+    with open(curves["dir"] / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["exit_status"] == 1 and summary["drift"]["window"] == [251, 500]
+    assert [(r["label"], r["drifts"]) for r in summary["drift"]["runs"]] == [
+        ("U2", False), ("R2", True)]
+    assert summary["drift"]["pairs"][0]["label"] == "dp2 vs dp1_accum"
+    assert summary["drift"]["band"]["mean"] > 0 and not summary["max_divergence"]["enforced"]
     assert "FAIL: R2 drifts from the reference over iterations 251-500" in out
     assert "ok: U2: within the noise band" in out
     assert "noise band from dp2 vs dp1_accum" in out and "[reference pair]" in out
