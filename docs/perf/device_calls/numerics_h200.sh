@@ -35,9 +35,11 @@ BUDGET=$(( TOTAL_S - SECONDS - 20 ))
 
 launch() {  # name port flags...: one DP1 run, cut at the deadline (its metrics survive)
   local name=$1 port=$2; shift 2
+  # Own sample-index cache: five processes writing megatron-core's shared one would race.
   # shellcheck disable=SC2086
   timeout "$BUDGET" python3 -m torch.distributed.run --nproc-per-node 1 --master-port "$port" \
-    pretrain_gpt.py $MODEL $TRAIN "$@" --metrics-file "$OUT/$name.jsonl" > "/tmp/$name.log" 2>&1
+    pretrain_gpt.py $MODEL $TRAIN "$@" --data-cache-path "/tmp/dcache_$name" \
+    --metrics-file "$OUT/$name.jsonl" > "/tmp/$name.log" 2>&1
   echo "$name rc=$? t=$SECONDS" >> "$LOG"
 }
 launch mb4x1 29611 --micro-batch-size 4 &
