@@ -137,9 +137,11 @@ class Assumptions:
 
     Attributes:
         param_bytes: bf16 weights.
-        main_grad_bytes: megatron accumulates bf16 gradients into an fp32 buffer.
+        main_grad_bytes: megatron accumulates bf16 gradients into an fp32 buffer (the
+            ``--bf16`` default, as in Megatron-LM; 2 with ``--grad-reduce-in-bf16``).
         optimizer_bytes: fp32 master weights + Adam m + v.
-        grad_reduce_bytes: gradients are reduced in fp32 (the main-grad buffer).
+        grad_reduce_bytes: gradients are reduced in fp32 (the main-grad buffer; 2 with
+            ``--grad-reduce-in-bf16``).
         param_gather_bytes: the distributed optimizer all-gathers bf16 weights.
         act_bytes: bf16 activations.
         ring_dkv_bytes: dK/dV travel round a ring of R > 2 as fp32 accumulators (a ring of

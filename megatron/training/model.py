@@ -207,11 +207,26 @@ def _reserve_host_buffers(args, offloader) -> None:
                            args.kv_channels), dtype, layers)
 
 
+def grad_buffer_dtype(args) -> torch.dtype:
+    """Dtype of DDP's gradient buffer: where micro-batch gradients accumulate and what the
+    DP x CP all-reduce (reduce-scatter with ZeRO-1) sums.
+
+    float32 (4 bytes per parameter), as Megatron-LM forces under ``--bf16``, unless
+    ``--bf16 --grad-reduce-in-bf16`` (2 bytes; every accumulation and reduction step then
+    rounds to bf16). Each micro-batch's weight gradient still leaves autograd in the
+    parameter dtype and is added to the buffer (no gradient-accumulation fusion without
+    apex / TransformerEngine); see docs/numerics.md.
+    """
+    if args.bf16 and getattr(args, "grad_reduce_in_bf16", False):
+        return torch.bfloat16
+    return torch.float32
+
+
 def ddp_config_from_args(args):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not args.bf16,
+        grad_reduce_in_fp32=grad_buffer_dtype(args) == torch.float32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,

@@ -1,5 +1,6 @@
 """Loss parity gate: DP=4 vs U2xR2 vs U1xR4 vs U4xR1 vs TP2xU2 (without and with Megatron
-sequence parallelism) train the same loss curve.
+sequence parallelism) train the same loss curve; so does U2xR2 accumulating 8 micro-batches
+per step instead of 2 (its first 10 steps).
 
 A tiny Llama-style model (RMSNorm, SwiGLU, RoPE, GQA 4 query heads / 2 KV heads, untied
 output layer, no biases) on the built-in default corpus, CPU float32, 4 gloo ranks, the
@@ -75,6 +76,16 @@ LAYOUTS = {
                 "swiglu"],
 }
 
+# Layouts run for their first ACCUMULATION_STEPS steps only (--exit-interval; the schedule
+# is the 30-step one): U2xR2 with micro-batches of one sequence accumulates 8 per step, what
+# a USP layout has at a DP run's global batch. The loss normalisation, the token count and
+# the gradient scaling must not depend on the micro-batch count.
+ACCUMULATION_STEPS = 10
+SHORT_LAYOUTS = {
+    "u2r2acc8": ["--ulysses-degree", "2", "--ring-degree", "2", "--micro-batch-size", "1",
+                 "--exit-interval", str(ACCUMULATION_STEPS)],
+}
+
 
 def _compare_tool():
     spec = importlib.util.spec_from_file_location(
@@ -86,7 +97,7 @@ def _compare_tool():
 
 
 def _argv(name: str, out_dir: str):
-    return MODEL + TRAINING + LAYOUTS[name] + [
+    return MODEL + TRAINING + {**LAYOUTS, **SHORT_LAYOUTS}[name] + [
         "--metrics-file", os.path.join(out_dir, f"{name}.jsonl")]
 
 
@@ -98,6 +109,9 @@ def _train_all_layouts(rank, world_size, out_dir):
         result = pretrain(parse_args(_argv(name, out_dir)))
         assert result.iteration == STEPS, (name, result.iteration)
         assert sorted(result.losses) == list(range(1, STEPS + 1))
+    for name in SHORT_LAYOUTS:
+        result = pretrain(parse_args(_argv(name, out_dir)))
+        assert sorted(result.losses) == list(range(1, ACCUMULATION_STEPS + 1)), name
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +137,18 @@ def test_layouts_agree_per_step(parity_runs):
     # The curve must be a training curve, not a constant: the loss falls.
     dp = series[0].values
     assert dp[STEPS] < dp[1] - 0.5, (dp[1], dp[STEPS])
+
+
+def test_micro_batch_count_does_not_change_the_curve(parity_runs):
+    tool = _compare_tool()
+    series = [tool.load_series(os.path.join(parity_runs, f"{name}.jsonl"), label=name)
+              for name in ["dp4", *SHORT_LAYOUTS]]
+    cmp = tool.compare(series)
+    assert cmp.iterations == list(range(1, ACCUMULATION_STEPS + 1))
+    worst, label, iteration = cmp.max_divergence()
+    assert worst <= TOLERANCE, (
+        f"{label} diverges from DP=4 by {worst:.3e} at iteration {iteration}\n"
+        + tool.format_table(cmp))
 
 
 def test_layouts_agree_on_validation(parity_runs):

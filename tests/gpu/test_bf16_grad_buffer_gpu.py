@@ -1,0 +1,72 @@
+"""bf16 training on one GPU with the float32 gradient buffer (the default) and without it.
+
+``pretrain_gpt.py --bf16 --use-distributed-optimizer`` on a tiny model (mock data, 4
+micro-batches per step) runs 8 steps straight, and 4 steps + a resume to 8, for each of the
+two gradient buffers; a checkpoint of one setting is also resumed with the other (the
+buffer is not part of the checkpoint). Every run must finish with finite losses, and a
+resume of the same setting must continue the straight run's curve to bf16 accuracy (1e-2
+relative: cuDNN's attention backward is not bitwise reproducible). The buffer's dtype
+itself is checked in ``tests/unit/test_grad_precision.py`` and, in bf16 on CPU, in
+``tests/distributed/test_bf16_grad_accumulation.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARGS = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+        "--group-query-attention", "--num-query-groups", "2", "--seq-length", "512",
+        "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--mock-data",
+        "--vocab-size", "1024", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--train-iters", "8", "--lr", "1e-3", "--lr-warmup-iters", "2", "--seed", "1234",
+        "--bf16", "--use-distributed-optimizer", "--eval-iters", "0", "--num-workers", "0",
+        "--log-interval", "4", "--device", "cuda"]
+
+
+def _pretrain(extra, cwd):
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)   # a plain one-process run
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *ARGS,
+                           *extra], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _losses(path):
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
+    return {r["iteration"]: r["lm_loss"] for r in records if r["kind"] == "train"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opt_out", [False, True], ids=["fp32-buffer", "bf16-buffer"])
+def test_bf16_training_saves_and_resumes(tmp_path, opt_out):
+    flag = ["--grad-reduce-in-bf16"] if opt_out else []
+    other = [] if opt_out else ["--grad-reduce-in-bf16"]
+    straight, ckpt = tmp_path / "straight.jsonl", tmp_path / "ckpt"
+    _pretrain(flag + ["--metrics-file", str(straight)], tmp_path)
+    _pretrain(flag + ["--save", str(ckpt), "--exit-interval", "4",
+                      "--metrics-file", str(tmp_path / "first.jsonl")], tmp_path)
+    for name, flags in (("same", flag), ("switched", other)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        shutil.copytree(ckpt, run_dir / "ckpt")
+        _pretrain(flags + ["--load", str(run_dir / "ckpt"), "--save", str(run_dir / "ckpt"),
+                           "--metrics-file", str(run_dir / "metrics.jsonl")], tmp_path)
+        resumed = _losses(run_dir / "metrics.jsonl")
+        assert sorted(resumed) == [5, 6, 7, 8], (name, resumed)
+        assert all(math.isfinite(v) for v in resumed.values()), (name, resumed)
+        if name == "same":
+            reference = _losses(straight)
+            for it, loss in resumed.items():
+                assert abs(loss - reference[it]) <= 1e-2 * abs(reference[it]), (it, loss)
