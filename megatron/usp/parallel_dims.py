@@ -31,8 +31,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from megatron.usp.token_layout import seq_length_problem
-
 ORDER: Tuple[str, ...] = ("tp", "ulysses", "ring", "dp", "pp")
 
 FLAGS: Dict[str, str] = {
@@ -236,6 +234,10 @@ class ParallelDims:
                     f"--pipeline-model-parallel-size {self.pp}; use one of "
                     f"{divisors(model.num_layers)}")))
         if seq_length is not None:
+            # Imported here: token_layout needs torch, which `pretrain_gpt.py --help` should
+            # not wait for.
+            from megatron.usp.token_layout import seq_length_problem
+
             problem = seq_length_problem(seq_length, self.cp, "--seq-length")
             if problem:
                 out.append(Violation("seq-divisible", problem))
