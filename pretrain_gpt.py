@@ -23,6 +23,9 @@ def main(argv=None) -> int:
     from megatron.training.arguments import launch_rank, parse_args
 
     args = parse_args(argv)
+    failed = preflight(args)
+    if failed is not None:
+        return failed
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from megatron.training.console import install_console_filters
     from megatron.training.process_guard import start_guard
@@ -36,6 +39,27 @@ def main(argv=None) -> int:
     except RUN_ERRORS as exc:
         return report_error(exc)
     return 0
+
+
+def preflight(args):
+    """The flag and output-directory checks, before megatron-core is imported (seconds of
+    imports and its warnings); exit status 2 after one line from rank 0, else None.
+    ``pretrain`` repeats them (``validate_args`` is idempotent)."""
+    import os
+
+    from megatron.training.arguments import ArgumentsError, USPConfigError, validate_args
+    from megatron.training.output_paths import check_output_paths
+
+    try:
+        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        check_output_paths(args)
+    except (ArgumentsError, USPConfigError) as exc:
+        from megatron.training.arguments import launch_rank
+
+        if launch_rank() == 0:
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return None
 
 
 def report_error(exc: BaseException) -> int:
