@@ -6,13 +6,13 @@ the failure; the coordinator, rank 0, holds every rank's exception), and the pub
 protocol of :mod:`megatron.training.checkpointing` guarantees nothing half-written is
 ever named by the tracker. This module turns such a failure into one sentence::
 
-    saving iteration 6 to /ckpt/iter_0000006 failed: [Errno 28] No space left on device
-    (rank 1); it needs about 1.3 GiB (the size of iter_0000004) and /ckpt has 0.2 GiB
-    free. Nothing was published: the last complete checkpoint, /ckpt/iter_0000004, is
+    saving iteration 6 to /ckpt/iter_0000006 failed: the disk is full; it needs about
+    12.31 GiB (the size of iter_0000004) and /ckpt has 3.20 GiB free. Nothing was published: the last complete checkpoint, /ckpt/iter_0000004, is
     intact and --load /ckpt resumes from it.
 
 :func:`root_os_error` digs the operating system's error out of the wrapped exceptions
-(PyTorch's ``CheckpointException`` keeps ``{rank: (exception, traceback)}``).
+(PyTorch's ``CheckpointException`` keeps ``{rank: (exception, traceback)}``); where torch's
+writer lost the errno, :func:`out_of_room` recognises a full disk by the room left.
 """
 
 from __future__ import annotations
@@ -84,17 +84,40 @@ def free_bytes(path: str) -> Optional[int]:
         return None
 
 
-def room_sentence(root: str, previous: Optional[str], written: int) -> str:
-    """How much the save needs (the previous checkpoint's size, else what was written
-    before the failure) and how much ``root`` has free."""
+def size_text(n: int) -> str:
+    """Bytes in GiB, or MiB below 1 GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _needed_bytes(previous: Optional[str]) -> Optional[int]:
+    return directory_bytes(previous) if previous is not None else None
+
+
+def out_of_room(root: str, previous: Optional[str], written: int) -> bool:
+    """Whether ``root``'s filesystem cannot hold another checkpoint: less free than the
+    previous checkpoint's size (or, without one, almost nothing left after ``written``).
+
+    torch's writer loses the errno of a failed write (its zip writer raises "unexpected
+    pos"), so a full disk is recognised by the room left, not by the error.
+    """
     free = free_bytes(root)
-    free_text = f"{root} has {free / GIB:.2f} GiB free" if free is not None else ""
-    if previous is not None:
-        need = (f"it needs about {directory_bytes(previous) / GIB:.2f} GiB (the size of "
+    if free is None:
+        return False
+    needed = _needed_bytes(previous)
+    return free < needed if needed else free < max(16 << 20, written // 100)
+
+
+def room_sentence(root: str, previous: Optional[str], written: int) -> str:
+    """How much the save needs (the previous checkpoint's size, else more than what was
+    written before the failure) and how much ``root`` has free."""
+    free = free_bytes(root)
+    needed = _needed_bytes(previous)
+    if needed is not None:
+        need = (f"it needs about {size_text(needed)} (the size of "
                 f"{os.path.basename(previous)})")
     else:
-        need = f"it needs more than the {written / GIB:.2f} GiB written before the failure"
-    return f"{need}{' and ' + free_text if free_text else ''}"
+        need = f"it needs more than the {size_text(written)} written before the failure"
+    return need + (f" and {root} has {size_text(free)} free" if free is not None else "")
 
 
 def safe_sentence(root: str, previous: Optional[str]) -> str:
@@ -108,17 +131,21 @@ def safe_sentence(root: str, previous: Optional[str]) -> str:
 def save_failure_message(iteration: int, target: str, root: str, previous: Optional[str],
                          exc: BaseException, written: int) -> Tuple[str, bool]:
     """(message, is_storage_fault) for a save of ``iteration`` into ``target`` that raised
-    ``exc``; ``previous`` is the last published checkpoint directory, if any."""
+    ``exc``; ``previous`` is the last published checkpoint directory, if any, ``written``
+    the bytes the failed save had written."""
     found = root_os_error(exc)
     if found is not None:
         err, rank = found
         where = f" (rank {rank})" if rank is not None else ""
         what = f"[Errno {err.errno}] {os.strerror(err.errno)}{where}"
-        advice = "free some space or pass another --save" if err.errno in (
-            errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "check that --save is writable"
-        return (f"saving iteration {iteration} to {target} failed: {what}; "
-                f"{room_sentence(root, previous, written)}. {safe_sentence(root, previous)}; "
-                f"{advice}.", True)
-    first = " ".join(str(exc).split())[:300]
-    return (f"saving iteration {iteration} to {target} failed: {type(exc).__name__}: {first}. "
-            f"{safe_sentence(root, previous)}.", False)
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    elif out_of_room(root, previous, written):
+        what, full = "the disk is full", True
+    else:
+        first = " ".join(str(exc).split())[:300]
+        return (f"saving iteration {iteration} to {target} failed: {type(exc).__name__}: "
+                f"{first}. {safe_sentence(root, previous)}.", False)
+    advice = "free some space or pass another --save" if full else "check that --save is writable"
+    return (f"saving iteration {iteration} to {target} failed: {what}; "
+            f"{room_sentence(root, previous, written)}. {safe_sentence(root, previous)}; "
+            f"{advice}.", True)

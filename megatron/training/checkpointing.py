@@ -19,16 +19,25 @@ checkpoint that loads as valid:
 1. rank 0 empties ``iter_N.tmp``; barrier;
 2. every rank writes its shards into ``iter_N.tmp`` (megatron-core fsyncs each file and
    writes ``metadata.json`` last, behind a barrier);
-3. barrier; rank 0 fsyncs every file and the directory, renames ``iter_N.tmp`` to
+3. barrier; every rank hashes its share of the files (XXH3-128,
+   :mod:`megatron.training.checksums`) and rank 0 writes ``checksums.json``;
+4. rank 0 fsyncs every file and the directory, renames ``iter_N.tmp`` to
    ``iter_N`` (atomic on POSIX), fsyncs ``SAVE``, then writes the tracker to a temporary
    file, fsyncs it and ``os.replace``-s it over ``latest_checkpointed_iteration.txt``;
-4. barrier.
+5. barrier.
+
+A failure at any step (a full disk, a read-only remount) raises
+:class:`~megatron.training.checkpoint_faults.CheckpointSaveError` on every rank (rank-0-only
+steps broadcast their outcome), whose message names the directory, the room needed and
+the last complete checkpoint, which nothing touched.
 
 Loading (:func:`load_checkpoint`) only ever opens a directory without the ``.tmp``
 suffix, named by the tracker (or ``--ckpt-step``), after rank 0 checked that it is complete
 (every file PyTorch's ``.metadata`` refers to exists and is long enough) and broadcast the
-verdict, so a bad ``--load`` fails on every rank with the same message before any
-collective of the load itself.
+verdict, and every rank verified its share of the checksums, so a bad ``--load`` fails on
+every rank with the same message (naming the file, and the older complete checkpoints
+with the ``--ckpt-step`` that loads one) before any collective of the load itself. A
+checkpoint of another model shape is refused naming the flags (:func:`check_model_matches`).
 
 Saved beside model and optimizer: the LR scheduler, the iteration, the consumed train and
 validation samples (the data position), the arguments, and each rank's RNG states
@@ -552,9 +561,11 @@ def write_checksums(tmp: str) -> None:
 
 def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
                     groups: USPGroups, device: torch.device,
-                    resolved_args: Optional[Dict[str, Any]] = None) -> str:
+                    resolved_args: Optional[Dict[str, Any]] = None,
+                    with_checksums: bool = True) -> str:
     """Write ``SAVE/iter_N`` (with its checksums) and point the tracker at it (see the
-    module docstring).
+    module docstring). ``with_checksums=False`` only serves to measure their cost
+    (megatron/bench/checkpoint_cost.py); such a checkpoint loads unverified.
 
     The stored args are :func:`plain_args` of ``args`` and ``resolved_args``. Collective
     over the world; returns the published directory. A failure (a full disk, a read-only
@@ -575,7 +586,8 @@ def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
                             with_rng=True, resolved_args=resolved_args)
         dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
         dist.barrier()
-        write_checksums(tmp)
+        if with_checksums:
+            write_checksums(tmp)
         _on_rank_0(lambda: _publish(root, final, tmp, it))
     except (OSError, RuntimeError, CheckpointException) as exc:
         message, storage = save_failure_message(it, final, root, previous, exc,

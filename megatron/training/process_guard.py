@@ -9,7 +9,7 @@ those processes lived on (11 of them, 18 minutes later, in a probe).
 
 How: :func:`start_guard` (called by ``pretrain_gpt.py`` first thing) starts this file as a
 small stdlib-only process in its own session, so a signal to the rank's process group
-does not reach it. Every :data:`POLL_S` seconds it records the rank's descendants (pid
+does not reach it. Every :data:`POLL_S` seconds (0.5) it records the rank's descendants (pid
 and start time, from ``/proc``); when the rank is gone (the guard was re-parented) it
 SIGKILLs every recorded descendant still alive and, when the rank led its own session
 (torchrun starts each worker with ``start_new_session=True``), every process left in the
@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
-POLL_S = 0.2
+POLL_S = 0.5
 Key = Tuple[int, int]  # (pid, start time in clock ticks since boot)
 
 
