@@ -5,10 +5,11 @@ missing ("Falling back to Torch optimizers", "Falling back to Torch Norm", ...),
 rank, each as two lines (the message and the ``warnings.warn(`` source line). A run of four
 ranks printed ~56 such lines before its first iteration. :func:`install_console_filters`
 (``pretrain_gpt.py`` calls it before importing megatron-core) makes each distinct warning
-appear once per process as one line, and megatron-core's warnings and log records appear on
-rank 0 only: they are the same on every rank (they describe the installation, not the rank).
+appear once per process as one line, and megatron-core's and torch's warnings and
+megatron-core's log records appear on rank 0 only: they are the same on every rank (they
+describe the installation, not the rank).
 
-Nothing is hidden: every distinct message is still shown once (rank 0 for megatron-core's,
+Nothing is hidden: every distinct message is still shown once (rank 0 for the libraries',
 every rank for the others).
 """
 
@@ -19,17 +20,20 @@ import sys
 import warnings
 from typing import Callable, Optional, Set, TextIO, Tuple
 
-_MCORE_PATH = "/megatron/core/"
 _MCORE_LOGGER = "megatron.core"
+# Libraries whose warnings describe the installation, the same on every rank.
+_LIBRARIES = (("/megatron/core/", "megatron-core"), ("/site-packages/torch/", "torch"))
 
 
-def _from_megatron_core(filename: str) -> bool:
-    return _MCORE_PATH in filename.replace("\\", "/")
+def _library(filename: str) -> str:
+    """"megatron-core" or "torch" when ``filename`` belongs to one, else ""."""
+    path = filename.replace("\\", "/")
+    return next((name for part, name in _LIBRARIES if part in path), "")
 
 
 class OnceWarningPrinter:
     """A ``warnings.showwarning`` replacement: one line per distinct (category, message);
-    megatron-core's only when ``show_megatron_core`` (rank 0)."""
+    megatron-core's and torch's only when ``show_megatron_core`` (rank 0)."""
 
     def __init__(self, show_megatron_core: bool, stream: Optional[TextIO] = None) -> None:
         self.show_megatron_core = show_megatron_core
@@ -37,14 +41,14 @@ class OnceWarningPrinter:
         self.seen: Set[Tuple[str, str]] = set()
 
     def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:
-        mcore = _from_megatron_core(str(filename))
-        if mcore and not self.show_megatron_core:
+        library = _library(str(filename))
+        if library and not self.show_megatron_core:
             return
         key = (category.__name__, str(message))
         if key in self.seen:
             return
         self.seen.add(key)
-        source = "megatron-core" if mcore else f"{filename}:{lineno}"
+        source = library or f"{filename}:{lineno}"
         text = " ".join(str(message).split())  # one line, whatever the message holds
         stream = file or self.stream or sys.stderr
         try:

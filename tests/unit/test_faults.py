@@ -138,9 +138,12 @@ def test_each_warning_once_in_one_line_and_megatron_core_on_rank_0_only():
             printer("Apex is not installed.\n  Falling back", UserWarning,
                     "/x/site-packages/megatron/core/models/backends.py", 21)
             printer("ours", UserWarning, "/repo/megatron/training/data.py", 7)
+            printer("deprecated", FutureWarning,
+                    "/v/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", 83)
         lines = out.getvalue().splitlines()
         expected = (["UserWarning (megatron-core): Apex is not installed. Falling back"]
                     if rank0 else []) + ["UserWarning (/repo/megatron/training/data.py:7): ours"]
+        expected += ["FutureWarning (torch): deprecated"] if rank0 else []
         assert lines == expected
         log = OnceLogFilter(rank0)
         rec = logging.LogRecord("megatron.core.datasets", logging.WARNING, "f", 1, "m", None,
