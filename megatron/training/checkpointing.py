@@ -67,6 +67,7 @@ from megatron.training.checkpoint_faults import (
     save_failure_message,
 )
 from megatron.training.model import unwrap
+from megatron.training.process_guard import children_ignore_sigterm
 from megatron.usp.parallel_dims import ORDER, ParallelDims
 from megatron.usp.parallel_state import USPGroups
 
@@ -584,7 +585,8 @@ def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
         state = _state_dict(args, model, optimizer, scheduler, train_state,
                             get_rng_state(device), is_loading=False, with_optimizer=True,
                             with_rng=True, resolved_args=resolved_args)
-        dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
+        with children_ignore_sigterm():  # the writer's helpers must outlive a group SIGTERM
+            dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
         dist.barrier()
         if with_checksums:
             write_checksums(tmp)
@@ -599,6 +601,31 @@ def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
         raise CheckpointSaveError(message, primary=storage and own) from exc
     dist.barrier()
     return final
+
+
+def start_writer_manager() -> None:
+    """Start megatron-core's checkpoint-writer ``Manager`` now, with SIGTERM ignored.
+
+    megatron-core spawns it at the first save (``filesystem_async._get_write_results_queue``)
+    and keeps it for the life of the rank; a spawned process starts with default signal
+    handlers, but an ignored signal stays ignored across exec. Started here (main thread,
+    before the loop's SIGTERM handler exists), it outlives the group-wide SIGTERM of
+    torchrun's shutdown or Slurm's time limit, so the save the rank then makes works; it
+    ends with the rank (or by its guard). Without that function (another megatron-core)
+    nothing is done and the Manager starts at the first save, as before.
+    """
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    start = getattr(filesystem_async, "_get_write_results_queue", None)
+    if start is None:
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        start()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass

@@ -48,6 +48,7 @@ def _free_port() -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -59,6 +60,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     try:
         run(args)
+    except SignalException as exc:
+        # torchrun passed the signal on to the workers (SIGTERM: they save when --save is
+        # set) and stopped them; its own traceback says nothing more.
+        print(f"launch: received signal {exc.sigval}; the workers were stopped (with --save "
+              f"they saved at the end of their iteration)", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         status = failure.exitcode if failure.exitcode > 0 else 1

@@ -19,10 +19,13 @@ itself, the rank included: torchrun is no longer there to stop it. The guard the
 Processes are matched by pid *and* start time, so a reused pid is never killed.
 
 The guard costs one idle Python process (~10 MB) per rank. Outside Linux it is not started.
+:func:`children_ignore_sigterm` is the other half: helpers are started immune to the
+group-wide SIGTERM, so that the rank alone decides (it saves and exits).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -113,6 +116,30 @@ def guard(rank_pid: int, own_session: bool, launcher: Optional[Key]) -> None:
         if not _kill(found):
             return
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def children_ignore_sigterm():
+    """Block SIGTERM in this thread while helper processes are started (megatron-core's
+    checkpoint writer Manager and writers, DataLoader workers): they inherit the blocked
+    mask across fork and exec.
+
+    torchrun's shutdown and Slurm's time limit send SIGTERM to every process of a worker's
+    group; the helpers died of it at once, so the save the rank then made on SIGTERM failed
+    ("Broken pipe" from the dead Manager) and the next batch failed (a dead DataLoader
+    worker). With the mask only the rank acts on SIGTERM: it finishes the iteration, saves
+    and exits, and its helpers end with it (or by its guard). A SIGTERM arriving meanwhile
+    stays pending for this thread or is taken by another thread of the rank; either way
+    the rank's handler runs.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def start_guard() -> Optional[subprocess.Popen]:

@@ -47,6 +47,7 @@ from megatron.training.checkpointing import (
     plain_args,
     save_checkpoint,
     set_rng_state,
+    start_writer_manager,
 )
 from megatron.training.initialize import Runtime, initialize, shutdown
 from megatron.training.metrics import (
@@ -57,6 +58,7 @@ from megatron.training.metrics import (
     peak_memory_gib,
 )
 from megatron.training.model import build_model, count_parameters
+from megatron.training.process_guard import children_ignore_sigterm
 from megatron.training.profiling import StepProfiler
 from megatron.usp.parallel_state import USPGroups
 
@@ -175,12 +177,15 @@ def build_data_iterators(args, rt: Runtime, state: TrainState):
              None]
     train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer, sizes)
     dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
-    train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
-                                state.consumed_train_samples, args.num_workers)
-    valid = None
-    if args.eval_iters and valid_ds is not None:
-        valid = build_data_iterator(valid_ds, args.micro_batch_size, dp_rank, dp_size,
-                                    state.consumed_valid_samples, args.num_workers)
+    # The (persistent) DataLoader workers start here; a group-wide SIGTERM is the rank's to
+    # handle (it saves at the end of the iteration), not theirs to die of.
+    with children_ignore_sigterm():
+        train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
+                                    state.consumed_train_samples, args.num_workers)
+        valid = None
+        if args.eval_iters and valid_ds is not None:
+            valid = build_data_iterator(valid_ds, args.micro_batch_size, dp_rank, dp_size,
+                                        state.consumed_valid_samples, args.num_workers)
     return train, valid
 
 
@@ -476,6 +481,8 @@ def pretrain(args: argparse.Namespace,
     writer = None
     try:
         rt = initialize(args)
+        if args.save:
+            start_writer_manager()
         model = build_model(args, rt.groups)
         _wire_grad_sync(model)
         optimizer = build_optimizer(args, model)

@@ -9,6 +9,8 @@
   one line naming the directory, the room needed and the intact first checkpoint, which
   the tracker still names.
 * Resuming with another ``--hidden-size``: exit 2, one line naming the flag.
+* SIGTERM to the launcher (torchrun then signals each worker's whole group): the ranks
+  save at the end of their iteration, the launcher exits 128 + 15, nothing survives.
 
 The mount-namespace tests need root and ``unshare`` (CI runs as root); elsewhere they skip.
 See docs/reliability.md for the table of faults.
@@ -16,6 +18,7 @@ See docs/reliability.md for the table of faults.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -177,3 +180,43 @@ def test_resume_with_another_model_names_the_flag(tmp_path):
     errors = _errors(second.stderr)
     assert len(errors) == 1 and "--hidden-size 64 (this run: --hidden-size 128)" in errors[0]
     assert "Traceback" not in second.stderr and "shape mismatch" not in second.stderr
+
+
+def test_sigterm_to_the_launcher_saves_and_exits(tmp_path):
+    """SIGTERM to torchrun (Slurm's time limit, a Ctrl-C'd shell) reaches every process of
+    each worker's group: the checkpoint writer's Manager and the DataLoader workers must
+    survive it so that the rank's SIGTERM save works (before, it failed: "Broken pipe")."""
+    psutil = pytest.importorskip("psutil")
+    ckpt = tmp_path / "ckpt"
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen(
+        _launch_cmd(TINY + ["--train-iters", "100000", "--save", str(ckpt),
+                            "--save-interval", "2", "--ulysses-degree", "2",
+                            "--num-workers", "1", "--metrics-file", str(metrics)]),
+        cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    started = []
+    try:
+        tracker = ckpt / "latest_checkpointed_iteration.txt"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not tracker.exists():
+            time.sleep(0.2)
+        assert proc.poll() is None and tracker.exists(), "no first checkpoint"
+        started = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+        assert "SIGTERM received: saving at iteration" in out and not _errors(out), out[-4000:]
+        with open(metrics) as f:
+            last = max(r["iteration"] for r in map(json.loads, f) if r["kind"] == "train")
+        assert int(tracker.read_text()) == last and (ckpt / f"iter_{last:07d}").is_dir()
+        _, alive = psutil.wait_procs(started, timeout=15)
+        assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in started:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
