@@ -614,13 +614,14 @@ def start_writer_manager() -> None:
     ends with the rank (or by its guard). Without that function (another megatron-core)
     nothing is done and the Manager starts at the first save, as before.
     """
+    import multiprocessing
     import signal
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     start = getattr(filesystem_async, "_get_write_results_queue", None)
-    if start is None:
-        return
+    if start is None or multiprocessing.current_process().daemon:
+        return  # (a daemonic test rank may not start processes; it saves under torchrun)
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         start()
