@@ -4,7 +4,7 @@ One process (one GPU, or the CPU) builds a benchmark model (:data:`megatron.benc
 default the Llama-style 0.85B), trains one step so the distributed optimizer holds its Adam
 state, then saves the same state ``--saves`` times with checksums and as often without,
 alternately (after one warm-up save, which starts the writer's Manager and caches the
-each whole
+shard distribution), timing each whole
 :func:`~megatron.training.checkpointing.save_checkpoint` (write, fsync, publish). It also
 times the load-time verification of one checkpoint. The JSON::
 
