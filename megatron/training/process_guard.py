@@ -102,7 +102,8 @@ def guard(rank_pid: int, own_session: bool, launcher: Optional[Key]) -> None:
             if own_session:
                 os.killpg(rank_pid, signal.SIGKILL)
             else:
-                _kill([(rank_pid, _stat(rank_pid)[3])] if _stat(rank_pid) else [])
+                rank = _stat(rank_pid)
+                _kill([(rank_pid, rank[3])] if rank else [])
             break
         procs = _processes()
         seen.update((pid, start) for pid, start in descendants(procs, rank_pid) if pid != me)
