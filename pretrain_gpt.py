@@ -6,35 +6,71 @@ Flags: ``python pretrain_gpt.py --help`` (Megatron-LM's names, grouped). Launch 
 ``examples/``. The work happens in :func:`megatron.training.training.pretrain`.
 
 Exit status: 0 when training ends (or stops on SIGTERM after saving), 2 for bad input
-(flags, layout, data, --load), with one ``error:`` line from rank 0 instead of a traceback
-from every rank, 1 for a NaN/inf loss.
+(flags, layout, data, ``--save``, ``--load``), with one ``error:`` line from rank 0 instead
+of a traceback from every rank, 1 for a NaN/inf loss or grad norm and for a failed save
+(one line naming the directory and the last complete checkpoint). ``torchrun`` itself
+exits 1 whenever a worker fails; ``tools/launch.py`` (what ``examples/`` use) is torchrun
+with the first failed worker's exit status passed through. See docs/reliability.md.
 """
 
 import logging
-import os
 import sys
 
 
 def main(argv=None) -> int:
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import INPUT_ERRORS, NonFiniteLossError, pretrain
+    # Only the argument module before parsing: `--help` and usage errors need neither torch
+    # nor megatron-core (whose import takes seconds).
+    from megatron.training.arguments import launch_rank, parse_args
 
     args = parse_args(argv)
+    failed = preflight(args)
+    if failed is not None:
+        return failed
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from megatron.training.console import install_console_filters
+    from megatron.training.process_guard import start_guard
+
+    install_console_filters(launch_rank())
+    start_guard()
+    from megatron.training.training import RUN_ERRORS, pretrain
+
     try:
         pretrain(args)
-    except INPUT_ERRORS as exc:
-        _report(exc)
-        return 2
-    except NonFiniteLossError as exc:
-        _report(exc)
-        return 1
+    except RUN_ERRORS as exc:
+        return report_error(exc)
     return 0
 
 
-def _report(exc: BaseException) -> None:
-    if os.environ.get("RANK", "0") == "0":
+def preflight(args):
+    """The flag and output-directory checks, before megatron-core is imported (seconds of
+    imports and its warnings); exit status 2 after one line from rank 0, else None.
+    ``pretrain`` repeats them (``validate_args`` is idempotent)."""
+    import os
+
+    from megatron.training.arguments import ArgumentsError, USPConfigError, validate_args
+    from megatron.training.output_paths import check_output_paths
+
+    try:
+        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        check_output_paths(args)
+    except (ArgumentsError, USPConfigError) as exc:
+        from megatron.training.arguments import launch_rank
+
+        if launch_rank() == 0:
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return None
+
+
+def report_error(exc: BaseException) -> int:
+    """Print ``exc`` in one line (rank 0, or the rank where it arose) and return its exit
+    status (:func:`megatron.training.training.exit_status`)."""
+    from megatron.training.arguments import launch_rank
+    from megatron.training.training import exit_status, reported_here
+
+    if reported_here(exc, launch_rank()):
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+    return exit_status(exc)
 
 
 if __name__ == "__main__":

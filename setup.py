@@ -21,6 +21,7 @@ setup(
         "sentencepiece>=0.2",
         "numpy>=1.26",
         "psutil>=5.9",  # megatron-core's checkpoint writer (dist_checkpointing) needs it
+        "xxhash>=3.0",  # checkpoint checksums (megatron/training/checksums.py)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.16",

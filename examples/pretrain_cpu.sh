@@ -5,7 +5,7 @@
 #   bash examples/pretrain_cpu.sh [extra pretrain_gpt.py flags, which win over the ones here]
 #
 # Environment overrides: GPUS_PER_NODE (4: processes per node here) NNODES (1) NODE_RANK (0)
-# MASTER_ADDR (localhost) MASTER_PORT (6000) ULYSSES_DEGREE (2) RING_DEGREE (2)
+# MASTER_ADDR (localhost) MASTER_PORT (unset: on one node a free port is picked; set it for several nodes) ULYSSES_DEGREE (2) RING_DEGREE (2)
 # TP_SIZE (1) TRAIN_ITERS (100) RUN_DIR (runs/cpu: checkpoints, metrics.jsonl)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -14,7 +14,6 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
 ULYSSES_DEGREE=${ULYSSES_DEGREE:-2}
 RING_DEGREE=${RING_DEGREE:-2}
 TP_SIZE=${TP_SIZE:-1}
@@ -36,6 +35,13 @@ OUTPUT=(--save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints"
         --save-interval "$TRAIN_ITERS" --metrics-file "$RUN_DIR/metrics.jsonl"
         --log-interval 10 --eval-interval "$TRAIN_ITERS" --eval-iters 2)
 
-exec torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+# A fixed port collides with other jobs; on one node without MASTER_PORT torchrun picks a
+# free one. tools/launch.py is torchrun passing the failed rank's exit status through
+# (2 for bad input) and checking that MASTER_PORT is free.
+RDZV=()
+if [ -n "${MASTER_PORT:-}" ] || [ "$NNODES" -gt 1 ]; then
+  RDZV=(--master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
+fi
+exec python3 "$ROOT/tools/launch.py" --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
+  --node-rank "$NODE_RANK" "${RDZV[@]}" \
   "$ROOT/pretrain_gpt.py" "${MODEL[@]}" "${TRAINING[@]}" "${PARALLEL[@]}" "${OUTPUT[@]}" "$@"

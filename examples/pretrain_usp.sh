@@ -8,7 +8,7 @@
 #   bash examples/pretrain_usp.sh [extra pretrain_gpt.py flags, which win over the ones here]
 #
 # Environment overrides: GPUS_PER_NODE (8) NNODES (1) NODE_RANK (0) MASTER_ADDR (localhost)
-# MASTER_PORT (6000) ULYSSES_DEGREE (4) RING_DEGREE (2) PRECISION (bf16 | fp32)
+# MASTER_PORT (unset: on one node a free port is picked; set it for several nodes) ULYSSES_DEGREE (4) RING_DEGREE (2) PRECISION (bf16 | fp32)
 # RUN_DIR (runs/usp: checkpoints, TensorBoard, metrics.jsonl)
 # DATA_PATH + TOKENIZER_MODEL (default: the built-in corpus and its tokenizer).
 set -euo pipefail
@@ -18,7 +18,6 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
 ULYSSES_DEGREE=${ULYSSES_DEGREE:-4}
 RING_DEGREE=${RING_DEGREE:-2}
 RUN_DIR=${RUN_DIR:-runs/usp}
@@ -48,7 +47,14 @@ OUTPUT=(--save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-inter
         --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl"
         --log-interval 10 --eval-interval 200 --eval-iters 10)
 
-exec torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+# A fixed port collides with other jobs; on one node without MASTER_PORT torchrun picks a
+# free one. tools/launch.py is torchrun passing the failed rank's exit status through
+# (2 for bad input) and checking that MASTER_PORT is free.
+RDZV=()
+if [ -n "${MASTER_PORT:-}" ] || [ "$NNODES" -gt 1 ]; then
+  RDZV=(--master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
+fi
+exec python3 "$ROOT/tools/launch.py" --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
+  --node-rank "$NODE_RANK" "${RDZV[@]}" \
   "$ROOT/pretrain_gpt.py" "${MODEL[@]}" "${TRAINING[@]}" "${PARALLEL[@]}" \
   "${PRECISION_ARGS[@]}" "${DATA[@]}" "${OUTPUT[@]}" "$@"

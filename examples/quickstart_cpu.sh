@@ -11,7 +11,7 @@
 # layouts sum in different orders, so fp32 rounding differences (~1e-7) grow chaotically after
 # ~50 steps to ~1e-3 by step 100 and stay there: for longer runs use TOLERANCE 5e-3 (see
 # docs/perf/cpu_300steps/).
-# PYTHON (python3, for the venv) MASTER_PORT (6000). About 2 minutes on 2 cores.
+# PYTHON (python3, for the venv) MASTER_PORT (unset: a free port). About 2 minutes on 2 cores.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

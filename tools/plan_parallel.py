@@ -32,7 +32,7 @@ from megatron.planner import (
     with_overrides,
 )
 from megatron.planner.explain import format_table
-from megatron.planner.plan import result_to_json
+from megatron.planner.plan import plan_from, result_to_json
 from megatron.planner.validate import DEFAULT_TOLERANCE, validate_measurements
 
 
@@ -150,7 +150,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                               top=args.top)
     except PlannerError as exc:
         return _error(exc, args.json)
-    print(json.dumps(result_to_json(result), indent=2) if args.json else format_table(result))
+    if args.json:
+        print(json.dumps(result_to_json(result), indent=2))
+        return 0
+    print(format_table(result))
+    # Only layouts pretrain_gpt.py here can run are ranked (megatron/planner/capabilities.py).
+    print(f"\nrun #1 (add the data, LR and output flags):\n  {plan_from(result, result.best).command()}")
     return 0
 
 

@@ -155,6 +155,8 @@ class Assumptions:
             given (1F1B's bubble is (p-1)/m; 4 per stage keeps it under 20%).
         memory_fragmentation: fraction of GPU memory lost to the caching allocator.
         memory_reserve_gib: CUDA context, NCCL and library workspaces.
+        selective_recompute_modules: what ``selective`` recomputes (``mlp``, and the norms
+            with ``layernorm``).
     """
 
     param_bytes: int = 2
@@ -170,6 +172,9 @@ class Assumptions:
     micro_batches_per_pp_stage: int = 4
     memory_fragmentation: float = 0.05
     memory_reserve_gib: float = 1.5
+    # megatron-core's recompute_modules of "selective"; the search sets what the training
+    # script can run here (megatron/planner/capabilities.py).
+    selective_recompute_modules: Tuple[str, ...] = ("layernorm", "mlp")
 
 
 DEFAULT_ASSUMPTIONS = Assumptions()
@@ -493,7 +498,9 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, rec
           (``f/t``).
     * ``selective`` (megatron-core ``recompute_modules=["layernorm", "mlp"]``): the
       norm outputs and everything inside the MLP are recomputed; kept are the two norm
-      inputs, the attention tensors above and the output projection's input.
+      inputs, the attention tensors above and the output projection's input. With
+      ``["mlp"]`` only (``a.selective_recompute_modules``; no TransformerEngine) the two
+      norm outputs are kept too (``4 * n_sp*h`` as without recompute).
     * ``full`` (``recompute_granularity="full"``, uniform, 1 layer per checkpoint): only
       the layer input ``n_sp*h``.
     """
@@ -506,7 +513,8 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, rec
         attn += sh.n * h / t
     lse = sh.n * model.num_attention_heads / t * 4
     if recompute == "selective":
-        return (2 * sp + attn) * ab + lse
+        norm_io = 2 if "layernorm" in a.selective_recompute_modules else 4
+        return (norm_io * sp + attn) * ab + lse
     f = model.ffn_hidden_size / t
     mlp = sh.n * ((2 * f if model.swiglu else f) + f)
     return (4 * sp + attn + mlp) * ab + lse

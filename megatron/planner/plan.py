@@ -8,8 +8,15 @@ Top floor of the planner: it reads the search (:mod:`.search`) and its explanati
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
+from megatron.planner.capabilities import (
+    Capabilities,
+    installed_capabilities,
+    layout_flags,
+    model_flags,
+    runnable,
+)
 from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, Assumptions, Estimate, Workload
 from megatron.planner.explain import reasons_for
 from megatron.planner.hardware import HardwareSpec
@@ -32,6 +39,9 @@ class Plan:
     memory_gib: float
     reasons: List[str]
     estimate: Optional[Estimate] = field(default=None, repr=False, compare=False)
+    recompute_modules: Tuple[str, ...] = ("mlp",)
+    pretrain_flags: List[str] = field(default_factory=list)
+    gpus_per_node: int = 0
 
     @property
     def context_parallel_size(self) -> int:
@@ -43,8 +53,9 @@ class Plan:
 
         ZeRO-1 is the distributed optimizer; ZeRO-2/3 are Megatron-FSDP's
         ``optim_grads`` / ``optim_grads_params`` sharding. Selective recompute is
-        ``recompute_modules=["layernorm", "mlp"]`` (what the cost model assumes); full
-        is uniform, one layer per checkpoint.
+        ``recompute_modules`` (``["mlp"]``, with ``"layernorm"`` where TransformerEngine
+        is installed: what the cost model assumed); full is uniform, one layer per
+        checkpoint.
         """
         cfg: Dict[str, Any] = {
             "tensor_model_parallel_size": self.tensor_model_parallel_size,
@@ -63,11 +74,26 @@ class Plan:
             "recompute_modules": None,
         }
         if self.recompute == "selective":
-            cfg.update(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
+            cfg.update(recompute_granularity="selective",
+                       recompute_modules=list(self.recompute_modules))
         elif self.recompute == "full":
             cfg.update(recompute_granularity="full", recompute_method="uniform",
                        recompute_num_layers=1)
         return cfg
+
+    def command(self) -> str:
+        """The launch line: ``torchrun`` over the plan's nodes and ``pretrain_gpt.py`` with
+        :attr:`pretrain_flags` (model shape, degrees, ZeRO, recompute, batch)."""
+        if not self.pretrain_flags:
+            return "(not runnable by pretrain_gpt.py in this installation)"
+        world = (self.tensor_model_parallel_size * self.context_parallel_size
+                 * self.data_parallel_size * self.pipeline_model_parallel_size)
+        per_node = min(self.gpus_per_node or world, world)
+        nodes = world // per_node
+        launch = f"torchrun --nproc-per-node {per_node}"
+        if nodes > 1:
+            launch += f" --nnodes {nodes} --node-rank NODE_RANK --master-addr HOST --master-port PORT"
+        return f"{launch} pretrain_gpt.py {' '.join(self.pretrain_flags)}"
 
     def to_dict(self) -> Dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "estimate"}
@@ -75,7 +101,20 @@ class Plan:
         if self.estimate is not None:
             d["prediction"] = self.estimate.to_dict()
         d["megatron_config"] = self.megatron_config()
+        d["command"] = self.command()
         return d
+
+
+def plan_flags(result: SearchResult, e: Estimate) -> List[str]:
+    """``pretrain_gpt.py`` flags that run estimate ``e`` of ``result``: model, layout and
+    batch (the global batch the cost model assumed)."""
+    w, a, lay = result.workload, result.assumptions, e.layout
+    if runnable(lay, installed_capabilities()):
+        return []  # planned for another stack (capabilities=FULL_MEGATRON): no flags here
+    return (model_flags(w.model, w.seq_length)
+            + layout_flags(lay, a.selective_recompute_modules, a.tp_sequence_parallel)
+            + ["--micro-batch-size", str(w.micro_batch_size),
+               "--global-batch-size", str(w.global_batch(lay, a))])
 
 
 def plan_from(result: SearchResult, ranked: RankedLayout) -> Plan:
@@ -93,6 +132,9 @@ def plan_from(result: SearchResult, ranked: RankedLayout) -> Plan:
         memory_gib=e.memory.total,
         reasons=reasons_for(result, ranked),
         estimate=e,
+        recompute_modules=tuple(result.assumptions.selective_recompute_modules),
+        pretrain_flags=plan_flags(result, e),
+        gpus_per_node=result.workload.gpus_per_node,
     )
 
 
@@ -106,18 +148,22 @@ def choose_layout(
     global_batch_size: Optional[int] = None,
     fixed: Optional[Dict[str, Any]] = None,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+    capabilities: Optional[Capabilities] = None,
 ) -> Plan:
     """The best layout for ``model`` at ``seq_length`` on ``world_size`` GPUs.
 
     ``fixed`` holds degrees the user gave explicitly, in megatron's argument names
     (see :data:`FIXED_KEYS`; None values mean "choose"); ``assumptions`` what the run will
-    do that the cost model cannot choose (e.g. whether TP uses sequence parallelism).
+    do that the cost model cannot choose (e.g. whether TP uses sequence parallelism);
+    ``capabilities`` what the training script can run (default: ``pretrain_gpt.py`` in
+    this installation, :mod:`.capabilities`).
     Raises :class:`PlannerError` naming the binding limit and the smallest change that
     would fit when no layout is feasible.
     """
     w = Workload(model, seq_length, world_size, gpus_per_node, micro_batch_size,
                  global_batch_size)
-    result = plan_layouts(w, hardware, fixed, top=1, assumptions=assumptions)
+    result = plan_layouts(w, hardware, fixed, top=1, assumptions=assumptions,
+                          capabilities=capabilities)
     return plan_from(result, result.best)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from megatron.planner import rules
+from megatron.planner.capabilities import Capabilities, installed_capabilities, runnable
 from megatron.planner.cost_model import (
     DEFAULT_ASSUMPTIONS,
     RECOMPUTE_CHOICES,
@@ -117,13 +118,16 @@ def _zero_stages(fixed: Dict[str, Any], cp: int, dp: int, rej: Rejections) -> Li
 
 
 def evaluate_all(w: Workload, hw: HardwareSpec, fixed: Dict[str, Any],
-                 a: Assumptions = DEFAULT_ASSUMPTIONS) -> Tuple[List[Estimate], Rejections]:
-    """Predict every layout that passes the rules.
+                 a: Assumptions = DEFAULT_ASSUMPTIONS, caps: Optional[Capabilities] = None
+                 ) -> Tuple[List[Estimate], Rejections]:
+    """Predict every layout that passes the rules and that ``pretrain_gpt.py`` can run
+    (``caps``, default this installation's; :func:`capabilities.runnable`).
 
     For each layout and ZeRO stage, recompute levels are tried from none to full and
     the first that fits ends the list: a heavier recompute than needed is never faster
     (the infeasible lighter ones stay in the list, so the output can say why they lost).
     """
+    caps = caps or installed_capabilities()
     rej = Rejections()
     out: List[Estimate] = []
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_CHOICES)
@@ -134,7 +138,12 @@ def evaluate_all(w: Workload, hw: HardwareSpec, fixed: Dict[str, Any],
             continue
         for z in _zero_stages(fixed, u * r, dp, rej):
             for rc in recomputes:
-                e = estimate(w, Layout.of(tp, u, r, dp, pp, z, rc), hw, a)
+                layout = Layout.of(tp, u, r, dp, pp, z, rc)
+                why_not = runnable(layout, caps)
+                if why_not:
+                    rej.add("not-runnable", why_not)
+                    continue
+                e = estimate(w, layout, hw, a)
                 out.append(e)
                 if e.fits:
                     break
@@ -215,6 +224,7 @@ class SearchResult:
     evaluated: List[Estimate]
     ranked: List[RankedLayout]
     rejections: Rejections
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
     @property
     def best(self) -> RankedLayout:
@@ -227,18 +237,24 @@ class SearchResult:
 def plan_layouts(w: Workload, hardware: Union[HardwareSpec, str],
                  fixed: Optional[Mapping[str, Any]] = None, top: int = 10,
                  assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-                 tolerance: float = rules.TIE_TOLERANCE) -> SearchResult:
-    """Rank the feasible layouts of ``w`` on ``hardware``; raise :class:`PlannerError`
-    naming the binding limit when there is none."""
+                 tolerance: float = rules.TIE_TOLERANCE,
+                 capabilities: Optional[Capabilities] = None) -> SearchResult:
+    """Rank the feasible layouts of ``w`` on ``hardware`` that ``pretrain_gpt.py`` can run
+    (``capabilities``, default this installation's; they also set what ``selective``
+    recompute means in ``assumptions``); raise :class:`PlannerError` naming the binding
+    limit when there is none."""
     hw = get_hardware(hardware)
+    caps = capabilities or installed_capabilities()
+    assumptions = replace(assumptions,
+                          selective_recompute_modules=caps.selective_recompute_modules)
     fx = normalize_fixed(fixed)
     _check_fixed_consistency(w, fx)
-    evaluated, rej = evaluate_all(w, hw, fx, assumptions)
+    evaluated, rej = evaluate_all(w, hw, fx, assumptions, caps)
     feasible = [e for e in evaluated if e.fits]
     if not feasible:
-        raise diagnose(w, hw, fx, assumptions, evaluated, rej)
+        raise diagnose(w, hw, fx, assumptions, evaluated, rej, caps)
     ranked = rank_feasible(feasible, max(1, top), tolerance)
-    return SearchResult(w, hw, assumptions, fx, evaluated, ranked, rej)
+    return SearchResult(w, hw, assumptions, fx, evaluated, ranked, rej, caps)
 
 
 def _check_fixed_consistency(w: Workload, fx: Dict[str, Any]) -> None:
@@ -280,12 +296,12 @@ def _check_fixed_consistency(w: Workload, fx: Dict[str, Any]) -> None:
 
 
 def _best_feasible(w: Workload, hw: HardwareSpec, fx: Dict[str, Any],
-                   a: Assumptions) -> Optional[Estimate]:
+                   a: Assumptions, caps: Capabilities) -> Optional[Estimate]:
     try:
         _check_fixed_consistency(w, fx)
     except PlannerError:
         return None
-    evaluated, _ = evaluate_all(w, hw, fx, a)
+    evaluated, _ = evaluate_all(w, hw, fx, a, caps)
     feasible = [e for e in evaluated if e.fits]
     return min(feasible, key=lambda e: e.time_per_token) if feasible else None
 
@@ -302,21 +318,21 @@ def _binding_component(e: Estimate) -> str:
 
 
 def _suggest_for_memory(w: Workload, hw: HardwareSpec, fx: Dict[str, Any],
-                        a: Assumptions) -> List[str]:
+                        a: Assumptions, caps: Capabilities) -> List[str]:
     """Smallest changes that give a feasible plan, most direct first."""
     out: List[str] = []
     for key, flag, what in (("recompute", "--recompute", "activation recompute"),
                             ("zero_stage", "--zero-stage", "ZeRO stage")):
         if key in fx:
             relaxed = {k: v for k, v in fx.items() if k != key}
-            e = _best_feasible(w, hw, relaxed, a)
+            e = _best_feasible(w, hw, relaxed, a, caps)
             if e is not None:
                 out.append(f"drop {flag} {fx[key]} (let the planner pick the {what}): "
                            f"{e.layout.short()} fits in {e.memory.total:.1f} GiB")
     degree_keys = [k for k in ("tp", "ulysses", "ring", "cp", "dp", "pp") if k in fx]
     if degree_keys:
         relaxed = {k: v for k, v in fx.items() if k not in degree_keys}
-        e = _best_feasible(w, hw, relaxed, a)
+        e = _best_feasible(w, hw, relaxed, a, caps)
         if e is not None:
             flags = ", ".join(FIXED_KEYS[k][1] for k, (n, _) in FIXED_KEYS.items()
                               if n in degree_keys)
@@ -325,7 +341,7 @@ def _suggest_for_memory(w: Workload, hw: HardwareSpec, fx: Dict[str, Any],
     more = {k: v for k, v in fx.items() if k != "dp"}
     for factor in (2, 4, 8, 16, 32, 64):
         world = w.world_size * factor
-        e = _best_feasible(replace(w, world_size=world), hw, more, a)
+        e = _best_feasible(replace(w, world_size=world), hw, more, a, caps)
         if e is not None:
             out.append(f"--gpus {world} ({factor}x): {e.layout.short()} fits in "
                        f"{e.memory.total:.1f} GiB")
@@ -336,7 +352,7 @@ def _suggest_for_memory(w: Workload, hw: HardwareSpec, fx: Dict[str, Any],
         best: Optional[Estimate] = None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            e = _best_feasible(replace(w, seq_length=mid * unit), hw, fx, a)
+            e = _best_feasible(replace(w, seq_length=mid * unit), hw, fx, a, caps)
             if e is not None:
                 lo, best = mid, e
             else:
@@ -348,7 +364,8 @@ def _suggest_for_memory(w: Workload, hw: HardwareSpec, fx: Dict[str, Any],
 
 
 def diagnose(w: Workload, hw: HardwareSpec, fx: Dict[str, Any], a: Assumptions,
-             evaluated: List[Estimate], rej: Rejections) -> PlannerError:
+             evaluated: List[Estimate], rej: Rejections,
+             caps: Optional[Capabilities] = None) -> PlannerError:
     """Explain why no layout is feasible: the binding limit and what would fit."""
     what = (f"{w.model.name} at --seq-length {w.seq_length} on --gpus {w.world_size} "
             f"({w.gpus_per_node} per node) of {hw.gpu_memory_gib:.0f} GiB")
@@ -363,6 +380,7 @@ def diagnose(w: Workload, hw: HardwareSpec, fx: Dict[str, Any], a: Assumptions,
             "ulysses-heads": "attention heads", "ulysses-kv-heads": "KV heads",
             "seq-divisible": "sequence length", "tp-inside-node": "GPUs per node",
             "pp-layers": "layers", "batch": "global batch", "sp-with-zero": "ZeRO stage",
+            "not-runnable": "what pretrain_gpt.py can run here",
         }
         details = "; ".join(f"{k}: {rej.examples[k]}" for k in counts)
         rule = rules.RULES.get(binding)
@@ -372,12 +390,12 @@ def diagnose(w: Workload, hw: HardwareSpec, fx: Dict[str, Any], a: Assumptions,
             f"{cite} - {rej.examples[binding]}. All rejections: {details}",
             names.get(binding, binding), [rej.examples[binding]])
     closest = min(evaluated, key=lambda e: e.memory.total)
-    suggestions = _suggest_for_memory(w, hw, fx, a)
+    suggestions = _suggest_for_memory(w, hw, fx, a, caps or installed_capabilities())
     tried = []
     if "recompute" not in fx:
         tried.append("full recompute")
     if "zero_stage" not in fx:
-        tried.append("ZeRO-3")
+        tried.append(f"ZeRO-{max((caps or installed_capabilities()).zero_stages)}")
     msg = (f"no layout of {what} fits in memory"
            + (f" (with {' and '.join(tried)} considered)" if tried else "")
            + f": the smallest, {closest.layout.short()}, needs {closest.memory.total:.1f} GiB "

@@ -22,15 +22,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import sys
 from typing import List, Optional, Sequence
 
 from megatron.training.memory_args import add_memory_args, validate_memory_args
-from megatron.usp.fused_kernels import (
+from megatron.usp.backend_names import (
+    BACKEND_NAMES,
     FUSED_KERNEL_CHOICES,
     FusedKernelsUnavailable,
+    backend_problem,
     resolve_fused_kernels,
 )
-from megatron.usp.kernels import BACKEND_NAMES
 from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
 
 DEFAULT_LOSS_CHUNK_TOKENS = 8192
@@ -350,8 +353,42 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="write the memory snapshot after this iteration (1-based)")
 
 
+def launch_rank() -> int:
+    """This process's global rank as the launcher set it (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors (exit status 2) only rank 0 prints: under
+    torchrun every rank parses the same command line and fails alike."""
+
+    def error(self, message: str):
+        if launch_rank() == 0:
+            self.print_usage(sys.stderr)
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2)
+
+
+# A float with an exponent, which argparse (Python < 3.12) takes for a flag when negative.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _join_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
+    """``--lr -1e-3`` -> ``--lr=-1e-3``, so that a negative value reaches validation (which
+    names the flag) instead of argparse's "expected one argument"."""
+    takes_value = {opt for a in parser._actions if a.nargs is None and a.option_strings
+                   for opt in a.option_strings}
+    out: List[str] = []
+    for token in argv:
+        if (out and out[-1] in takes_value and _NEGATIVE_NUMBER.match(token)):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pretrain_gpt.py",
         usage="torchrun --nproc-per-node N %(prog)s [flags, grouped below]",
         description="GPT pretraining with Unified Sequence Parallelism (Ulysses x Ring) on "
@@ -372,7 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse ``argv`` (default ``sys.argv[1:]``); no validation (see :func:`validate_args`)."""
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    return parser.parse_args(_join_negative_values(parser, sys.argv[1:] if argv is None
+                                                   else list(argv)))
 
 
 # --------------------------------------------------------------------------- validation
@@ -510,7 +549,10 @@ def _derive_batch(args) -> None:
 def _validate_training(args) -> None:
     _require(args, ["train_iters", "lr"])
     _check_positive(args, ["train_iters", "exit_interval"])
-    _check_positive(args, ["lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_iters",
+    if not args.lr > 0:  # also catches NaN
+        raise ArgumentsError(f"--lr {args.lr} must be > 0 (with --lr 0 nothing would train); "
+                             f"e.g. --lr 3e-4")
+    _check_positive(args, ["min_lr", "weight_decay", "clip_grad", "lr_warmup_iters",
                            "lr_warmup_init", "adam_eps"], allow_zero=True)
     if args.min_lr > args.lr:
         raise ArgumentsError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
@@ -610,6 +652,21 @@ def _validate_data_flags(args) -> None:
                              f"the data was preprocessed with)")
 
 
+def _validate_split(args) -> None:
+    """Validation asked for (``--eval-iters`` > 0) needs data in the validation split."""
+    from megatron.training.data_config import DataConfigError, parse_split
+
+    try:
+        weights = parse_split(args.split)
+    except DataConfigError as exc:
+        raise ArgumentsError(str(exc)) from None
+    if args.eval_iters and weights[1] == 0:
+        raise ArgumentsError(
+            f"--split {args.split} gives the validation split no data, but --eval-iters "
+            f"{args.eval_iters} asks for validation; give it a weight (e.g. --split 969,30,1) "
+            f"or pass --eval-iters 0 to train without validation")
+
+
 def _validate_checkpointing(args) -> None:
     _check_positive(args, ["save_interval", "log_interval", "eval_interval"])
     _check_positive(args, ["eval_iters", "ckpt_step"], allow_zero=True)
@@ -683,6 +740,10 @@ def _validate_device(args, cuda_available: bool) -> None:
                                                         args.device == "cuda")
     except FusedKernelsUnavailable as exc:
         raise ArgumentsError(str(exc)) from None
+    # A missing kernel package is found here, not after the process groups exist.
+    problem = backend_problem(args.attention_backend, args.device)
+    if problem:
+        raise ArgumentsError(problem)
 
 
 def _validate_precision(args) -> None:
@@ -719,6 +780,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     _validate_training(args)
     _validate_data_flags(args)
     _validate_checkpointing(args)
+    _validate_split(args)
     _validate_parallel(args, world_size)
     return args
 

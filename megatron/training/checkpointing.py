@@ -19,16 +19,25 @@ checkpoint that loads as valid:
 1. rank 0 empties ``iter_N.tmp``; barrier;
 2. every rank writes its shards into ``iter_N.tmp`` (megatron-core fsyncs each file and
    writes ``metadata.json`` last, behind a barrier);
-3. barrier; rank 0 fsyncs every file and the directory, renames ``iter_N.tmp`` to
+3. barrier; every rank hashes its share of the files (XXH3-128,
+   :mod:`megatron.training.checksums`) and rank 0 writes ``checksums.json``;
+4. rank 0 fsyncs every file and the directory, renames ``iter_N.tmp`` to
    ``iter_N`` (atomic on POSIX), fsyncs ``SAVE``, then writes the tracker to a temporary
    file, fsyncs it and ``os.replace``-s it over ``latest_checkpointed_iteration.txt``;
-4. barrier.
+5. barrier.
+
+A failure at any step (a full disk, a read-only remount) raises
+:class:`~megatron.training.checkpoint_faults.CheckpointSaveError` on every rank (rank-0-only
+steps broadcast their outcome), whose message names the directory, the room needed and
+the last complete checkpoint, which nothing touched.
 
 Loading (:func:`load_checkpoint`) only ever opens a directory without the ``.tmp``
 suffix, named by the tracker (or ``--ckpt-step``), after rank 0 checked that it is complete
 (every file PyTorch's ``.metadata`` refers to exists and is long enough) and broadcast the
-verdict, so a bad ``--load`` fails on every rank with the same message before any
-collective of the load itself.
+verdict, and every rank verified its share of the checksums, so a bad ``--load`` fails on
+every rank with the same message (naming the file, and the older complete checkpoints
+with the ``--ckpt-step`` that loads one) before any collective of the load itself. A
+checkpoint of another model shape is refused naming the flags (:func:`check_model_matches`).
 
 Saved beside model and optimizer: the LR scheduler, the iteration, the consumed train and
 validation samples (the data position), the arguments, and each rank's RNG states
@@ -49,8 +58,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.training import checksums
+from megatron.training.checkpoint_faults import (
+    CheckpointSaveError,
+    directory_bytes,
+    save_failure_message,
+)
 from megatron.training.model import unwrap
+from megatron.training.process_guard import children_ignore_sigterm
 from megatron.usp.parallel_dims import ORDER, ParallelDims
 from megatron.usp.parallel_state import USPGroups
 
@@ -198,8 +215,62 @@ def locate_checkpoint(load: str, save: Optional[str], ckpt_step: Optional[int]
     try:
         verify_complete(path)
     except CheckpointError as exc:
-        raise CheckpointError(f"--load {load} (iteration {iteration}): {exc}") from None
+        raise CheckpointError(f"--load {load} (iteration {iteration}): {exc}"
+                              f"{older_hint(load, iteration)}") from None
     return iteration, path
+
+
+def complete_iterations(root: str, below: Optional[int] = None) -> List[int]:
+    """Published iterations (below ``below``) whose files pass :func:`verify_complete`
+    (sizes only; checksums are verified when one is loaded)."""
+    out = []
+    for it in published_iterations(root):
+        if below is not None and it >= below:
+            continue
+        try:
+            verify_complete(iteration_dir(root, it))
+        except CheckpointError:
+            continue
+        out.append(it)
+    return out
+
+
+def older_hint(root: str, iteration: int) -> str:
+    """"; older complete checkpoints: ... pass --ckpt-step N" (empty when there is none)."""
+    older = complete_iterations(root, below=iteration)
+    if not older:
+        return f"; {root} holds no older complete checkpoint"
+    return (f"; older complete checkpoint(s) in {root}: iteration(s) {older}; to resume from "
+            f"the newest, pass --load {root} --ckpt-step {older[-1]}")
+
+
+def verify_checksums_on_all_ranks(load: str, iteration: int, path: str) -> None:
+    """Every rank verifies its share of the checkpoint's files against ``checksums.json``;
+    a mismatch raises the same CheckpointError, naming the file, on every rank. A
+    checkpoint saved before checksums existed loads with a warning."""
+    problem: Optional[str] = None
+    try:
+        manifest = checksums.read_manifest(path)
+        if manifest is None:
+            if dist.get_rank() == 0:
+                logger.warning("%s has no %s (saved before checksums): its bytes are not "
+                               "verified", path, checksums.MANIFEST)
+            return
+        names = sorted(manifest)
+        problem = checksums.verify_files(
+            path, manifest, checksums.files_of_rank(names, dist.get_rank(),
+                                                    dist.get_world_size()))
+    except (checksums.ChecksumMismatch, OSError) as exc:
+        problem = str(exc)
+    found: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    problems = [p for p in found if p]
+    if problems:
+        hint = older_hint(load, iteration) if dist.get_rank() == 0 else ""
+        box = [hint]
+        dist.broadcast_object_list(box, src=0)
+        raise CheckpointError(f"--load {load} (iteration {iteration}): checkpoint {path} is "
+                              f"corrupt: {problems[0]}{box[0]}")
 
 
 def locate_checkpoint_on_all_ranks(args) -> Optional[Tuple[int, str]]:
@@ -214,6 +285,8 @@ def locate_checkpoint_on_all_ranks(args) -> Optional[Tuple[int, str]]:
     status, value = verdict[0]
     if status == "error":
         raise CheckpointError(value)
+    if value is not None:
+        verify_checksums_on_all_ranks(args.load, *value)
     return value
 
 
@@ -362,6 +435,64 @@ def _restore_adam_steps(optimizer, loaded: Any) -> None:
                 param_state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
+# Flags that shape the model's tensors: a checkpoint loads only into the same values.
+MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "kv_heads", "kv_channels", "swiglu", "normalization",
+                    "disable_bias_linear", "untie_embeddings_and_output_weights",
+                    "position_embedding_type", "padded_vocab_size")
+
+
+def _shape_value(values: Dict[str, Any], key: str):
+    if key == "kv_heads":  # --num-query-groups counts only with --group-query-attention
+        return (values.get("num_query_groups") if values.get("group_query_attention")
+                else values.get("num_attention_heads"))
+    return values.get(key)
+
+
+def _flag_text(key: str, value) -> str:
+    if key == "kv_heads":
+        return f"--group-query-attention --num-query-groups {value}"
+    if key == "padded_vocab_size":
+        return (f"a padded vocabulary of {value} (the tokenizer's vocabulary rounded up to "
+                f"--make-vocab-size-divisible-by x TP)")
+    flag = "--" + key.replace("_", "-")
+    return flag if value is True else f"no {flag}" if value is False else f"{flag} {value}"
+
+
+def model_mismatches(saved_args: Dict[str, Any], args) -> List[str]:
+    """'--hidden-size 64 (this run: 128)' for each model flag that differs from the
+    checkpoint's (flags the checkpoint did not record are not compared)."""
+    now = vars(args)
+    out = []
+    for key in MODEL_SHAPE_ARGS:
+        if key != "kv_heads" and key not in saved_args:
+            continue
+        saved, current = _shape_value(saved_args, key), _shape_value(now, key)
+        if saved is not None and saved != current:
+            out.append(f"{_flag_text(key, saved)} (this run: {_flag_text(key, current)})")
+    if (saved_args.get("position_embedding_type") == "learned_absolute"
+            and saved_args.get("max_position_embeddings") not in (None,
+                                                                  args.max_position_embeddings)):
+        out.append(f"--max-position-embeddings {saved_args['max_position_embeddings']} (this "
+                   f"run: {args.max_position_embeddings})")
+    return out
+
+
+def check_model_matches(saved_args: Dict[str, Any], args, path: str) -> None:
+    """Refuse a checkpoint of another model shape before megatron-core's load (which
+    would fail with a "Global shape mismatch" traceback per tensor, naming no flag); say
+    in one line when only ``--seq-length`` changed."""
+    wrong = model_mismatches(saved_args, args)
+    if wrong:
+        raise CheckpointError(
+            f"--load {path}: the checkpoint holds another model; it was saved with "
+            f"{'; '.join(wrong)}. Pass the checkpoint's values, or --load another checkpoint")
+    saved_seq = saved_args.get("seq_length")
+    if saved_seq is not None and saved_seq != args.seq_length and dist.get_rank() == 0:
+        print(f"note: the checkpoint was trained with --seq-length {saved_seq}; this run "
+              f"continues it with --seq-length {args.seq_length}", flush=True)
+
+
 def _check_optimizer_compatible(saved_args: Dict[str, Any], args, path: str) -> None:
     """The optimizer state of a checkpoint loads into the same kind of optimizer only."""
     saved = bool(saved_args.get("use_distributed_optimizer"))
@@ -386,38 +517,116 @@ def _save_strategy(groups: USPGroups):
 
 
 # --------------------------------------------------------------------------- save / load
+def _on_rank_0(step) -> None:
+    """Run ``step()`` on rank 0 and raise its error on every rank (a rank-0-only file
+    operation that fails must not leave the others waiting in the next barrier)."""
+    verdict: List[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            step()
+        except OSError as exc:
+            verdict[0] = exc
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        verdict[0].raised_on_rank_0 = True  # the other ranks only relay it
+        raise verdict[0]
+
+
+def _prepare_tmp(root: str, final: str, tmp: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    for stale in (tmp, final):
+        if os.path.exists(stale):
+            shutil.rmtree(stale)
+    os.makedirs(tmp)
+
+
+def _publish(root: str, final: str, tmp: str, iteration: int) -> None:
+    _fsync_tree(tmp)
+    os.rename(tmp, final)
+    _fsync_path(root)
+    write_tracker(root, iteration)
+
+
+def write_checksums(tmp: str) -> None:
+    """Hash the checkpoint's files (each rank its share, :func:`checksums.files_of_rank`)
+    and write the manifest on rank 0. Collective."""
+    names = checksums.checkpoint_files(tmp) if dist.get_rank() == 0 else None
+    box = [names]
+    dist.broadcast_object_list(box, src=0)
+    mine = checksums.files_of_rank(box[0], dist.get_rank(), dist.get_world_size())
+    parts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, checksums.hash_files(tmp, mine))
+    entries = {k: v for part in parts for k, v in part.items()}
+    _on_rank_0(lambda: checksums.write_manifest(tmp, entries))
+
+
 def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
                     groups: USPGroups, device: torch.device,
-                    resolved_args: Optional[Dict[str, Any]] = None) -> str:
-    """Write ``SAVE/iter_N`` and point the tracker at it (see the module docstring).
+                    resolved_args: Optional[Dict[str, Any]] = None,
+                    with_checksums: bool = True) -> str:
+    """Write ``SAVE/iter_N`` (with its checksums) and point the tracker at it (see the
+    module docstring). ``with_checksums=False`` only serves to measure their cost
+    (megatron/bench/checkpoint_cost.py); such a checkpoint loads unverified.
 
     The stored args are :func:`plain_args` of ``args`` and ``resolved_args``. Collective
-    over the world; returns the published directory.
+    over the world; returns the published directory. A failure (a full disk, a read-only
+    ``--save``) raises :class:`CheckpointSaveError` on every rank, naming the directory,
+    the room needed and the last complete checkpoint, which is untouched.
     """
     from megatron.core import dist_checkpointing
 
     root, it = args.save, train_state.iteration
     final = iteration_dir(root, it)
     tmp = final + TMP_SUFFIX
-    if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        for stale in (tmp, final):
-            if os.path.exists(stale):
-                shutil.rmtree(stale)
-        os.makedirs(tmp)
-    dist.barrier()
-    state = _state_dict(args, model, optimizer, scheduler, train_state,
-                        get_rng_state(device), is_loading=False, with_optimizer=True,
-                        with_rng=True, resolved_args=resolved_args)
-    dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-        _fsync_path(root)
-        write_tracker(root, it)
+    published = [i for i in published_iterations(root) if i != it]
+    previous = iteration_dir(root, published[-1]) if published else None
+    try:
+        _on_rank_0(lambda: _prepare_tmp(root, final, tmp))
+        state = _state_dict(args, model, optimizer, scheduler, train_state,
+                            get_rng_state(device), is_loading=False, with_optimizer=True,
+                            with_rng=True, resolved_args=resolved_args)
+        with children_ignore_sigterm():  # the writer's helpers must outlive a group SIGTERM
+            dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
+        dist.barrier()
+        if with_checksums:
+            write_checksums(tmp)
+        _on_rank_0(lambda: _publish(root, final, tmp, it))
+    except (OSError, RuntimeError, CheckpointException) as exc:
+        message, storage = save_failure_message(it, final, root, previous, exc,
+                                                directory_bytes(tmp))
+        # Rank 0 holds every rank's failure (megatron-core gathers them there); a rank
+        # that met a storage error itself also says so, in case rank 0 did not.
+        own = dist.get_rank() == 0 or (isinstance(exc, OSError)
+                                        and not getattr(exc, "raised_on_rank_0", False))
+        raise CheckpointSaveError(message, primary=storage and own) from exc
     dist.barrier()
     return final
+
+
+def start_writer_manager() -> None:
+    """Start megatron-core's checkpoint-writer ``Manager`` now, with SIGTERM ignored.
+
+    megatron-core spawns it at the first save (``filesystem_async._get_write_results_queue``)
+    and keeps it for the life of the rank; a spawned process starts with default signal
+    handlers, but an ignored signal stays ignored across exec. Started here (main thread,
+    before the loop's SIGTERM handler exists), it outlives the group-wide SIGTERM of
+    torchrun's shutdown or Slurm's time limit, so the save the rank then makes works; it
+    ends with the rank (or by its guard). Without that function (another megatron-core)
+    nothing is done and the Manager starts at the first save, as before.
+    """
+    import multiprocessing
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    start = getattr(filesystem_async, "_get_write_results_queue", None)
+    if start is None or multiprocessing.current_process().daemon:
+        return  # (a daemonic test rank may not start processes; it saves under torchrun)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        start()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -446,6 +655,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Resume:
         return Resume(TrainState())
     iteration, path = found
     common = dist_checkpointing.load_common_state_dict(path)
+    check_model_matches(common.get("args", {}), args, path)
     same_grid = common.get("grid") == grid_of(args)
     with_optimizer = not (args.finetune or args.no_load_optim)
     if with_optimizer:

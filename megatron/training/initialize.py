@@ -2,7 +2,9 @@
 
 1. :func:`launch_env` reads rank and world size (torchrun's environment, an already
    initialised process group, or a single process);
-2. ``validate_args`` checks every flag on every rank, before any process group exists;
+2. ``validate_args`` checks every flag on every rank, before any process group exists,
+   and :func:`~megatron.training.output_paths.check_output_paths` that ``--save``, the
+   metrics file's folder and ``--tensorboard-dir`` can be written;
 3. :func:`init_process_group` (gloo on CPU, NCCL on GPU) unless the caller already did;
 4. the CPU shims (:func:`megatron.usp.cpu_shims.apply_cpu_shims`) on a machine without CUDA;
 5. the data source (:func:`resolve_data_source`: the default corpus is built here when no
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import padded_vocab_size, resolve_auto_layout, validate_args
+from megatron.training.output_paths import check_output_paths
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import USPGroups, initialize_usp_parallel
 
@@ -164,6 +167,7 @@ def initialize(args) -> Runtime:
 
     rank, world, local_rank = launch_env()
     validate_args(args, world)
+    check_output_paths(args)
     device, owns = init_process_group(args, rank, world, local_rank)
     rt = Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device,
                  device_name=torch.cuda.get_device_name(device) if device.type == "cuda"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from megatron.usp.activation_offload import OFFLOAD_CHOICES
+from megatron.usp.backend_names import OFFLOAD_CHOICES
 
 FSDP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DEFAULT_OFFLOAD_FRACTION = 1.0

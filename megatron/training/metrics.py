@@ -10,7 +10,8 @@
   console shows the maximum over ranks. ``host_mem_gib`` (:func:`peak_host_memory_gib`): the
   process's peak RSS, pinned host buffers of activation and optimizer offload included.
 * :class:`MetricsWriter` writes what one logging rank reports: the Megatron-style console
-  line every ``--log-interval``, one JSON line per iteration (``--metrics-file``, read by
+  line every ``--log-interval`` (its lm loss and grad norm are means over the interval's
+  applied steps, and say so), one JSON line per iteration (``--metrics-file``, read by
   ``tools/compare_loss.py``) and TensorBoard scalars (``--tensorboard-dir``).
 
 Metrics-file records (one JSON object per line, ``kind`` says which)::
@@ -214,8 +215,10 @@ class MetricsWriter:
             f" throughput per GPU (TFLOP/s/GPU): {rates['tflops_per_gpu']:.2f} |"
             f" MFU: {_fmt_mfu(rates['mfu'])} |"
             f" learning rate: {last.lr:.6E} |"
-            f" lm loss: {loss:.6E} |"
-            f" grad norm: {(sum(norms) / len(norms)) if norms else float('nan'):.3f} |"
+            # Means over the interval's applied steps (Megatron-LM's convention), labelled so:
+            # the metrics file and tools/compare_loss.py use each iteration's own value.
+            f" lm loss (mean of {len(done)} iter{'' if len(done) == 1 else 's'}): {loss:.6E} |"
+            f" grad norm (mean): {(sum(norms) / len(norms)) if norms else float('nan'):.3f} |"
             f" number of skipped iterations: {len(win) - len(done):3d} |"
             f" mem (GiB): {mem_gib:.2f} |"
         )

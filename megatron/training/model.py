@@ -106,6 +106,9 @@ def transformer_config_from_args(args):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # No CUDA graphs: megatron-core's default scope "full" only earns a deprecation
+        # warning per model build; [] is its non-deprecated spelling of the same.
+        cuda_graph_scope=[],
     )
 
 

@@ -47,6 +47,7 @@ from megatron.training.checkpointing import (
     plain_args,
     save_checkpoint,
     set_rng_state,
+    start_writer_manager,
 )
 from megatron.training.initialize import Runtime, initialize, shutdown
 from megatron.training.memory_snapshot import MemoryHistory
@@ -59,6 +60,7 @@ from megatron.training.metrics import (
     peak_memory_gib,
 )
 from megatron.training.model import build_model, count_parameters
+from megatron.training.process_guard import children_ignore_sigterm
 from megatron.training.profiling import StepProfiler
 from megatron.usp.parallel_state import USPGroups
 
@@ -80,8 +82,29 @@ def _input_errors():
 
 
 INPUT_ERRORS = _input_errors()
-"""Start-up errors caused by the user's input (flags, layout, data, ``--load``); raised
-identically on every rank before any collective that could hang."""
+"""Start-up errors caused by the user's input (flags, layout, data, ``--save``, ``--load``);
+raised identically on every rank before any collective that could hang."""
+
+
+def _run_errors():
+    from megatron.training.checkpointing import CheckpointSaveError
+
+    return INPUT_ERRORS + (NonFiniteLossError, CheckpointSaveError)
+
+
+RUN_ERRORS = _run_errors()
+"""Every error ``pretrain_gpt.py`` reports in one line instead of a traceback."""
+
+
+def exit_status(exc: BaseException) -> int:
+    """2 for bad input (:data:`INPUT_ERRORS`), 1 for the other :data:`RUN_ERRORS`."""
+    return 2 if isinstance(exc, INPUT_ERRORS) else 1
+
+
+def reported_here(exc: BaseException, rank: int) -> bool:
+    """Whether this rank prints ``exc``: rank 0 (every rank raises the same start-up and
+    loss errors), and a rank where a save fault arose itself (it may be the only one)."""
+    return rank == 0 or bool(getattr(exc, "primary", False))
 
 
 @dataclass
@@ -190,12 +213,15 @@ def build_data_iterators(args, rt: Runtime, state: TrainState):
              None]
     train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer, sizes)
     dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
-    train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
-                                state.consumed_train_samples, args.num_workers)
-    valid = None
-    if args.eval_iters and valid_ds is not None:
-        valid = build_data_iterator(valid_ds, args.micro_batch_size, dp_rank, dp_size,
-                                    state.consumed_valid_samples, args.num_workers)
+    # The (persistent) DataLoader workers start here; a group-wide SIGTERM is the rank's to
+    # handle (it saves at the end of the iteration), not theirs to die of.
+    with children_ignore_sigterm():
+        train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
+                                    state.consumed_train_samples, args.num_workers)
+        valid = None
+        if args.eval_iters and valid_ds is not None:
+            valid = build_data_iterator(valid_ds, args.micro_batch_size, dp_rank, dp_size,
+                                        state.consumed_valid_samples, args.num_workers)
     return train, valid
 
 
@@ -258,12 +284,50 @@ def train_step(args, rt: Runtime, step_fn: Callable, data_iterator, model, optim
                 f"step (lower --lr, check the data, or pass --skip-nan-steps to skip such "
                 f"steps)")
         return loss, None, True
-    updated, grad_norm, _ = optimizer.step()
-    if grad_norm is not None and not math.isfinite(grad_norm):
-        raise NonFiniteLossError(
-            f"iteration {iteration}: grad norm is {grad_norm} with a finite loss {loss}; the "
-            f"weights are no longer finite (lower --lr or set --clip-grad)")
+    updated, grad_norm = guarded_optimizer_step(optimizer)
+    if not math.isfinite(grad_norm):
+        if not args.skip_nan_steps:
+            raise NonFiniteLossError(nonfinite_grad_message(iteration, grad_norm, loss,
+                                                            args.clip_grad))
+        return loss, grad_norm, True
     return loss, grad_norm, not updated
+
+
+def guarded_optimizer_step(optimizer):
+    """megatron-core's optimizer step, refused for a non-finite grad norm.
+
+    The steps of ``MegatronOptimizer.step`` (``prepare_grads``, the grad norm over the
+    model- and data-parallel groups, clipping by that norm, ``step_with_ready_grads``),
+    with the norm checked before anything is applied: megatron-core applies a NaN step
+    unless a loss scaler found it. Returns (updated, grad norm); the norm is the same on
+    every rank (it is all-reduced), so every rank skips alike.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():  # a loss scaler found inf/nan (fp16 only)
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = sub.get_parameters()
+        if params and sub.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(
+                params, sub.config.clip_grad, grad_norm,
+                sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), grad_norm
+
+
+def nonfinite_grad_message(iteration: int, grad_norm: float, loss: float,
+                           clip_grad: float) -> str:
+    """The stop message for a NaN/inf grad norm under a finite loss."""
+    if clip_grad > 0:
+        advice = (f"--clip-grad {clip_grad} is set, but clipping cannot mend a NaN/inf "
+                  f"gradient; lower --lr, check the data, or pass --skip-nan-steps")
+    else:
+        advice = "lower --lr, set --clip-grad 1.0, or pass --skip-nan-steps"
+    return (f"iteration {iteration}: grad norm is {grad_norm} with a finite lm loss {loss}; "
+            f"stopping before the optimizer step (the weights are unchanged): {advice}")
 
 
 def evaluate(args, rt: Runtime, step_fn: Callable, data_iterator, model) -> float:
@@ -369,7 +433,8 @@ class _Loop:
         if skipped:
             st.skipped_iterations += 1
             self.result.skipped_iterations.append(it)
-            print_rank_0(self.rt, f"iteration {it}: lm loss {loss}, optimizer step skipped "
+            what = f"grad norm {grad_norm}" if math.isfinite(loss) else f"lm loss {loss}"
+            print_rank_0(self.rt, f"iteration {it}: {what}, optimizer step skipped "
                                   f"(--skip-nan-steps)")
         else:
             self.scheduler.step(increment=args.global_batch_size)
@@ -460,6 +525,8 @@ def pretrain(args: argparse.Namespace,
     try:
         rt = initialize(args)
         memory = MemoryHistory(args, rt.rank, rt.device)
+        if args.save:
+            start_writer_manager()
         model = build_model(args, rt.groups)
         _wire_grad_sync(model)
         optimizer = build_optimizer(args, model)

@@ -56,7 +56,7 @@ Tensor = torch.Tensor
 
 DEFAULT_PREFETCH = 2
 MIN_OFFLOAD_BYTES = 1 << 20   # smaller tensors are not worth a copy (megatron-core's default)
-OFFLOAD_CHOICES = ("layer_input", "core_attn")
+from megatron.usp.backend_names import OFFLOAD_CHOICES  # noqa: E402  (torch-free, for --help)
 
 
 @dataclass(frozen=True)

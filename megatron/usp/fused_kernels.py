@@ -24,6 +24,9 @@ for RoPE):
     ``torch``. Which one won, op by op, on an H200 is measured by
     ``tools/bench_fused_kernels.py`` (docs/performance.md).
 
+The names, the per-op table and :func:`resolve_fused_kernels` live in the torch-free
+:mod:`megatron.usp.backend_names` (``--help`` and start-up checks import no torch).
+
 Every implementation computes the same function: the tests check ``compile`` and the
 plain path against float64 references on the CPU, and ``liger`` against ``torch`` in bf16 on
 a GPU within bf16's own error. :func:`resolve_fused_kernels` is pure (it only asks whether
@@ -34,66 +37,23 @@ start-up, naming the flag.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-FUSED_KERNEL_CHOICES: Tuple[str, ...] = ("auto", "liger", "compile", "torch")
-LIGER_INSTALL = "pip install liger-kernel   (or pip install -e .[peers])"
+from megatron.usp.backend_names import (  # noqa: F401  (re-exported: the choices live there)
+    FUSED_KERNEL_CHOICES,
+    LIGER_INSTALL,
+    OP_IMPL,
+    FusedKernelsUnavailable,
+    liger_importable,
+    op_impl,
+    resolve_fused_kernels,
+)
 
 Tensor = torch.Tensor
-
-
-# The implementation each choice uses per op, by measurement (tools/bench_fused_kernels.py,
-# one H200, the 0.85B model's shapes at 32K and 64K tokens, forward + backward; the table is in
-# docs/performance.md): PyTorch's own fused RMSNorm kernel (0.24 ms at 32K) beat Liger's
-# (0.74 ms) and Inductor's (0.38 ms), so RMSNorm stays PyTorch's under every choice; Liger's
-# SwiGLU (0.79 ms) and RoPE (0.76 ms) beat megatron-core's TorchScript SwiGLU (1.01 ms), its
-# unfused RoPE (2.54 ms) and Inductor's (1.05 / 0.90 ms).
-OP_IMPL = {
-    "torch": {"rms_norm": "torch", "swiglu": "torch", "rope": "torch"},
-    "compile": {"rms_norm": "torch", "swiglu": "compile", "rope": "compile"},
-    "liger": {"rms_norm": "torch", "swiglu": "liger", "rope": "liger"},
-}
-
-
-def op_impl(choice: str, op: str) -> str:
-    """The kernel of ``op`` (rms_norm, swiglu, rope) under a resolved ``--fused-kernels``."""
-    return OP_IMPL[choice][op]
-
-
-class FusedKernelsUnavailable(ValueError):
-    """``--fused-kernels`` names an implementation that cannot run here."""
-
-
-def liger_importable() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-def resolve_fused_kernels(name: str, cuda: bool) -> str:
-    """The implementation ``--fused-kernels name`` means on this machine.
-
-    Raises:
-        FusedKernelsUnavailable: an unknown name, ``liger`` without the package or without
-            CUDA, ``compile`` without CUDA; the message names the flag and a valid value.
-    """
-    if name not in FUSED_KERNEL_CHOICES:
-        raise FusedKernelsUnavailable(
-            f"--fused-kernels {name!r} is not known; choose one of {list(FUSED_KERNEL_CHOICES)}")
-    if name == "auto":
-        return ("liger" if liger_importable() else "compile") if cuda else "torch"
-    if name in ("liger", "compile") and not cuda:
-        raise FusedKernelsUnavailable(
-            f"--fused-kernels {name} runs Triton kernels, which need a CUDA GPU; on the CPU use "
-            f"--fused-kernels torch (or auto)")
-    if name == "liger" and not liger_importable():
-        raise FusedKernelsUnavailable(
-            f"--fused-kernels liger needs Liger's kernels: {LIGER_INSTALL}; or use "
-            f"--fused-kernels auto")
-    return name
 
 
 # --------------------------------------------------------------------------- plain math

@@ -59,15 +59,11 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.usp.backend_names import BACKEND_NAMES, INSTALL_HINTS
+
 Tensor = torch.Tensor
 
-BACKEND_NAMES: Tuple[str, ...] = ("auto", "torch", "math", "flash-attn", "te")
-
-_INSTALL_HINTS: Dict[str, str] = {
-    "flash-attn": "pip install flash-attn --no-build-isolation  (FlashAttention-2 >= 2.6), or "
-    "build FlashAttention-3 from flash-attention/hopper (module flash_attn_interface)",
-    "te": "pip install --no-build-isolation transformer-engine[pytorch]",
-}
+_INSTALL_HINTS = INSTALL_HINTS
 
 
 class AttentionBackendUnavailable(RuntimeError):

@@ -31,8 +31,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from megatron.usp.token_layout import seq_length_problem
-
 ORDER: Tuple[str, ...] = ("tp", "ulysses", "ring", "dp", "pp")
 
 FLAGS: Dict[str, str] = {
@@ -136,13 +134,29 @@ class ParallelDims:
         rings = [r for r in divisors(self.world_size) if self.world_size % (others * r) == 0]
         ulysses = [u for u in divisors(self.world_size)
                    if self.world_size % (self.tp * u * self.ring * self.pp) == 0]
-        fix = (f"--ring-degree could be one of {rings}" if rings else
-               f"--ulysses-degree could be one of {ulysses} with --ring-degree {self.ring}"
-               if ulysses else "no degree fits")
+        if rings:
+            fix = f"with the other degrees kept, --ring-degree could be one of {rings}"
+        elif ulysses:
+            fix = (f"with the other degrees kept, --ulysses-degree could be one of {ulysses} "
+                   f"with --ring-degree {self.ring}")
+        else:
+            fix = self._other_context_splits()
+        larger = -(-self.world_size // need) * need
         return (f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
                 f"{self.tp} x --ulysses-degree {self.ulysses} x --ring-degree {self.ring} x "
-                f"--pipeline-model-parallel-size {self.pp} = {need}; with the other degrees "
-                f"kept, {fix}, or launch a multiple of {need} processes")
+                f"--pipeline-model-parallel-size {self.pp} = {need}; {fix}, or launch a "
+                f"multiple of {need} processes (e.g. {larger})")
+
+    def _other_context_splits(self) -> str:
+        """What fits when neither degree alone can change: other U x R pairs at this TP and
+        PP, or other TP x PP."""
+        model = self.tp * self.pp
+        if self.world_size % model:
+            return (f"--tensor-model-parallel-size {self.tp} x --pipeline-model-parallel-size "
+                    f"{self.pp} = {model} alone does not divide it")
+        room = self.world_size // model
+        pairs = [f"--ulysses-degree {u} --ring-degree {room // u}" for u in divisors(room)]
+        return f"a context-parallel split that fits is one of: {'; '.join(pairs)}"
 
     @classmethod
     def from_flags(cls, world_size: int, tensor_model_parallel_size: int = 1,
@@ -236,6 +250,10 @@ class ParallelDims:
                     f"--pipeline-model-parallel-size {self.pp}; use one of "
                     f"{divisors(model.num_layers)}")))
         if seq_length is not None:
+            # Imported here: token_layout needs torch, which `pretrain_gpt.py --help` should
+            # not wait for.
+            from megatron.usp.token_layout import seq_length_problem
+
             problem = seq_length_problem(seq_length, self.cp, "--seq-length")
             if problem:
                 out.append(Violation("seq-divisible", problem))

@@ -176,3 +176,22 @@ def test_bench_e2e_tiny_model_under_torchrun(tmp_path):
     assert payload["metadata"]["device"]["type"] == "cpu"
     assert "| 128 | megatron-usp | 1x2 | none | ok |" in md.read_text()
     assert res.stdout.count("[bench_e2e] S=128 U1xR2") == 1
+
+
+def test_bench_checkpoint_tiny_model_on_the_cpu(tmp_path):
+    """tools/bench_checkpoint.py (the device script docs/perf/device_calls/checksum_h200.sh
+    runs it at 0.85B) saves with and without checksums and verifies one checkpoint."""
+    out = tmp_path / "cost.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_checkpoint.py"),
+                           "--model", "tiny", "--seq-length", "64", "--saves", "1",
+                           "--save-dir", str(tmp_path / "ckpt"), "--out", str(out)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny" and result["checkpoint_bytes"] > 0
+    assert [len(v) for v in result["save_s"].values()] == [1, 1]
+    assert result["verify_s"] > 0 and "overhead" in result
+    assert not (tmp_path / "ckpt").exists()  # the saves are removed

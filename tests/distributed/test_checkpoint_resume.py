@@ -99,6 +99,13 @@ def test_straight_run_published_checkpoints(straight_run):
     from megatron.training.corpus import ensure_default_corpus
 
     verify_complete(str(ckpt / "iter_0000005"))
+    # Every file of a published checkpoint has its checksum, and they match.
+    from megatron.training import checksums
+
+    manifest = checksums.read_manifest(str(ckpt / "iter_0000005"))
+    names = checksums.checkpoint_files(str(ckpt / "iter_0000005"))
+    assert sorted(manifest) == names and any(n.endswith(".distcp") for n in names)
+    assert checksums.verify_files(str(ckpt / "iter_0000005"), manifest, names) is None
     # Without data flags the run records the default corpus it resolved, in the metrics
     # file's run record and in the checkpoint's args (start-up leaves ``args`` as given).
     corpus = ensure_default_corpus()

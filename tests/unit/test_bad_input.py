@@ -61,6 +61,14 @@ BAD = [
     # 2*U*R = 4 divides 68, but each CP rank's 34 tokens do not split over TP 4.
     (["--tensor-model-parallel-size", "4", "--ulysses-degree", "2", "--num-attention-heads",
       "8", "--sequence-parallel", "--seq-length", "68"], 8, "try --seq-length 64 or 72"),
+    # docs/reliability.md, issue 11: --lr 0 trains nothing; a negative value reaches
+    # validation (argparse alone reads "-1e-3" as a flag); no validation data for --eval-iters.
+    (["--lr", "0"], 4, "--lr 0.0 must be > 0"),
+    (["--lr", "-1e-3"], 4, "--lr -0.001 must be > 0"),
+    (["--min-lr", "-1e-5"], 4, "--min-lr -1e-05 must be >= 0"),
+    (["--split", "100,0,0"], 4, "--eval-iters 0"),
+    # Issue 8: a kernel package that is missing is found before any process group.
+    (["--attention-backend", "flash-attn"], 4, "--attention-backend flash-attn needs a CUDA"),
 ]
 
 
@@ -69,6 +77,74 @@ def test_bad_flags_name_the_flag(extra, world, flag):
     with pytest.raises((ArgumentsError, USPConfigError)) as info:
         validate_args(parse_args(BASE + extra), world, cuda_available=False)
     assert flag in str(info.value), str(info.value)
+
+
+def test_split_without_validation_is_fine_without_eval():
+    args = validate_args(parse_args(BASE + ["--split", "100,0,0", "--eval-iters", "0"]), 4,
+                         cuda_available=False)
+    assert args.split == "100,0,0"
+
+
+def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith(("flash_attn",
+                                                                  "transformer_engine"))
+                        else real(name, *a))
+    for name, hint in (("flash-attn", "pip install flash-attn"), ("te", "transformer-engine")):
+        with pytest.raises(ArgumentsError, match=f"--attention-backend {name}: .*{hint}"):
+            validate_args(parse_args(BASE + ["--attention-backend", name]), 4,
+                          cuda_available=True)
+
+
+def test_output_paths_are_checked(tmp_path):
+    """Issue 1: --save naming a file, or under a file, fails at start-up naming the flag."""
+    from megatron.training.output_paths import check_output_paths
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for flags, match in ((["--save", str(a_file)], "--save: .* is not a directory"),
+                         (["--save", str(a_file / "sub")], "--save: .* is not writable"),
+                         (["--metrics-file", str(a_file / "m.jsonl")],
+                          "--metrics-file: .* is not a directory .the folder of"),
+                         (["--metrics-file", str(tmp_path)], "--metrics-file .* is a directory")):
+        args = validate_args(parse_args(BASE + flags), 1, cuda_available=False)
+        with pytest.raises(ArgumentsError, match=match):
+            check_output_paths(args)
+    ok = validate_args(parse_args(BASE + ["--save", str(tmp_path / "new" / "ckpt")]), 1,
+                       cuda_available=False)
+    check_output_paths(ok)
+    assert (tmp_path / "new" / "ckpt").is_dir() and not list((tmp_path / "new" / "ckpt").iterdir())
+
+
+def test_usage_errors_print_on_rank_0_only(monkeypatch, capsys):
+    """Issue 9: every rank parses the same command line; only rank 0 says what is wrong."""
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as info:
+            parse_args(BASE + ["--ulysses-degree", "two"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert ("--ulysses-degree" in err) is printed, err
+
+
+def test_help_needs_neither_torch_nor_megatron_core():
+    """Issue 14: --help is fast because it imports only the argument module."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import runpy, sys; sys.argv = ['pretrain_gpt.py', '--help']\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "bad = [m for m in ('torch', 'megatron.core') if m in sys.modules]\n"
+            "assert not bad, bad\nprint('HELP-OK')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "HELP-OK" in proc.stdout, proc.stderr[-2000:]
+    assert "--ulysses-degree" in proc.stdout
 
 
 def test_missing_required_flags_are_listed():
@@ -122,17 +198,23 @@ def test_bad_flags_fail_on_every_rank_without_hanging(dist_run):
     dist_run(_bad_flags_on_ranks, 2, timeout=120)
 
 
-def _fake_complete_checkpoint(path):
+def _fake_complete_checkpoint(path, with_checksums=False):
     """A complete checkpoint directory as far as the file checks go: a real PyTorch DCP
-    save (.metadata and data files) plus megatron-core's metadata.json and common.pt."""
+    save (.metadata and data files) plus megatron-core's metadata.json and common.pt
+    (and, ``with_checksums``, the manifest save_checkpoint writes)."""
     import torch
     import torch.distributed.checkpoint as dcp
+
+    from megatron.training import checksums
 
     os.makedirs(path)
     dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, checkpoint_id=path, no_dist=True)
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     torch.save({"iteration": 3}, os.path.join(path, "common.pt"))
+    if with_checksums:
+        checksums.write_manifest(path, checksums.hash_files(path,
+                                                            checksums.checkpoint_files(path)))
 
 
 def _write(path, text):
@@ -182,6 +264,22 @@ def _bad_load_on_ranks(rank, world_size, root):
         _write(os.path.join(truncated, "latest_checkpointed_iteration.txt"), "5\n")
         untracked = os.path.join(root, "untracked")
         _fake_complete_checkpoint(iteration_dir(untracked, 4))
+        # Issues 4 and 5: bytes changed in place (same size), with an older good checkpoint
+        # beside it; and a truncated latest one beside an older good one.
+        for name in ("bitflip", "truncated_with_older"):
+            for it in (2, 6):
+                _fake_complete_checkpoint(iteration_dir(os.path.join(root, name), it), True)
+            _write(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "6\n")
+        flip = iteration_dir(os.path.join(root, "bitflip"), 6)
+        data = sorted(f for f in os.listdir(flip) if f.endswith(".distcp"))[0]
+        with open(os.path.join(flip, data), "r+b") as f:
+            f.seek(200)
+            byte = f.read(1)
+            f.seek(200)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        cut = iteration_dir(os.path.join(root, "truncated_with_older"), 6)
+        with open(os.path.join(cut, data), "r+b") as f:
+            f.truncate(100)
     dist.barrier()
     j = lambda name: os.path.join(root, name)  # noqa: E731
     cases = [
@@ -193,6 +291,11 @@ def _bad_load_on_ranks(rank, world_size, root):
         (args(j("truncated")), "corrupt"),
         (args(j("untracked")), "--ckpt-step 4"),
         (args(j("good"), step=9), "iter_0000009 does not exist"),
+        (args(j("bitflip")), r"__0_0.distcp does not match its checksum .*--ckpt-step 2"),
+        (args(j("truncated_with_older")), r"corrupt: __0_0.distcp holds 100 bytes.*"
+                                          r"older complete checkpoint\(s\).*\[2\].*"
+                                          r"--ckpt-step 2"),
+        (args(j("truncated")), "holds no older complete checkpoint"),
     ]
     for a, message in cases:
         with pytest.raises(CheckpointError, match=message):
@@ -202,6 +305,8 @@ def _bad_load_on_ranks(rank, world_size, root):
     assert locate_checkpoint_on_all_ranks(args(j("empty"), save=j("empty"))) is None
     found = locate_checkpoint_on_all_ranks(args(j("good")))
     assert found == (3, iteration_dir(j("good"), 3))
+    # Following the advice loads the older one (its checksums match).
+    assert locate_checkpoint_on_all_ranks(args(j("bitflip"), step=2))[0] == 2
     assert locate_checkpoint_on_all_ranks(args(j("untracked"), step=4))[0] == 4
     # And through pretrain: the error reaches every rank before the load's collectives.
     with pytest.raises(CheckpointError, match="no such directory"):
@@ -261,3 +366,62 @@ def _nan_on_ranks(rank, world_size, metrics_dir):
 
 def test_nan_loss_stops_or_is_skipped(dist_run, tmp_path):
     dist_run(_nan_on_ranks, 2, str(tmp_path), timeout=240)
+
+
+def _nan_grad_forward_step(num_microbatches):
+    """The default forward step; in NAN_ITERATION the first parameter's gradient becomes
+    NaN (0 * d sqrt(x)/dx at x = 0) while the loss stays finite."""
+    import torch
+
+    from megatron.training import batch
+
+    calls = [0]
+
+    def step(ctx, data_iterator, model):
+        output, loss_func = batch.forward_step(ctx, data_iterator, model)
+        iteration = calls[0] // num_microbatches + 1
+        calls[0] += 1
+        if iteration == NAN_ITERATION:
+            p = next(model.parameters())
+            output = output + 0.0 * torch.sqrt((p - p.detach()).sum())
+        return output, loss_func
+
+    return step
+
+
+def _nan_grad_on_ranks(rank, world_size, metrics_dir):
+    from megatron.training.training import NonFiniteLossError, pretrain
+
+    common = BASE + ["--num-workers", "0", "--ulysses-degree", "2", "--micro-batch-size", "1",
+                     "--global-batch-size", "2", "--eval-iters", "0",
+                     "--lr-warmup-iters", "4"]
+    with pytest.raises(NonFiniteLossError,
+                       match=f"iteration {NAN_ITERATION}: grad norm is nan with a finite lm "
+                             f"loss .*weights are unchanged.*--clip-grad 1.0 is set"):
+        pretrain(parse_args(common), forward_step_func=_nan_grad_forward_step(2))
+
+    metrics = os.path.join(metrics_dir, "skip_grad.jsonl")
+    result = pretrain(parse_args(common + ["--skip-nan-steps", "--metrics-file", metrics]),
+                      forward_step_func=_nan_grad_forward_step(2))
+    assert result.iteration == 5 and result.skipped_iterations == [NAN_ITERATION]
+    # The NaN step was not applied: the weights, hence every later loss, stay finite.
+    assert all(math.isfinite(v) for v in result.losses.values()), result.losses
+    if rank == world_size - 1:
+        with open(metrics) as f:
+            rec = {r["iteration"]: r for r in map(json.loads, f) if r["kind"] == "train"}
+        assert rec[NAN_ITERATION]["skipped"] is True
+        assert rec[NAN_ITERATION]["lr"] == rec[NAN_ITERATION - 1]["lr"]
+
+
+def test_nan_grad_norm_stops_before_the_step_or_is_skipped(dist_run, tmp_path):
+    """Issue 7: a NaN grad norm under a finite loss is never applied; --skip-nan-steps skips
+    it (before, the run stopped anyway, after applying it)."""
+    dist_run(_nan_grad_on_ranks, 2, str(tmp_path), timeout=240)
+
+
+def test_nonfinite_grad_message_fits_the_clip_setting():
+    from megatron.training.training import nonfinite_grad_message
+
+    assert "set --clip-grad 1.0" in nonfinite_grad_message(3, float("nan"), 2.0, 0.0)
+    set_already = nonfinite_grad_message(3, float("inf"), 2.0, 1.0)
+    assert "--clip-grad 1.0 is set" in set_already and "set --clip-grad" not in set_already

@@ -133,11 +133,12 @@ def test_metrics_writer(tmp_path):
     w.validation(4, 4.5)
     w.close()
     text = out.getvalue().splitlines()
-    iteration_lines = [line for line in text if "iteration" in line and "lm loss:" in line]
+    iteration_lines = [line for line in text if "iteration" in line and "lm loss (mean" in line]
     assert len(iteration_lines) == 2
     line = iteration_lines[1]
     for part in ("iteration        4/       4", "consumed samples:           32",
-                 "lm loss: 5.000000E+00", "grad norm: 1.500", "learning rate: 1.000000E-03",
+                 # iteration 3 was skipped: the mean is of iteration 4 alone
+                 "lm loss (mean of 1 iter): 5.000000E+00", "grad norm (mean): 1.500", "learning rate: 1.000000E-03",
                  "tokens/s: 2048.0 (per GPU 512.0)", "TFLOP/s/GPU", "MFU: 0.0%", "mem (GiB): 2.50",
                  "number of skipped iterations:   1"):
         assert part in line, (part, line)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from megatron.usp import backend_names
 from megatron.usp import fused_kernels as fk
 
 
@@ -17,7 +18,7 @@ from megatron.usp import fused_kernels as fk
     ("compile", True, False, "compile"), ("liger", True, True, "liger"),
 ])
 def test_resolve(monkeypatch, name, cuda, liger, want):
-    monkeypatch.setattr(fk, "liger_importable", lambda: liger)
+    monkeypatch.setattr(backend_names, "liger_importable", lambda: liger)
     assert fk.resolve_fused_kernels(name, cuda) == want
 
 
@@ -26,7 +27,7 @@ def test_resolve(monkeypatch, name, cuda, liger, want):
     ("liger", True, False, "pip install liger-kernel"), ("fast", True, True, "choose one of"),
 ])
 def test_resolve_refuses(monkeypatch, name, cuda, liger, needle):
-    monkeypatch.setattr(fk, "liger_importable", lambda: liger)
+    monkeypatch.setattr(backend_names, "liger_importable", lambda: liger)
     with pytest.raises(fk.FusedKernelsUnavailable, match="--fused-kernels") as info:
         fk.resolve_fused_kernels(name, cuda)
     assert needle in str(info.value)

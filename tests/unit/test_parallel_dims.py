@@ -238,3 +238,12 @@ def test_megatron_kwargs_and_short():
                                    "context_parallel_size": 4,
                                    "hierarchical_context_parallel_sizes": [2, 2]}
     assert d.short() == "TP2 U2 R2 DP1 PP2"
+
+
+def test_world_no_single_degree_fits_suggests_pairs():
+    # Neither R alone (with U 4) nor U alone (with R 4) tiles 6 ranks: name U x R pairs that do.
+    with pytest.raises(USPConfigError) as e:
+        dims(6, ulysses=4, ring=4)
+    msg = str(e.value)
+    assert "[]" not in msg and "no degree fits" not in msg
+    assert "--ulysses-degree 2 --ring-degree 3" in msg and "(e.g. 16)" in msg

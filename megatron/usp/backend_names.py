@@ -1,0 +1,110 @@
+"""Kernel choices and whether each can run here, without importing torch: the
+``--attention-backend`` names, the ``--fused-kernels`` names (and the kernel each uses per op),
+and the ``--recompute-cpu-offload`` items.
+
+:mod:`megatron.usp.kernels` builds the kernels; this module only answers the start-up
+question "can this backend run on this device with the installed packages?", so that
+``pretrain_gpt.py`` can refuse a missing backend before any process group exists and
+``--help`` stays fast (nothing here imports torch or the optional packages: only
+``importlib.util.find_spec`` is used).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Dict, Optional, Tuple
+
+BACKEND_NAMES: Tuple[str, ...] = ("auto", "torch", "math", "flash-attn", "te")
+
+INSTALL_HINTS: Dict[str, str] = {
+    "flash-attn": "pip install flash-attn --no-build-isolation  (FlashAttention-2 >= 2.6), or "
+    "build FlashAttention-3 from flash-attention/hopper (module flash_attn_interface)",
+    "te": "pip install --no-build-isolation transformer-engine[pytorch]",
+}
+
+# Backend -> the top-level modules any one of which provides it.
+_PACKAGES: Dict[str, Tuple[str, ...]] = {
+    "flash-attn": ("flash_attn_interface", "flash_attn"),
+    "te": ("transformer_engine",),
+}
+
+
+def backend_installed(name: str) -> bool:
+    """True when ``name`` needs no package, or one of its packages is importable."""
+    modules = _PACKAGES.get(name)
+    return modules is None or any(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def backend_problem(name: str, device: str) -> Optional[str]:
+    """Why ``--attention-backend name`` cannot run on ``device`` ("cuda" or "cpu"), or None.
+
+    ``auto``, ``torch`` and ``math`` run everywhere; ``flash-attn`` and ``te`` need CUDA and
+    their package. The message names the flag, the install command and a backend that runs.
+    """
+    if name not in _PACKAGES:
+        return None
+    if device != "cuda":
+        return (f"--attention-backend {name} needs a CUDA GPU (this run is on the {device}); "
+                f"use --attention-backend torch (or auto)")
+    if not backend_installed(name):
+        return (f"--attention-backend {name}: the package is not installed; "
+                f"{INSTALL_HINTS[name]}; or use --attention-backend torch (or auto)")
+    return None
+
+
+# --------------------------------------------------------------------------- --fused-kernels
+FUSED_KERNEL_CHOICES: Tuple[str, ...] = ("auto", "liger", "compile", "torch")
+LIGER_INSTALL = "pip install liger-kernel   (or pip install -e .[peers])"
+
+# The implementation each choice uses per op, by measurement (tools/bench_fused_kernels.py,
+# one H200, the 0.85B model's shapes at 32K and 64K tokens, forward + backward; the table is in
+# docs/performance.md §6): PyTorch's own fused RMSNorm kernel (0.24 ms at 32K) beat Liger's
+# (0.74 ms) and Inductor's (0.38 ms), so RMSNorm stays PyTorch's under every choice; Liger's
+# SwiGLU (0.79 ms) and RoPE (0.76 ms) beat megatron-core's TorchScript SwiGLU (1.01 ms), its
+# unfused RoPE (2.54 ms) and Inductor's (1.05 / 0.90 ms).
+OP_IMPL: Dict[str, Dict[str, str]] = {
+    "torch": {"rms_norm": "torch", "swiglu": "torch", "rope": "torch"},
+    "compile": {"rms_norm": "torch", "swiglu": "compile", "rope": "compile"},
+    "liger": {"rms_norm": "torch", "swiglu": "liger", "rope": "liger"},
+}
+
+
+def op_impl(choice: str, op: str) -> str:
+    """The kernel of ``op`` (rms_norm, swiglu, rope) under a resolved ``--fused-kernels``."""
+    return OP_IMPL[choice][op]
+
+
+class FusedKernelsUnavailable(ValueError):
+    """``--fused-kernels`` names an implementation that cannot run here."""
+
+
+def liger_importable() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def resolve_fused_kernels(name: str, cuda: bool) -> str:
+    """The implementation ``--fused-kernels name`` means on this machine.
+
+    Raises:
+        FusedKernelsUnavailable: an unknown name, ``liger`` without the package or without
+            CUDA, ``compile`` without CUDA; the message names the flag and a valid value.
+    """
+    if name not in FUSED_KERNEL_CHOICES:
+        raise FusedKernelsUnavailable(
+            f"--fused-kernels {name!r} is not known; choose one of {list(FUSED_KERNEL_CHOICES)}")
+    if name == "auto":
+        return ("liger" if liger_importable() else "compile") if cuda else "torch"
+    if name in ("liger", "compile") and not cuda:
+        raise FusedKernelsUnavailable(
+            f"--fused-kernels {name} runs Triton kernels, which need a CUDA GPU; on the CPU use "
+            f"--fused-kernels torch (or auto)")
+    if name == "liger" and not liger_importable():
+        raise FusedKernelsUnavailable(
+            f"--fused-kernels liger needs Liger's kernels: {LIGER_INSTALL}; or use "
+            f"--fused-kernels auto")
+    return name
+
+
+# --------------------------------------------------------------------------- --recompute-cpu-offload
+# What full recompute keeps that can wait in host memory (megatron.usp.activation_offload).
+OFFLOAD_CHOICES: Tuple[str, ...] = ("layer_input", "core_attn")
