@@ -15,6 +15,11 @@ cannot cross.
 
 A ring of size 1 (``group is None`` or a one-rank group) never communicates: ``exchange`` is
 not called by the ring schedule then, and calling it is an error.
+
+:meth:`RingComm.shift` is the document ring's step (:mod:`megatron.usp.document_ring`): ring
+rank ``r`` sends to ``r + offset`` and receives from ``r - offset``, each side only where the
+schedule needs the block, so a step may send, receive, both or neither; every rank derives the
+same schedule from the same batch, so each send has its matching receive.
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ class PendingExchange:
     hand its memory to another tensor while the transfer still reads it.
     """
 
-    def __init__(self, requests: List, send_buf: Tensor, recv_buf: Tensor) -> None:
+    def __init__(self, requests: List, send_buf: Optional[Tensor],
+                 recv_buf: Optional[Tensor]) -> None:
         self._requests = requests
         self._send_buf: Optional[Tensor] = send_buf
         self._recv_buf = recv_buf
 
-    def wait(self) -> Tensor:
+    def wait(self) -> Optional[Tensor]:
+        """Finish the transfer; the received buffer (None for a send-only transfer)."""
         for req in self._requests:
             req.wait()
         self._requests = []
@@ -87,4 +94,27 @@ class RingComm:
             dist.P2POp(dist.isend, send_buf, self.send_to, self.group),
             dist.P2POp(dist.irecv, recv_buf, self.recv_from, self.group),
         ]
+        return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf)
+
+    def shift(self, offset: int, send_buf: Optional[Tensor], recv_buf: Optional[Tensor]
+              ) -> Optional[PendingExchange]:
+        """Send ``send_buf`` to ring rank ``r + offset`` and receive into ``recv_buf`` from
+        ``r - offset`` (mod R); either may be None (that side is skipped), both None: None.
+
+        Bytes: ``send_buf``'s and ``recv_buf``'s sizes. Buffers must be contiguous and
+        ``send_buf`` unmodified until ``wait()``.
+        """
+        if self.size == 1:
+            raise RuntimeError("a ring of size 1 has no neighbour to exchange with")
+        ops = []
+        if send_buf is not None:
+            if not send_buf.is_contiguous():
+                raise ValueError("ring exchange buffers must be contiguous")
+            dst = dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+            ops.append(dist.P2POp(dist.isend, send_buf, dst, self.group))
+        if recv_buf is not None:
+            src = dist.get_global_rank(self.group, (self.rank - offset) % self.size)
+            ops.append(dist.P2POp(dist.irecv, recv_buf, src, self.group))
+        if not ops:
+            return None
         return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf)
