@@ -24,6 +24,7 @@ import math
 import os
 from typing import List, Optional, Sequence
 
+from megatron.training.documents import add_document_args, document_flags_problem
 from megatron.usp.kernels import BACKEND_NAMES
 from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
 
@@ -179,9 +180,11 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="where the default corpus is built (default ~/.cache/megatron-usp)")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD predictions")
     g.add_argument("--reset-position-ids", action="store_true",
-                   help="refused with USP (see megatron/training/data_config.py)")
+                   help="positions (RoPE) restart after each EOD token (Megatron-LM's meaning)")
     g.add_argument("--reset-attention-mask", action="store_true",
-                   help="refused with USP (see megatron/training/data_config.py)")
+                   help="attention confined to the EOD-delimited documents of a packed sequence "
+                        "(megatron/training/documents.py)")
+    add_document_args(g)
 
 
 # megatron-core's recompute_modules that apply to a dense GPT (the MoE / MLA ones do not).
@@ -643,6 +646,9 @@ def validate_args(args: argparse.Namespace, world_size: int,
     _validate_model(args)
     _validate_training(args)
     _validate_data_flags(args)
+    problem = document_flags_problem(args)
+    if problem:
+        raise ArgumentsError(problem)
     _validate_checkpointing(args)
     _validate_parallel(args, world_size)
     return args

@@ -93,21 +93,24 @@ def _pipeline_stage(groups: USPGroups):
 def build_gpt_model(args, config, groups: USPGroups):
     """This pipeline stage's ``GPTModel`` (unwrapped), on ``args.device``.
 
-    With ``--fused-linear-cross-entropy`` it is a
+    A :class:`~megatron.training.gpt_model.USPGPTModel` (``GPTModel`` whose RoPE follows
+    ``position_ids``: packed documents, any chunk assignment). With
+    ``--fused-linear-cross-entropy`` it is a
     :class:`~megatron.training.fused_loss_model.FusedLossGPTModel`: the same model whose
     last stage computes the output layer and the loss together over chunks of
     ``--linear-cross-entropy-chunk-tokens`` tokens.
     """
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
+    from megatron.training.gpt_model import USPGPTModel
     from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
     pp_rank, pre_process, post_process = _pipeline_stage(groups)
     chunks = getattr(args, "usp_overlap_chunks", "auto")
     spec = get_usp_gpt_block_spec(config, pp_rank=pp_rank,
                                   attention_backend=args.attention_backend,
-                                  overlap_chunks=None if chunks == "auto" else chunks)
-    model_class, loss_kwargs = GPTModel, {}
+                                  overlap_chunks=None if chunks == "auto" else chunks,
+                                  document_kernel=getattr(args, "document_attention_kernel",
+                                                          "auto"))
+    model_class, loss_kwargs = USPGPTModel, {}
     if getattr(args, "fused_linear_cross_entropy", False):
         from megatron.training.fused_loss_model import FusedLossGPTModel
 

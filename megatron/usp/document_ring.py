@@ -36,11 +36,12 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron.usp import token_layout as layout
 from megatron.usp.document_kernels import DocumentBlock, DocumentKernel, build_document_block
 from megatron.usp.kernels import accum_dtype, merge_block_
 from megatron.usp.ring_attention import RingGrads, ring_accum_dtype
 from megatron.usp.ring_comm import PendingExchange, RingComm
-from megatron.usp.token_layout import ChunkAssignment, zigzag_assignment
+from megatron.usp.token_layout import ChunkAssignment
 
 Tensor = torch.Tensor
 
@@ -48,15 +49,9 @@ Tensor = torch.Tensor
 # --------------------------------------------------------------------------- plan
 def ring_positions(seq_len: int, ring_size: int, assignment: Optional[ChunkAssignment]
                    ) -> List[np.ndarray]:
-    """Global positions of every ring rank's tokens, in local order (numpy, int64).
-
-    The same as :func:`megatron.usp.token_layout.positions_for_ring_rank` (the default layout's
-    ring ranks do not depend on U, so zigzag is taken with U = 1).
-    """
-    assignment = assignment or zigzag_assignment(1, ring_size)
-    chunk = seq_len // assignment.num_chunks
-    return [np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in ids])
-            for ids in assignment.ring_chunks]
+    """Global positions of every ring rank's tokens, in local order (the layout module's)."""
+    return [layout.ring_rank_positions(seq_len, j, ring_size, assignment).numpy()
+            for j in range(ring_size)]
 
 
 def _segment_bounds(seg: np.ndarray, pos: np.ndarray) -> List[dict]:

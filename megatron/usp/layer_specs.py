@@ -38,12 +38,14 @@ from megatron.usp.norms import norm_class
 
 
 def usp_core_attention_spec(attention_backend: str = "auto",
-                            overlap_chunks: Optional[int] = None) -> ModuleSpec:
+                            overlap_chunks: Optional[int] = None,
+                            document_kernel: str = "auto") -> ModuleSpec:
     """``ModuleSpec`` of :class:`megatron.usp.core_attention.USPAttention` with the given backend.
 
     ``overlap_chunks`` (``--usp-overlap-chunks``): head chunks of the all-to-all/attention
     pipeline; ``None`` lets USP attention choose (auto). It is checked against the heads when
-    the layer is built, so a bad value fails at start-up.
+    the layer is built, so a bad value fails at start-up. ``document_kernel``
+    (``--document-attention-kernel``): the document-masked kernel used with packed documents.
     """
     if attention_backend not in BACKEND_NAMES:
         raise ValueError(
@@ -51,6 +53,8 @@ def usp_core_attention_spec(attention_backend: str = "auto",
             f"{list(BACKEND_NAMES)}"
         )
     params = {"attention_backend": attention_backend}
+    if document_kernel != "auto":
+        params["document_kernel"] = document_kernel
     if overlap_chunks is not None:
         params["overlap_chunks"] = overlap_chunks
     return ModuleSpec(module=USPAttention, params=params)
@@ -61,6 +65,7 @@ def get_usp_gpt_layer_spec(
     qk_layernorm: bool = False,
     normalization: str = "RMSNorm",
     overlap_chunks: Optional[int] = None,
+    document_kernel: str = "auto",
 ) -> ModuleSpec:
     """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
     norms of :mod:`megatron.usp.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
@@ -74,7 +79,7 @@ def get_usp_gpt_layer_spec(
             fails at model construction with the ``pip install`` command to run.
         qk_layernorm: normalise queries and keys per head (``TransformerConfig.qk_layernorm``).
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
-        overlap_chunks: as for :func:`usp_core_attention_spec`.
+        overlap_chunks, document_kernel: as for :func:`usp_core_attention_spec`.
     """
     norm = norm_class(normalization)
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
@@ -88,7 +93,8 @@ def get_usp_gpt_layer_spec(
             f"TransformerLayerSubmodules / SelfAttentionSubmodules")
     attn_norms = dict(q_layernorm=norm, k_layernorm=norm) if qk_layernorm else {}
     attn.submodules = dataclasses.replace(
-        attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks),
+        attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks,
+                                                               document_kernel),
         **attn_norms
     )
     spec.submodules = dataclasses.replace(layer, input_layernorm=norm, pre_mlp_layernorm=norm)
@@ -101,6 +107,7 @@ def get_usp_gpt_block_spec(
     attention_backend: str = "auto",
     vp_stage: Optional[int] = None,
     overlap_chunks: Optional[int] = None,
+    document_kernel: str = "auto",
 ) -> TransformerBlockSubmodules:
     """Decoder-block spec of one pipeline stage: its layers and the final norm, both USP's.
 
@@ -115,11 +122,12 @@ def get_usp_gpt_block_spec(
             ``vp_stage`` it decides how many layers this stage builds.
         attention_backend: as for :func:`get_usp_gpt_layer_spec`.
         vp_stage: virtual pipeline stage, or None.
-        overlap_chunks: as for :func:`usp_core_attention_spec`.
+        overlap_chunks, document_kernel: as for :func:`usp_core_attention_spec`.
     """
     layer = get_usp_gpt_layer_spec(attention_backend, qk_layernorm=config.qk_layernorm,
                                    normalization=config.normalization,
-                                   overlap_chunks=overlap_chunks)
+                                   overlap_chunks=overlap_chunks,
+                                   document_kernel=document_kernel)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=norm_class(config.normalization))

@@ -96,12 +96,23 @@ def positions_for_ring_rank(seq_len: int, ring_rank: int, ring_size: int,
     in increasing order.
     """
     if assignment is not None:
-        if assignment.ring_size != ring_size:
-            raise ValueError(f"the chunk assignment is for {assignment.ring_size} ring ranks, "
-                             f"not {ring_size}")
-        _check_assignment(assignment, seq_len, assignment.cp_size)
-        return _chunk_positions(seq_len, assignment, assignment.ring_chunks[ring_rank])
+        return ring_rank_positions(seq_len, ring_rank, ring_size, assignment).tolist()
     return positions_for_cp_rank(seq_len, ring_rank, ring_size)
+
+
+def ring_rank_positions(seq_len: int, ring_rank: int, ring_size: int,
+                        assignment: Optional["ChunkAssignment"] = None) -> torch.Tensor:
+    """:func:`positions_for_ring_rank` as an int64 tensor (no Python list for long sequences)."""
+    if assignment is None:      # the default layout's ring ranks do not depend on U
+        check_seq_divisible(seq_len, ring_size, "seq_len")
+        assignment = zigzag_assignment(1, ring_size)
+    if assignment.ring_size != ring_size:
+        raise ValueError(f"the chunk assignment is for {assignment.ring_size} ring ranks, "
+                         f"not {ring_size}")
+    _check_assignment(assignment, seq_len, assignment.cp_size)
+    chunk = seq_len // assignment.num_chunks
+    ids = torch.tensor(assignment.ring_chunks[ring_rank], dtype=torch.int64)
+    return (ids[:, None] * chunk + torch.arange(chunk)).reshape(-1)
 
 
 def ulysses_to_zigzag_order(ulysses_size: int) -> List[int]:
