@@ -28,9 +28,12 @@ Kernels (``--document-attention-kernel``):
   ``[tokens, h, d]`` copies. CUDA fp16/bf16 only.
 * ``math``: the dense ``[sq, sk]`` mask of the block in float32 (float64 for float64 inputs).
   Exact; O(sq*sk) memory: tiny shapes (the CPU tests).
-* ``auto``: ``tiles`` on the CPU; on CUDA the small table :data:`AUTO_TABLE` below (measured,
+* ``auto``: on CUDA the small table :data:`AUTO_TABLE` below (measured,
   ``docs/performance.md``): ``tiles`` unless the block's groups are many small calls and the
-  varlen op is available.
+  varlen op is available. On the CPU ``math`` for blocks of up to
+  :data:`AUTO_CPU_MATH_ELEMENTS` (query, key) pairs, else ``tiles``: PyTorch's CPU attention op
+  costs ~30 ms per call even for a handful of tokens (torch 2.13, 2 cores), so many small tile
+  groups are slower than one dense masked product.
 
 No kernel here communicates.
 """
@@ -64,6 +67,7 @@ DOCUMENT_KERNEL_NAMES: Tuple[str, ...] = ("auto", "tiles", "varlen", "math")
 # 8K document 447 against 300 (33.6M pairs), lognormal documents (median 2K, long tail) 328
 # against 283 (docs/performance.md, "Packed documents").
 AUTO_TABLE = {"min_pairs_per_tile_call": 8 * 1024 * 1024}
+AUTO_CPU_MATH_ELEMENTS = 1 << 22
 
 
 # --------------------------------------------------------------------------- slots
@@ -200,7 +204,7 @@ class DocumentBlock:
     def tensor(self, name: str) -> Tensor:
         """``q_pos`` / ``q_seg`` / ``k_pos`` / ``k_seg`` as an int64 device tensor (cached)."""
         if name not in self._cache:
-            self._cache[name] = torch.as_tensor(getattr(self, name), device=self.device)
+            self._cache[name] = torch.as_tensor(np.array(getattr(self, name)), device=self.device)
         return self._cache[name]  # type: ignore[return-value]
 
 
@@ -583,9 +587,13 @@ class AutoDocumentKernel(DocumentKernel):
     def __init__(self, kernel: AttentionKernel) -> None:
         self.tiles = TileDocumentKernel(kernel)
         self.varlen = VarlenDocumentKernel()
+        self.math = MathDocumentKernel()
 
     def choose(self, q: Tensor, block: DocumentBlock) -> DocumentKernel:
-        if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_available()):
+        if not q.is_cuda:
+            small = block.batch * block.sq * block.sk <= AUTO_CPU_MATH_ELEMENTS
+            return self.math if small else self.tiles
+        if not (q.dtype in (torch.float16, torch.bfloat16) and varlen_available()):
             return self.tiles
         per_call = block.pairs / max(1, len(block.groups))
         return self.tiles if per_call >= AUTO_TABLE["min_pairs_per_tile_call"] else self.varlen

@@ -30,9 +30,10 @@ from megatron.usp.token_layout import ChunkAssignment, zigzag_assignment
 
 # Prefer the coarsest chunking whose spread is at most this (fewer, longer runs per rank).
 BALANCE_TARGET = 0.02
-# Chunks shorter than this are not tried (each extra chunk boundary inside a document adds
-# kernel calls).
-MIN_CHUNK_TOKENS = 64
+# Chunks finer than the default layout's (m > 1) must hold at least this many tokens. Long
+# sequences never get near it (128K tokens over 2*8*16 chunks are 512 each); it keeps short
+# ones from degenerating into single tokens.
+MIN_CHUNK_TOKENS = 4
 GROUP_CHUNK_CHOICES = (1, 2, 4, 8, 16)
 
 
@@ -158,8 +159,9 @@ def balance_chunks(work: np.ndarray, ulysses: int, ring: int,
                    target: float = BALANCE_TARGET) -> Balance:
     """The chunk assignment to use for a micro-batch whose per-token work is ``work``.
 
-    Tries each ``m`` of ``group_choices`` whose chunks divide the sequence and hold at least
-    ``min_chunk_tokens`` tokens (coarsest first), keeps the first one within ``target`` or
+    Tries each ``m`` of ``group_choices`` whose chunks divide the sequence (coarsest first;
+    ``m > 1`` only while chunks hold at least ``min_chunk_tokens`` tokens), keeps the first one
+    within ``target`` or
     else the best; returns zigzag when its spread is not larger. With one ring rank there is
     nothing to balance (zigzag).
     """
@@ -170,7 +172,7 @@ def balance_chunks(work: np.ndarray, ulysses: int, ring: int,
     best: Optional[Balance] = None
     for m in sorted(group_choices):
         n = 2 * ulysses * ring * m
-        if work.size % n or work.size // n < min_chunk_tokens:
+        if work.size % n or (m > 1 and work.size // n < min_chunk_tokens):
             continue
         cand = assign_chunks(work, ulysses, ring, m)
         s = spread(ring_rank_work(work, cand))
