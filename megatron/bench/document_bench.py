@@ -427,7 +427,8 @@ def _guarded(res_factory: Callable[[], DocCaseResult], fallback: DocCaseResult) 
 
 
 def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write) -> List:
-    """Every (S, mix) case of the configured mode; ``write(results)`` after each length."""
+    """Every (S, mix) case of the configured mode; rank 0 calls ``write(results)`` after each
+    case, so an interrupted sweep keeps what it measured."""
     sweep = _DocSweep(base_sweep)
     results: List[DocCaseResult] = []
     kernels = cfg.doc_kernels
@@ -436,7 +437,9 @@ def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write
         for mix in cfg.docs:
             if kernels:
                 if sweep.rank == 0:
-                    results += _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate)
+                    results += _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate,
+                                             lambda done, so_far=list(results):
+                                             write(so_far + done))
                     dense_rate = next((r.fwd_bwd_tflops_per_gpu for r in results
                                        if r.seq_len == seq_len and r.kernel == "dense"
                                        and r.status == "ok"), dense_rate)
@@ -450,12 +453,13 @@ def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write
                 results.append(res)
                 sweep.log(lambda r=res: progress_line(r))
                 timing.free_memory(sweep.device)
-        if sweep.rank == 0:
-            write(results)
+                if sweep.rank == 0:
+                    write(results)
     return results
 
 
-def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate) -> List[DocCaseResult]:
+def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
+                  ) -> List[DocCaseResult]:
     out: List[DocCaseResult] = []
     seg = _segments(cfg, mix, seq_len)
     if seg is None:
@@ -484,6 +488,7 @@ def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate) -> List[DocCase
         out.append(res)
         sweep.log(lambda r=res: progress_line(r))
         timing.free_memory(sweep.device)
+        write(out)                          # an interrupted run keeps what it measured
     for r in out:
         if r.status == "ok" and dense_rate and r.kernel != "dense":
             r.vs_dense = r.fwd_bwd_tflops_per_gpu / dense_rate
