@@ -105,6 +105,8 @@ class AttentionBenchConfig:
     doc_kernels: List[str] = field(default_factory=list)
     document_kernel: str = "auto"
     document_layout: str = "auto"
+    balance_report: bool = False
+    balance_samples: int = 16
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -225,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --docs: the document kernel USP uses (auto, tiles, varlen, math)")
     p.add_argument("--document-layout", default="auto", choices=("auto", "zigzag"),
                    help="with --docs: balanced chunk assignment (auto) or zigzag")
+    p.add_argument("--balance-report", action="store_true",
+                   help="with --docs: only compute the per-ring-rank work spread (zigzag and "
+                        "balanced) for each --splits U x R; no GPU, no timing")
+    p.add_argument("--balance-samples", type=int, default=16,
+                   help="with --balance-report: consecutive samples per (mix, S, split)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--markdown", default=None, help="markdown table file")
@@ -245,7 +252,8 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
         out=ns.out, markdown=ns.markdown, overlap_chunks=parse_overlap_chunks(ns.overlap_chunks),
         profile_dir=ns.profile_dir, docs=_doc_mixes(ns.docs),
         doc_kernels=[k.strip() for k in ns.doc_kernels.split(",") if k.strip()],
-        document_kernel=ns.document_attention_kernel, document_layout=ns.document_layout)
+        document_kernel=ns.document_attention_kernel, document_layout=ns.document_layout,
+        balance_report=ns.balance_report, balance_samples=ns.balance_samples)
 
 
 def _doc_mixes(text: str) -> List[str]:
@@ -685,6 +693,27 @@ def _run_documents(cfg: AttentionBenchConfig, sweep: "_Sweep", splits, meta: dic
     return payload
 
 
+def _balance_report(cfg: AttentionBenchConfig, parser, argv: Sequence[str]) -> int:
+    """``--docs ... --balance-report``: the work spreads only (one process, no device)."""
+    from megatron.bench import document_bench
+
+    if not cfg.docs or not cfg.splits:
+        parser.error("--balance-report needs --docs and --splits (e.g. --splits 1x2,1x4,2x4)")
+    rows = document_bench.balance_report(cfg.docs, cfg.seq_lens, cfg.splits,
+                                         cfg.balance_samples, cfg.seed)
+    text = document_bench.balance_markdown(rows)
+    print(text)
+    payload = {"tool": "bench_attention --balance-report",
+               "schema_version": report.SCHEMA_VERSION,
+               "metadata": report.run_metadata(argv, torch.device("cpu"), 1),
+               "config": cfg.to_dict(), "results": rows}
+    if cfg.out:
+        report.write_json(cfg.out, payload)
+    if cfg.markdown:
+        report.write_text(cfg.markdown, text)
+    return 0
+
+
 def _write_outputs(cfg: AttentionBenchConfig, payload: dict, meta: dict,
                    results: List[CaseResult]) -> None:
     if cfg.out:
@@ -724,6 +753,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = config_from_args(ns)
     except BenchConfigError as exc:
         parser.error(str(exc))
+    if cfg.balance_report:
+        return _balance_report(cfg, parser, ["tools/bench_attention.py"] + args_list)
     device, created = _init_distributed()
     try:
         try:

@@ -21,6 +21,11 @@ documents back to back, the last one cut at the sample end as megatron-core's da
   compiled BlockMask, reference only). Each kernel's output is compared with ``tiles``'s
   (relative L2, recorded, never asserted: correctness is tests/gpu's job).
 
+* **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
+  of zigzag and of the balanced assignment for every mix, length and ``--splits`` U x R (any
+  size, not the world's), over ``--balance-samples`` consecutive samples of the packed document
+  stream: :func:`balance_report`.
+
 Useful FLOPs: forward ``4 * b * h * d * P`` with ``P`` the visible (query, key) pairs (a causal
 document of ``L`` tokens has ``L(L+1)/2``), forward+backward 3.5x that; the dense ceiling counts
 ``4*b*h*S^2*d/2`` (``megatron.bench.flops``). Mixes: ``fixed:N`` (documents of N tokens, k =
@@ -49,6 +54,7 @@ from megatron.usp.document_kernels import (
     build_document_block,
     varlen_available,
 )
+from megatron.usp.document_ring import needs_matrix, ring_positions
 from megatron.usp.kernels import get_kernel
 from megatron.usp.ring_attention import ring_accum_dtype
 from megatron.usp.token_layout import shard_for_cp_rank
@@ -514,3 +520,58 @@ def check_document_config(cfg, world: int) -> None:
                                "--no-causal")
     if dist.is_initialized() and cfg.batch < 1:
         raise BenchConfigError("--batch-size must be >= 1")
+
+
+# --------------------------------------------------------------------------- balance report
+def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, samples: int,
+                   seed: int = 1234) -> List[dict]:
+    """Work spread of zigzag and of :func:`~megatron.usp.load_balance.balance_chunks` per
+    (mix, S, U x R), over ``samples`` consecutive samples of the mix's document stream (a
+    document cut at a sample end continues in the next one). Pure computation."""
+    rows = []
+    for mix in mixes:
+        for seq_len in seq_lens:
+            lengths = mix_lengths(mix, seq_len * samples, seed)
+            if lengths is None:
+                rows.append(dict(mix=mix, seq_len=seq_len, status="skipped",
+                                 note="the embedded corpus is not built here"))
+                continue
+            seg = lb.segments_from_lengths(lengths, seq_len, samples)
+            for u, r in splits:
+                zig, bal, ms, skipped = [], [], [], []
+                for row in seg:
+                    choice = lb.balance_chunks(lb.token_work(row), u, r)
+                    zig.append(choice.zigzag_spread)
+                    bal.append(choice.spread)
+                    ms.append(0 if choice.is_zigzag else choice.assignment.group_chunks)
+                    assignment = None if choice.is_zigzag else choice.assignment
+                    needs = needs_matrix(row[None], ring_positions(seq_len, r, assignment), True)
+                    sent = sum(needs[a][b] for a in range(r) for b in range(r) if a != b)
+                    skipped.append(1 - sent / (r * (r - 1)) if r > 1 else 1.0)
+                rows.append(dict(mix=mix, seq_len=seq_len, ulysses=u, ring=r, samples=samples,
+                                 documents=int(sum(row.max() + 1 for row in seg)),
+                                 zigzag_spread_max=max(zig), zigzag_spread_mean=float(
+                                     np.mean(zig)), spread_max=max(bal),
+                                 spread_mean=float(np.mean(bal)),
+                                 zigzag_kept=sum(m == 0 for m in ms),
+                                 group_chunks=sorted(set(m for m in ms if m)),
+                                 kv_messages_skipped_mean=float(np.mean(skipped))))
+    return rows
+
+
+def balance_markdown(rows: Sequence[dict]) -> str:
+    headers = ["docs", "S", "U x R", "samples", "documents", "zigzag spread max / mean",
+               "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped"]
+    table = []
+    for r in rows:
+        if r.get("status") == "skipped":
+            table.append([r["mix"], seq_label(r["seq_len"]), "", "", "", r["note"], "", "", "",
+                          ""])
+            continue
+        table.append([r["mix"], seq_label(r["seq_len"]), f"{r['ulysses']}x{r['ring']}",
+                      r["samples"], r["documents"],
+                      f"{100 * r['zigzag_spread_max']:.1f}% / {100 * r['zigzag_spread_mean']:.1f}%",
+                      f"{100 * r['spread_max']:.2f}% / {100 * r['spread_mean']:.2f}%",
+                      r["zigzag_kept"], ",".join(map(str, r["group_chunks"])) or "-",
+                      f"{100 * r['kv_messages_skipped_mean']:.0f}%"])
+    return report.markdown_table(headers, table)

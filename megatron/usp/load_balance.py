@@ -9,10 +9,12 @@ every rank holds ``S/CP`` tokens, so the per-token parts of the model stay balan
 
 With documents the zigzag layout (:func:`megatron.usp.token_layout.zigzag_assignment`) is no
 longer balanced: a 2K-token document in chunk 0 costs as much as one in chunk 2R-1.
-:func:`balance_chunks` cuts the sequence into ``2*U*R*m`` equal chunks for a few ``m`` and
-assigns them to ring ranks (``2*U*m`` each) by greedy largest-first placement followed by
-pairwise swaps between the heaviest and the lightest rank; it returns the assignment with the
-smallest spread, or zigzag when zigzag is at least as good. The data loader calls it once per
+:func:`balance_chunks` first tries contiguous ranges (each ring rank one ``1/R`` of the
+sequence: few documents cross ranks, so the document ring skips most K/V blocks) and keeps
+them when they are within ``target``; else it cuts the sequence into ``2*U*R*m`` equal chunks
+for a few ``m`` and assigns them to ring ranks (``2*U*m`` each) by greedy largest-first
+placement followed by pairwise swaps between the heaviest and the lightest rank, keeping the
+assignment with the smallest spread. Zigzag is returned when it is at least as good. The data loader calls it once per
 micro-batch (``megatron.training.documents``); :mod:`megatron.usp.token_layout` describes the
 result, and everything sharded (tokens, labels, loss mask, positions, segments) follows it.
 
@@ -143,6 +145,14 @@ class Balance:
         return self.assignment.is_zigzag()
 
 
+def contiguous_assignment(ulysses: int, ring: int) -> ChunkAssignment:
+    """Ring rank ``r`` holds the ``r``-th contiguous ``1/R`` of the sequence (``2*U*R``
+    chunks, ``2U`` each)."""
+    per = 2 * ulysses
+    return ChunkAssignment(ulysses, tuple(tuple(range(r * per, (r + 1) * per))
+                                          for r in range(ring)))
+
+
 def assign_chunks(work: np.ndarray, ulysses: int, ring: int, group_chunks: int
                   ) -> ChunkAssignment:
     """A balanced assignment of ``2*U*R*m`` chunks (``m = group_chunks``) to the ring ranks."""
@@ -169,6 +179,11 @@ def balance_chunks(work: np.ndarray, ulysses: int, ring: int,
     zig_spread = spread(ring_rank_work(work, zig))
     if ring == 1:
         return Balance(zig, zig_spread, zig_spread)
+    # Contiguous ranges first: when they balance, at most R-1 documents cross a ring rank.
+    contiguous = contiguous_assignment(ulysses, ring)
+    contiguous_spread = spread(ring_rank_work(work, contiguous))
+    if contiguous_spread <= target and contiguous_spread < zig_spread:
+        return Balance(contiguous, contiguous_spread, zig_spread)
     best: Optional[Balance] = None
     for m in sorted(group_choices):
         n = 2 * ulysses * ring * m

@@ -47,12 +47,24 @@ def _argv(name: str, out_dir: str):
 
 
 def _train_all_layouts(rank, world_size, out_dir):
+    import megatron.training.documents as documents
     from megatron.training.arguments import parse_args
     from megatron.training.training import pretrain
 
+    real, moved = documents.balance_chunks, []
+
+    def counting(*args, **kwargs):            # the loader runs in-process (--num-workers 0)
+        choice = real(*args, **kwargs)
+        moved.append(not choice.is_zigzag)
+        return choice
+
+    documents.balance_chunks = counting
     for name in LAYOUTS:
+        moved.clear()
         result = pretrain(parse_args(_argv(name, out_dir)))
         assert result.iteration == STEPS, (name, result.iteration)
+        if name in ("u2r2", "u1r4"):          # the balanced layout really was used
+            assert any(moved), (name, len(moved))
 
 
 @pytest.fixture(scope="module")
