@@ -190,8 +190,9 @@ def document_ring_forward(q: Tensor, kv: Tensor, comm: RingComm, kernel: Documen
     r = plan.ring_rank
     out, lse = kernel.forward(q, kv[0], kv[1], plan.blocks[r], scale)
     lse = lse.to(accum_dtype(q.dtype))
-    if comm.size == 1 or plan.sources_needed == 0 and plan.ranks_needing_me == 0:
+    if comm.size == 1 or plan.kv_messages() == 0:
         return out, lse
+    comm.ensure_ready(q.device)
     acc_out = out.to(ring_accum_dtype(q.dtype, 1 + plan.sources_needed))
     pending = _start_kv(comm, kv, plan, 1)
     for step in range(1, comm.size):
@@ -247,8 +248,9 @@ def document_ring_backward(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse
     """
     r = plan.ring_rank
     dq, dk, dv = kernel.backward(dout, q, kv[0], kv[1], out, lse, plan.blocks[r], scale)
-    if comm.size == 1 or plan.sources_needed == 0 and plan.ranks_needing_me == 0:
+    if comm.size == 1 or plan.kv_messages() == 0:
         return RingGrads(dq, dkv=(dk, dv))
+    comm.ensure_ready(q.device)
     dq_acc = dq.to(ring_accum_dtype(q.dtype, 1 + plan.sources_needed))
     dkv_acc = torch.empty((2, *dk.shape), dtype=ring_accum_dtype(kv.dtype,
                                                                  1 + plan.ranks_needing_me),

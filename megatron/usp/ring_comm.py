@@ -19,17 +19,24 @@ not called by the ring schedule then, and calling it is an error.
 :meth:`RingComm.shift` is the document ring's step (:mod:`megatron.usp.document_ring`): ring
 rank ``r`` sends to ``r + offset`` and receives from ``r - offset``, each side only where the
 schedule needs the block, so a step may send, receive, both or neither; every rank derives the
-same schedule from the same batch, so each send has its matching receive.
+same schedule from the same batch, so each send has its matching receive. Because some ranks may
+sit a step out, :meth:`RingComm.ensure_ready` first runs one collective over the whole Ring
+group (once per group and process): with NCCL, the first point-to-point batch on a group must
+involve all of its ranks (``torch.distributed.batch_isend_irecv``'s documentation).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 Tensor = torch.Tensor
+
+# Ring groups that have run a collective with every rank (see the module docstring).
+_READY_GROUPS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class PendingExchange:
@@ -95,6 +102,17 @@ class RingComm:
             dist.P2POp(dist.irecv, recv_buf, self.recv_from, self.group),
         ]
         return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf)
+
+    def ensure_ready(self, device: torch.device) -> None:
+        """One all-reduce of one element over the Ring group, the first time only.
+
+        Every rank of the group must call it at the same point (the document ring does, before
+        its first exchange of a micro-batch that has any: the plan is the same on every rank).
+        """
+        if self.group is None or self.group in _READY_GROUPS:
+            return
+        dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+        _READY_GROUPS.add(self.group)
 
     def shift(self, offset: int, send_buf: Optional[Tensor], recv_buf: Optional[Tensor]
               ) -> Optional[PendingExchange]:
