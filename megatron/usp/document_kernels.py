@@ -409,6 +409,14 @@ class TileDocumentKernel(DocumentKernel):
             g = block.groups[0]
             out, lse = self._fwd(q, k, v, g.causal, scale)
             return out, lse.to(accum_dtype(q.dtype))
+        if _one_tiling_group(block):
+            # Equal documents over the whole block: the batched call's own output is the
+            # block's output when its memory is laid out [h, n*L, d] (no copy).
+            g = block.groups[0]
+            o_g, l_g = self._fwd(g.q.read(q), g.k.read(k), g.k.read(v), g.causal, scale)
+            out = _as_block(o_g)
+            lse = l_g.transpose(0, 1).reshape(1, q.shape[1], q.shape[2])
+            return (out if out is not None else _as_block_copy(o_g)), lse.to(accum_dtype(q.dtype))
         out, lse = _out_buffers(q, block)
         for g in block.groups:
             o_g, l_g = self._fwd(g.q.read(q), g.k.read(k), g.k.read(v), g.causal, scale)
@@ -428,6 +436,12 @@ class TileDocumentKernel(DocumentKernel):
         if block.is_dense():
             g = block.groups[0]
             return self._bwd(dout, q, k, v, out, lse, g.causal, scale)
+        if _one_tiling_group(block) and _tiles_side(block.groups[0].k, block.sk):
+            g = block.groups[0]
+            grads = self._bwd(g.q.read(dout), g.q.read(q), g.k.read(k), g.k.read(v),
+                              g.q.read(out), g.q.read(lse), g.causal, scale)
+            return tuple(_as_block(t) if _as_block(t) is not None else _as_block_copy(t)
+                         for t in grads)
         dq = _grad_buffer(q, block.q_cover, block.q_init)
         dk = _grad_buffer(k, block.k_cover, block.k_init)
         dv = _grad_buffer(v, block.k_cover, block.k_init)
@@ -438,6 +452,32 @@ class TileDocumentKernel(DocumentKernel):
             (g.k.put if g.fresh_k else g.k.add)(dk, dk_g)
             (g.k.put if g.fresh_k else g.k.add)(dv, dv_g)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _tiles_side(slots: Slots, size: int) -> bool:
+    """The slots are equal back-to-back slices covering ``0..size`` of one sample."""
+    return (slots.step == slots.length and slots.n * slots.length == size
+            and int(slots.starts[0]) == 0)
+
+
+def _one_tiling_group(block: DocumentBlock) -> bool:
+    """One batched call whose query slices tile the whole block (equal documents)."""
+    return (block.batch == 1 and len(block.groups) == 1 and block.groups[0].fresh_q
+            and _tiles_side(block.groups[0].q, block.sq))
+
+
+def _as_block(x: Tensor) -> Optional[Tensor]:
+    """[n, h, L, d] laid out as [h, n*L, d] in memory -> the [1, h, n*L, d] view, else None."""
+    t = x.transpose(0, 1)
+    if not t.is_contiguous():
+        return None
+    return t.reshape(1, t.shape[0], t.shape[1] * t.shape[2], t.shape[3])
+
+
+def _as_block_copy(x: Tensor) -> Tensor:
+    """[n, h, L, d] -> [1, h, n*L, d] (a copy)."""
+    t = x.transpose(0, 1)
+    return t.reshape(1, t.shape[0], t.shape[1] * t.shape[2], t.shape[3])
 
 
 def _grad_buffer(like: Tensor, cover: int, init: bool) -> Tensor:

@@ -140,3 +140,35 @@ def test_kernel_names_and_problems():
     x = torch.zeros(1, 2, 8, 8)
     with pytest.raises(ValueError, match="varlen needs CUDA fp16/bf16"):
         varlen.forward(x, x, x, block, 1.0)
+
+
+@pytest.mark.parametrize("local", ["math", "torch"])
+def test_equal_documents_match_the_oracle(local):
+    """The one-call path (equal documents tiling the block) forward and backward."""
+    seg = np.repeat(np.arange(4), 8)[None]
+    pos = np.arange(32)[None]
+    block = build_document_block(pos, seg, pos, seg, True)
+    gen = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, 4, 32, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, 32, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    visible = torch.as_tensor((seg[:, :, None] == seg[:, None, :])
+                              & (pos[:, None, :] <= pos[:, :, None]))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out_ref, _ = oracle(qr, kr, vr, visible, 0.5)
+    out_ref.backward(dout)
+    kernel = TileDocumentKernel(get_kernel(local))
+    out, lse = kernel.forward(q, k, v, block, 0.5)
+    grads = kernel.backward(dout, q, k, v, out, lse, block, 0.5)
+    torch.testing.assert_close(out, out_ref.detach(), **TOL)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_batched_output_laid_out_like_the_block_is_used_without_a_copy():
+    from megatron.usp.document_kernels import _as_block
+
+    block_layout = torch.randn(3, 4 * 5, 2)                     # [h, n*L, d]
+    batched = block_layout.view(3, 4, 5, 2).transpose(0, 1)      # [n, h, L, d] view
+    viewed = _as_block(batched)
+    assert viewed.data_ptr() == block_layout.data_ptr() and torch.equal(viewed[0], block_layout)
+    assert _as_block(torch.randn(4, 3, 5, 2)) is None            # contiguous [n, h, L, d]
