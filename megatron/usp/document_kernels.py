@@ -100,14 +100,14 @@ class Slots:
         return xs.as_strided(size, stride, xs.storage_offset() + int(self.starts[0]) * st[1])
 
     def read(self, x: Tensor) -> Tensor:
-        if self.step is not None:
+        if self.step is not None and self.disjoint:   # overlapping views are gathered instead
             return self.view(x)
         picked = x[self.sample].index_select(1, self.index)          # [h, n*L, *rest]
         return picked.unflatten(1, (self.n, self.length)).movedim(1, 0)
 
     def put(self, x: Tensor, value: Tensor) -> None:
         """Write ``value`` [n, h, L, *rest] into the slices (they must be disjoint)."""
-        if self.step is not None:
+        if self.step is not None and self.disjoint:
             self.view(x).copy_(value)
         else:
             x[self.sample].index_copy_(1, self.index, value.movedim(0, 1).flatten(1, 2)
@@ -387,21 +387,30 @@ class TileDocumentKernel(DocumentKernel):
     def __init__(self, kernel: AttentionKernel, views: bool = True) -> None:
         self.kernel = kernel
         self.views = views
+        # (direction, dtype, q shape, k shape, causal) cuDNN refused on views: those calls go
+        # through ``kernel`` (which copies, and falls back itself where cuDNN cannot run).
+        self._refused: set = set()
+
+    def _use_views(self, key, q: Tensor) -> bool:
+        return (self.views and key not in self._refused and q.stride(-1) == 1
+                and _strided_cudnn_ok(self.kernel, q))
 
     def _fwd(self, q, k, v, causal, scale):
-        if self.views and _strided_cudnn_ok(self.kernel, q) and q.stride(-1) == 1:
+        key = ("fwd", q.dtype, tuple(q.shape), tuple(k.shape), causal)
+        if self._use_views(key, q):
             try:
                 return _cudnn_views_forward(q, k, v, causal, scale)
             except RuntimeError:
-                self.views = False
+                self._refused.add(key)
         return self.kernel.forward(q, k, v, causal, scale)
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
-        if self.views and _strided_cudnn_ok(self.kernel, q) and q.stride(-1) == 1:
+        key = ("bwd", q.dtype, tuple(q.shape), tuple(k.shape), causal)
+        if self._use_views(key, q):
             try:
                 return _cudnn_views_backward(dout, q, k, v, out, lse, causal, scale)
             except RuntimeError:
-                self.views = False
+                self._refused.add(key)
         return self.kernel.backward(dout, q, k, v, out, lse, causal, scale)
 
     def forward(self, q, k, v, block, scale):
