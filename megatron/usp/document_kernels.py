@@ -131,10 +131,11 @@ def _make_slots(sample: int, starts: Sequence[int], length: int, device) -> Slot
         diffs = np.diff(arr)
         if np.all(diffs == diffs[0]) and diffs[0] > 0:
             step = int(diffs[0])
-    idx = (arr[:, None] + np.arange(length)[None, :]).reshape(-1)
-    disjoint = np.unique(idx).size == idx.size
+    ordered = np.sort(arr)
+    disjoint = bool(np.all(np.diff(ordered) >= length))
     slots = Slots(sample, arr, length, step, disjoint)
     if step is None or not disjoint:
+        idx = (arr[:, None] + np.arange(length)[None, :]).reshape(-1)
         slots.index = torch.as_tensor(idx, device=device)
     return slots
 
@@ -229,13 +230,16 @@ class _Coverage:
         self.count = np.zeros((batch, size), dtype=np.int64)
         self.init = False
 
-    def touch(self, sample: int, idx: np.ndarray, disjoint: bool) -> bool:
-        """Record a group's rows; returns whether the group writes them fresh."""
-        prev = self.count[sample, idx]
-        fresh = disjoint and not prev.any()
-        if not fresh and (prev == 0).any():
+    def touch(self, sample: int, starts: Sequence[int], length: int, disjoint: bool) -> bool:
+        """Record a group's slices; returns whether the group writes them fresh."""
+        row = self.count[sample]
+        touched = [bool(row[a:a + length].any()) for a in starts]
+        untouched = [not bool(row[a:a + length].all()) for a in starts]
+        fresh = disjoint and not any(touched)
+        if not fresh and any(untouched):
             self.init = True            # accumulates onto a row nothing wrote yet
-        np.add.at(self.count[sample], idx, 1)
+        for a in starts:
+            row[a:a + length] += 1
         return fresh
 
 
@@ -268,10 +272,9 @@ def build_document_block(q_pos: np.ndarray, q_seg: np.ndarray, k_pos: np.ndarray
                 group = TileGroup(_make_slots(sample, [t.q_start for t in ts], lq, device),
                                   _make_slots(sample, [t.k_start for t in ts], lk, device),
                                   causal_tile, sum(t.pairs for t in ts))
-                q_idx = np.concatenate([np.arange(t.q_start, t.q_start + lq) for t in ts])
-                k_idx = np.concatenate([np.arange(t.k_start, t.k_start + lk) for t in ts])
-                group.fresh_q = q_cov.touch(sample, q_idx, True)
-                group.fresh_k = k_cov.touch(sample, k_idx, group.k.disjoint)
+                group.fresh_q = q_cov.touch(sample, [t.q_start for t in ts], lq, True)
+                group.fresh_k = k_cov.touch(sample, [t.k_start for t in ts], lk,
+                                            group.k.disjoint)
                 groups.append(group)
     q_init = q_cov.init or not q_cov.count.all()
     k_init = k_cov.init or not k_cov.count.all()
