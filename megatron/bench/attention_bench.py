@@ -29,6 +29,10 @@ and peak-memory ratios against it and against pure Ulysses.
 Forward timings run with autograd on (a training forward: what a layer's forward costs);
 forward+backward uses ``torch.autograd.grad`` with a fixed output gradient.
 
+Packed documents (``--docs fixed:2k,fixed:8k,lognormal``): document-masked USP attention per
+split, or with ``--doc-kernels`` the single-GPU document kernels, in useful TFLOP/s with the
+per-rank work spread and the ring bytes skipped (:mod:`megatron.bench.document_bench`).
+
 Output: a progress line per case on rank 0, JSON (``--out``, rewritten after each sequence
 length so an interrupted sweep keeps what it measured) and a markdown table (``--markdown``).
 ``--check`` compares each distributed method's output at the first length with the
@@ -97,6 +101,12 @@ class AttentionBenchConfig:
     markdown: Optional[str] = None
     overlap_chunks: List[Optional[int]] = field(default_factory=lambda: [None])
     profile_dir: Optional[str] = None
+    docs: List[str] = field(default_factory=list)
+    doc_kernels: List[str] = field(default_factory=list)
+    document_kernel: str = "auto"
+    document_layout: str = "auto"
+    balance_report: bool = False
+    balance_samples: int = 16
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -206,6 +216,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after timing each distributed case, profile one more forward+backward "
                         "with torch.profiler: rank 0 writes a kernel table (.txt) and a Chrome "
                         "trace (.json) per case here")
+    p.add_argument("--docs", default="",
+                   help="packed-document mode: document mixes, e.g. fixed:2k,fixed:8k,lognormal "
+                        "(or corpus); USP with document masks per split "
+                        "(megatron/bench/document_bench.py)")
+    p.add_argument("--doc-kernels", default="",
+                   help="with --docs, one process: compare single-GPU document kernels, e.g. "
+                        "dense,tiles,tiles-copy,varlen,per-document,auto (flex: reference only)")
+    p.add_argument("--document-attention-kernel", default="auto",
+                   help="with --docs: the document kernel USP uses (auto, tiles, varlen, math)")
+    p.add_argument("--document-layout", default="auto", choices=("auto", "zigzag"),
+                   help="with --docs: balanced chunk assignment (auto) or zigzag")
+    p.add_argument("--balance-report", action="store_true",
+                   help="with --docs: only compute the per-ring-rank work spread (zigzag and "
+                        "balanced) for each --splits U x R; no GPU, no timing")
+    p.add_argument("--balance-samples", type=int, default=16,
+                   help="with --balance-report: consecutive samples per (mix, S, split)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--markdown", default=None, help="markdown table file")
@@ -224,7 +250,16 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
         native_cp_backend=ns.native_cp_backend, backend=ns.attention_backend,
         single_gpu=ns.single_gpu, sdpa_anchor=ns.sdpa_anchor, check=ns.check, seed=ns.seed,
         out=ns.out, markdown=ns.markdown, overlap_chunks=parse_overlap_chunks(ns.overlap_chunks),
-        profile_dir=ns.profile_dir)
+        profile_dir=ns.profile_dir, docs=_doc_mixes(ns.docs),
+        doc_kernels=[k.strip() for k in ns.doc_kernels.split(",") if k.strip()],
+        document_kernel=ns.document_attention_kernel, document_layout=ns.document_layout,
+        balance_report=ns.balance_report, balance_samples=ns.balance_samples)
+
+
+def _doc_mixes(text: str) -> List[str]:
+    from megatron.bench.document_bench import parse_doc_mixes
+
+    return parse_doc_mixes(text) if text.strip() else []
 
 
 # --------------------------------------------------------------------------- results
@@ -608,6 +643,8 @@ def run_sweep(cfg: AttentionBenchConfig, device: torch.device, argv: Sequence[st
     sweep.log(lambda: f"{PROGRESS_PREFIX} {sweep.world} ranks on {device.type}; lengths "
               f"{[seq_label(s) for s in cfg.seq_lens]}; splits "
               f"{[f'{u}x{r}' for u, r in splits]}; peers {cfg.peers or 'none'}")
+    if cfg.docs:
+        return _run_documents(cfg, sweep, splits, meta, payload)
     all_results: List[CaseResult] = []
     for i, seq_len in enumerate(cfg.seq_lens):
         if cfg.check and i == 0:
@@ -637,6 +674,46 @@ def run_sweep(cfg: AttentionBenchConfig, device: torch.device, argv: Sequence[st
     return payload
 
 
+def _run_documents(cfg: AttentionBenchConfig, sweep: "_Sweep", splits, meta: dict,
+                   payload: dict) -> dict:
+    """``--docs``: the packed-document sweep of :mod:`megatron.bench.document_bench`."""
+    from megatron.bench import document_bench
+
+    document_bench.check_document_config(cfg, sweep.world)
+    payload["tool"] = "bench_attention --docs"
+
+    def write(results):
+        payload["results"] = document_bench.as_dicts(results)
+        if cfg.out:
+            report.write_json(cfg.out, payload)
+        if cfg.markdown:
+            report.write_text(cfg.markdown, document_bench.results_markdown(meta, cfg, results))
+
+    document_bench.run_document_sweep(cfg, sweep, splits, meta, payload, write)
+    return payload
+
+
+def _balance_report(cfg: AttentionBenchConfig, parser, argv: Sequence[str]) -> int:
+    """``--docs ... --balance-report``: the work spreads only (one process, no device)."""
+    from megatron.bench import document_bench
+
+    if not cfg.docs or not cfg.splits:
+        parser.error("--balance-report needs --docs and --splits (e.g. --splits 1x2,1x4,2x4)")
+    rows = document_bench.balance_report(cfg.docs, cfg.seq_lens, cfg.splits,
+                                         cfg.balance_samples, cfg.seed)
+    text = document_bench.balance_markdown(rows)
+    print(text)
+    payload = {"tool": "bench_attention --balance-report",
+               "schema_version": report.SCHEMA_VERSION,
+               "metadata": report.run_metadata(argv, torch.device("cpu"), 1),
+               "config": cfg.to_dict(), "results": rows}
+    if cfg.out:
+        report.write_json(cfg.out, payload)
+    if cfg.markdown:
+        report.write_text(cfg.markdown, text)
+    return 0
+
+
 def _write_outputs(cfg: AttentionBenchConfig, payload: dict, meta: dict,
                    results: List[CaseResult]) -> None:
     if cfg.out:
@@ -650,6 +727,14 @@ def _init_distributed() -> Tuple[torch.device, bool]:
     """Join the torchrun job unless a process group exists; (device, whether we created it)."""
     created = False
     if not dist.is_initialized():
+        if "RANK" not in os.environ:      # plain ``python tools/bench_attention.py``: one rank
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         created = True
     if torch.cuda.is_available():
@@ -668,6 +753,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = config_from_args(ns)
     except BenchConfigError as exc:
         parser.error(str(exc))
+    if cfg.balance_report:
+        return _balance_report(cfg, parser, ["tools/bench_attention.py"] + args_list)
     device, created = _init_distributed()
     try:
         try:

@@ -26,6 +26,7 @@ import re
 import sys
 from typing import List, Optional, Sequence
 
+from megatron.training.documents import add_document_args, document_flags_problem
 from megatron.training.memory_args import add_memory_args, validate_memory_args
 from megatron.usp.backend_names import (
     BACKEND_NAMES,
@@ -193,9 +194,11 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="where the default corpus is built (default ~/.cache/megatron-usp)")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD predictions")
     g.add_argument("--reset-position-ids", action="store_true",
-                   help="refused with USP (see megatron/training/data_config.py)")
+                   help="positions (RoPE) restart after each EOD token (Megatron-LM's meaning)")
     g.add_argument("--reset-attention-mask", action="store_true",
-                   help="refused with USP (see megatron/training/data_config.py)")
+                   help="attention confined to the EOD-delimited documents of a packed sequence "
+                        "(megatron/training/documents.py)")
+    add_document_args(g)
 
 
 # megatron-core's recompute_modules that apply to a dense GPT (the MoE / MLA ones do not),
@@ -779,6 +782,15 @@ def validate_args(args: argparse.Namespace, world_size: int,
     _validate_model(args)
     _validate_training(args)
     _validate_data_flags(args)
+    problem = document_flags_problem(args)
+    if problem:
+        raise ArgumentsError(problem)
+    if args.reset_attention_mask and getattr(args, "recompute_keep_core_attn", False):
+        # Both paths are exact alone; their combination (a kept output replayed through the
+        # document ring) has no test yet, so it is refused rather than trusted.
+        raise ArgumentsError("--recompute-keep-core-attn with --reset-attention-mask is not "
+                             "verified yet; drop --recompute-keep-core-attn (full recompute "
+                             "then runs attention again)")
     _validate_checkpointing(args)
     _validate_split(args)
     _validate_parallel(args, world_size)

@@ -12,9 +12,12 @@ Batch layout (names used throughout)::
     tokens       [b, s] int64   input ids
     labels       [b, s] int64   tokens shifted left by one (next-token targets)
     loss_mask    [b, s] float32 1.0 where the label counts in the loss
-    position_ids [b, s] int64   global positions 0..s-1 (never reset: see
-                                :mod:`megatron.training.data_config`)
+    position_ids [b, s] int64   positions 0..s-1 (--reset-position-ids: restarting after
+                                each EOD, megatron-core's GPTDataset)
     attention_mask None         attention is causal by construction; no [s, s] mask
+    segment_ids  [b, s] int32   --reset-attention-mask only: document index per token, and
+    layout                      the micro-batch's chunk assignment (None: the default layout)
+                                (:class:`megatron.training.documents.DocumentBatching`)
 """
 
 from __future__ import annotations
@@ -103,8 +106,8 @@ def build_gpt_datasets(
         split=None if cfg.mock_data else cfg.split,
         path_to_cache=cfg.data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
+        reset_position_ids=cfg.reset_position_ids,
+        reset_attention_mask=cfg.reset_attention_mask,
         eod_mask_loss=cfg.eod_mask_loss,
         create_attention_mask=False,
         mmap_bin_files=True,
@@ -201,6 +204,7 @@ def build_data_iterator(
     dp_size: int,
     consumed_samples: int = 0,
     num_workers: int = 2,
+    collate_fn: Callable[[Sequence[Dict]], Dict] = collate_samples,
 ) -> Optional[Iterator[Dict[str, Optional[torch.Tensor]]]]:
     """An iterator over this DP rank's full-sequence micro-batches (None for no dataset).
 
@@ -210,7 +214,9 @@ def build_data_iterator(
     ``num_workers``. Every rank of one CP group (and TP group) has the same DP rank, so
     gets the same full micro-batch and keeps its part with
     :func:`megatron.training.batch.shard_batch_for_cp`. Iteration ends after the last
-    complete global batch.
+    complete global batch. ``collate_fn`` builds a micro-batch from its samples
+    (:func:`collate_samples`; with packed documents
+    :class:`megatron.training.documents.DocumentBatching`).
     """
     if dataset is None:
         return None
@@ -220,7 +226,7 @@ def build_data_iterator(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
-        collate_fn=collate_samples,
+        collate_fn=collate_fn,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
     )

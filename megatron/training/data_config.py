@@ -6,10 +6,8 @@ checks them, the tokenizer and every ``--data-path`` dataset on every rank alike
 come back in a :class:`DataReport`. :func:`parse_data_path` and :func:`parse_split` read
 Megatron's ``--data-path`` and ``--split`` formats.
 
-Packed documents: ``--reset-position-ids`` and ``--reset-attention-mask`` are refused.
-megatron-core's ``RotaryEmbedding`` ignores ``position_ids`` (it rotates by global
-position) and USP attention has no per-document mask, so attention would cross document
-boundaries while the flags claim it does not. ``--eod-mask-loss`` works.
+Packed documents: ``--reset-position-ids``, ``--reset-attention-mask`` and
+``--eod-mask-loss`` have Megatron-LM's meaning (:mod:`megatron.training.documents`).
 """
 
 from __future__ import annotations
@@ -47,8 +45,8 @@ class DataConfig:
         mock_data: ``--mock-data``: synthetic tokens from ``MockGPTDataset``, no files.
         seq_length: ``--seq-length``: tokens per sample; divisible by ``2*U*R``.
         seed: ``--seed``: drives the document and sample shuffles.
-        reset_position_ids: ``--reset-position-ids``: refused (see module docstring).
-        reset_attention_mask: ``--reset-attention-mask``: refused (see module docstring).
+        reset_position_ids: ``--reset-position-ids``: positions restart after each EOD.
+        reset_attention_mask: ``--reset-attention-mask``: attention within documents.
         eod_mask_loss: ``--eod-mask-loss``: no loss on predicting from an EOD token.
         num_workers: ``--num-workers``: DataLoader worker processes per rank.
         data_cache_path: ``--data-cache-path``: where megatron-core caches its sample
@@ -149,15 +147,6 @@ def _check_cache_dir(cfg: DataConfig, prefixes: Sequence[str]) -> None:
 
 
 def _validate_scalars(cfg: DataConfig, tokenizer, cp_size: int) -> None:
-    if cfg.reset_position_ids or cfg.reset_attention_mask:
-        flag = "--reset-position-ids" if cfg.reset_position_ids else "--reset-attention-mask"
-        raise DataConfigError(
-            f"{flag} is not supported with USP: megatron-core's RotaryEmbedding rotates by "
-            f"global position (it ignores position_ids) and USP attention has no per-document "
-            f"mask, so attention would still cross EOD boundaries. Drop {flag}; documents are "
-            f"packed with causal attention across them (Megatron's default). --eod-mask-loss "
-            f"is supported"
-        )
     if not isinstance(cfg.seq_length, int) or cfg.seq_length < 1:
         raise DataConfigError(f"--seq-length {cfg.seq_length!r} must be a positive integer")
     try:
@@ -216,7 +205,7 @@ def _check_dataset(info: IndexedDatasetInfo, tokenizer, report: DataReport) -> N
 def validate_data_config(cfg: DataConfig, tokenizer, cp_size: int) -> DataReport:
     """Check every data input before any dataset is built; raise :class:`DataConfigError`.
 
-    Checked, in order: the refused packing flags; ``--seq-length`` positive and divisible
+    Checked, in order: ``--seq-length`` positive and divisible
     by ``2*cp_size`` (``cp_size = U*R``); batch sizes; the tokenizer's EOD; ``--mock-data``
     versus ``--data-path``; ``--split``; the ``--data-path`` format and weights; for each
     prefix, :func:`inspect_indexed_dataset` (files present, ``.idx`` header and size,

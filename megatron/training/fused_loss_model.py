@@ -1,7 +1,9 @@
 """megatron-core's ``GPTModel`` whose training loss is :mod:`megatron.training.fused_loss`.
 
 Used by :func:`megatron.training.model.build_gpt_model` under
-``--fused-linear-cross-entropy``. It subclasses ``GPTModel`` and overrides ``_postprocess``
+``--fused-linear-cross-entropy``. It subclasses
+:class:`~megatron.training.gpt_model.USPGPTModel` (``GPTModel`` with RoPE from
+``position_ids``; one model class hierarchy) and overrides ``_postprocess``
 (megatron-core's own step after the decoder) for one case only: labels given, no
 multi-token prediction, no inference context, last pipeline stage. There it does what
 ``GPTModel._postprocess`` does up to the output layer (the output weight is the shared
@@ -15,13 +17,12 @@ goes to ``GPTModel._postprocess`` unchanged. Parameters, their names and checkpo
 
 from __future__ import annotations
 
-from megatron.core.models.gpt.gpt_model import GPTModel
-
 from megatron.training.fused_loss import fused_linear_cross_entropy
+from megatron.training.gpt_model import USPGPTModel
 
 
-class FusedLossGPTModel(GPTModel):
-    """``GPTModel`` (same arguments) plus ``loss_chunk_tokens``, tokens per loss chunk."""
+class FusedLossGPTModel(USPGPTModel):
+    """``USPGPTModel`` (same arguments) plus ``loss_chunk_tokens``, tokens per loss chunk."""
 
     def __init__(self, *args, loss_chunk_tokens: int, **kwargs):
         if loss_chunk_tokens < 1:

@@ -123,7 +123,9 @@ def _pipeline_stage(groups: USPGroups):
 def build_gpt_model(args, config, groups: USPGroups):
     """This pipeline stage's ``GPTModel`` (unwrapped), on ``args.device``.
 
-    With ``--fused-linear-cross-entropy`` it is a
+    A :class:`~megatron.training.gpt_model.USPGPTModel` (``GPTModel`` whose RoPE follows
+    ``position_ids``: packed documents, any chunk assignment). With
+    ``--fused-linear-cross-entropy`` it is a
     :class:`~megatron.training.fused_loss_model.FusedLossGPTModel`: the same model whose
     last stage computes the output layer and the loss together over chunks of
     ``--linear-cross-entropy-chunk-tokens`` tokens. ``--mlp-tile-tokens`` tiles the MLP
@@ -132,8 +134,7 @@ def build_gpt_model(args, config, groups: USPGroups):
     :class:`~megatron.usp.activation_offload.ActivationOffloader` (``model.activation_offloader``)
     hooked to its decoder.
     """
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
+    from megatron.training.gpt_model import USPGPTModel
     from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
     pp_rank, pre_process, post_process = _pipeline_stage(groups)
@@ -148,8 +149,10 @@ def build_gpt_model(args, config, groups: USPGroups):
                                   lean_norms=spec_recompute(args)[0],
                                   lean_swiglu=spec_recompute(args)[1],
                                   mlp_tile_tokens=getattr(args, "mlp_tile_tokens", None),
-                                  recompute_keep=keep, mlp_tp_group=groups.tp)
-    model_class, loss_kwargs = GPTModel, {}
+                                  recompute_keep=keep, mlp_tp_group=groups.tp,
+                                  document_kernel=getattr(args, "document_attention_kernel",
+                                                          "auto"))
+    model_class, loss_kwargs = USPGPTModel, {}
     if getattr(args, "fused_linear_cross_entropy", False):
         from megatron.training.fused_loss_model import FusedLossGPTModel
 

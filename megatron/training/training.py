@@ -213,24 +213,34 @@ def build_data_iterators(args, rt: Runtime, state: TrainState):
              None]
     train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer, sizes)
     dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
+    collate = {}
+    if args.reset_attention_mask:
+        from megatron.training.documents import DocumentBatching
+
+        collate["collate_fn"] = DocumentBatching(int(rt.tokenizer.eod), rt.groups.dims.ulysses,
+                                                 rt.groups.dims.ring, args.document_layout)
     # The (persistent) DataLoader workers start here; a group-wide SIGTERM is the rank's to
     # handle (it saves at the end of the iteration), not theirs to die of.
     with children_ignore_sigterm():
         train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
-                                    state.consumed_train_samples, args.num_workers)
+                                    state.consumed_train_samples, args.num_workers, **collate)
         valid = None
         if args.eval_iters and valid_ds is not None:
             valid = build_data_iterator(valid_ds, args.micro_batch_size, dp_rank, dp_size,
-                                        state.consumed_valid_samples, args.num_workers)
+                                        state.consumed_valid_samples, args.num_workers,
+                                        **collate)
     return train, valid
 
 
-def batch_context(rt: Runtime) -> batch_mod.BatchContext:
+def batch_context(rt: Runtime, args) -> batch_mod.BatchContext:
+    from megatron.training.documents import documents_enabled
+
     g = rt.groups
     pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
     return batch_mod.BatchContext(cp_rank=g.cp_rank, cp_size=dist.get_world_size(g.cp),
                                   device=rt.device, first_stage=pp_rank == 0,
-                                  last_stage=pp_rank == pp_size - 1)
+                                  last_stage=pp_rank == pp_size - 1, ring_rank=g.ring_rank,
+                                  ring_size=g.ring_size, documents=documents_enabled(args))
 
 
 # --------------------------------------------------------------------------- one step
@@ -545,7 +555,7 @@ def pretrain(args: argparse.Namespace,
         writer = _make_writer(args, rt)
         writer.run_header(rt.groups.dims.short(), rt.world_size,
                           plain_args(args, rt.data_source.resolved_args()))
-        step_fn = partial(forward_step_func or batch_mod.forward_step, batch_context(rt))
+        step_fn = partial(forward_step_func or batch_mod.forward_step, batch_context(rt, args))
         _Loop(args, rt, model, optimizer, scheduler, state, step_fn, writer, result,
               memory).run(train_iter, valid_iter)
         result.iteration = state.iteration

@@ -34,6 +34,11 @@ attention, all-to-all). Chunks hold whole KV heads
 (:func:`megatron.usp.ulysses.head_chunk_choices`); with K/V replicated over Ulysses ranks
 (hk < U) G is 1.
 
+Packed documents (``documents``, a :class:`megatron.usp.document_ring.DocumentRingPlan`): the
+all-to-alls and the head-chunk pipeline are unchanged; the ring step is the document ring of
+:mod:`megatron.usp.document_ring` (only K/V blocks that share a document move) with the
+document-masked kernels of :mod:`megatron.usp.document_kernels`.
+
 ``overlap_chunks=None`` (auto) picks G = 2 when something can overlap (U > 1 or R > 1), two
 chunks are valid, and each chunk keeps at least ``AUTO_MIN_HEADS_PER_CHUNK`` (8) query heads
 per rank, so that every kernel call keeps enough heads to fill the GPU; else 1. Two chunks
@@ -68,6 +73,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron.usp.document_kernels import DocumentKernel, get_document_kernel
+from megatron.usp.document_ring import (
+    DocumentRingPlan,
+    document_ring_backward,
+    document_ring_forward,
+)
 from megatron.usp.kernels import AttentionKernel, get_kernel
 from megatron.usp.ring_attention import (
     RingGrads,
@@ -131,6 +142,8 @@ class USPSchedule:
         kv_rep: KV replication factor of the all-to-all (:func:`kv_replication`).
         chunks: head chunks G (:func:`resolve_overlap_chunks`).
         kernel, causal, scale: the local attention kernel and its arguments.
+        documents, document_kernel: the micro-batch's document ring plan and the
+            document-masked kernel (None: no document mask).
     """
 
     ulysses: Optional[dist.ProcessGroup]
@@ -140,6 +153,23 @@ class USPSchedule:
     kernel: AttentionKernel
     causal: bool
     scale: float
+    documents: Optional[DocumentRingPlan] = None
+    document_kernel: Optional[DocumentKernel] = None
+
+
+def _ring_forward(q_h: Tensor, kv_h: Tensor, sched: USPSchedule) -> Tuple[Tensor, Tensor]:
+    if sched.documents is not None:
+        return document_ring_forward(q_h, kv_h, sched.ring, sched.document_kernel,
+                                     sched.documents, sched.scale)
+    return ring_attention_forward(q_h, kv_h, sched.ring, sched.kernel, sched.causal, sched.scale)
+
+
+def _ring_backward(dout_h, q_h, kv_h, out_h, lse, sched: USPSchedule) -> RingGrads:
+    if sched.documents is not None:
+        return document_ring_backward(dout_h, q_h, kv_h, out_h, lse, sched.ring,
+                                      sched.document_kernel, sched.documents, sched.scale)
+    return ring_attention_backward(dout_h, q_h, kv_h, out_h, lse, sched.ring, sched.kernel,
+                                   sched.causal, sched.scale)
 
 
 SavedChunk = Tuple[Tensor, Tensor, Tensor, Tensor]   # q_h, kv_h, out_h, lse of one chunk
@@ -183,8 +213,7 @@ def usp_attention_forward(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule
         upcoming = _start_qkv(q, k, v, sched, g + 1) if g + 1 < sched.chunks else None
         pending, q_h, kv_h = incoming
         pending.wait()
-        out_h, lse = ring_attention_forward(q_h, kv_h, sched.ring, sched.kernel, sched.causal,
-                                            sched.scale)          # [b, h/(UG), S_r, d]
+        out_h, lse = _ring_forward(q_h, kv_h, sched)              # [b, h/(UG), S_r, d]
         saved.append((q_h, kv_h, out_h, lse))
         if outgoing is not None:   # chunk g-1's output, in flight during chunk g's compute
             outgoing.wait()
@@ -232,8 +261,7 @@ def usp_attention_backward(dout: Tensor, saved: Sequence[SavedChunk], kv_shape: 
         (dout_h,) = incoming.wait()                              # [b, h/(UG), S_r, d]
         incoming = upcoming
         q_h, kv_h, out_h, lse = saved[g]
-        grads = ring_attention_backward(dout_h, q_h, kv_h, out_h, lse, sched.ring,
-                                        sched.kernel, sched.causal, sched.scale)
+        grads = _ring_backward(dout_h, q_h, kv_h, out_h, lse, sched)
         del dout_h
         # The previous chunk's transfers had this chunk's backward to hide behind.
         _wait_all(outgoing)
@@ -319,6 +347,8 @@ def usp_attention(
     softmax_scale: Optional[float] = None,
     backend: Union[str, AttentionKernel] = "auto",
     overlap_chunks: Optional[int] = None,
+    documents: Optional[DocumentRingPlan] = None,
+    document_kernel: Union[str, DocumentKernel] = "auto",
 ) -> Tensor:
     """Unified sequence-parallel attention on this rank's tokens; differentiable.
 
@@ -333,6 +363,12 @@ def usp_attention(
         backend: ``--attention-backend`` name or an :class:`AttentionKernel`.
         overlap_chunks: head chunks G pipelined against the all-to-alls; ``None`` picks
             (:func:`resolve_overlap_chunks`), 1 runs unpipelined; the result is the same.
+        documents: the micro-batch's :class:`~megatron.usp.document_ring.DocumentRingPlan`
+            (this ring rank's): attention confined to documents (its ``causal`` must equal
+            ``causal``); q, k, v then hold the tokens of the plan's chunk assignment. None:
+            no document mask.
+        document_kernel: ``--document-attention-kernel`` name or a
+            :class:`~megatron.usp.document_kernels.DocumentKernel` (only with ``documents``).
     Returns:
         [s, b, h, d] contiguous attention output of the local tokens, q's dtype: what
         single-device attention on the whole sequence gives for these tokens.
@@ -352,30 +388,55 @@ def usp_attention(
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     sched = make_schedule(q, k, ulysses_group=ulysses_group, ring_group=ring_group,
                           causal=causal, softmax_scale=softmax_scale, backend=backend,
-                          overlap_chunks=overlap_chunks)
+                          overlap_chunks=overlap_chunks, documents=documents,
+                          document_kernel=document_kernel)
     return usp_attention_with_schedule(q, k, v, sched)
 
 
 def make_schedule(q: Tensor, k: Tensor, *, ulysses_group: Optional[dist.ProcessGroup],
                   ring_group: Optional[dist.ProcessGroup], causal: bool,
                   softmax_scale: Optional[float], backend: Union[str, AttentionKernel],
-                  overlap_chunks: Optional[int]) -> USPSchedule:
+                  overlap_chunks: Optional[int], documents: Optional[DocumentRingPlan] = None,
+                  document_kernel: Union[str, DocumentKernel] = "auto") -> USPSchedule:
     """The :class:`USPSchedule` of a call with q [s, b, h, d] and k [s, b, hk, d] (arguments as
     for :func:`usp_attention`)."""
     U, R = group_size(ulysses_group), group_size(ring_group)
+    kernel = get_kernel(backend)
+    if documents is not None:
+        _check_documents(documents, q, U, R, dist.get_rank(ring_group) if R > 1 else 0, causal)
     return USPSchedule(
         ulysses=ulysses_group if U > 1 else None,
         ring=RingComm(ring_group if R > 1 else None),
         kv_rep=kv_replication(k.shape[2], U),
         chunks=resolve_overlap_chunks(q.shape[2], k.shape[2], U, R, overlap_chunks),
-        kernel=get_kernel(backend),
+        kernel=kernel,
         causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3]),
+        documents=documents,
+        document_kernel=(get_document_kernel(document_kernel, kernel)
+                         if documents is not None else None),
     )
 
 
 def usp_attention_with_schedule(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule) -> Tensor:
     """:func:`usp_attention` for an already built schedule (differentiable)."""
-    if sched.ulysses is None and sched.ring.size == 1:
+    if sched.ulysses is None and sched.ring.size == 1 and sched.documents is None:
         return _LocalAttentionFunction.apply(q, k, v, sched)
     return _USPAttentionFunction.apply(q, k, v, sched)
+
+
+def _check_documents(plan: DocumentRingPlan, q: Tensor, ulysses: int, ring: int,
+                     ring_rank: int, causal: bool) -> None:
+    """The plan must describe these tokens: same ring, batch, tokens and mask type."""
+    s, b = q.shape[:2]
+    if ring_rank != plan.ring_rank:
+        raise ValueError(f"the document plan is ring rank {plan.ring_rank}'s; this is ring "
+                         f"rank {ring_rank}")
+    if plan.ring_size != ring or plan.batch != b or plan.seq_len != s * ulysses * ring:
+        raise ValueError(
+            f"the document plan is for a ring of {plan.ring_size}, batch {plan.batch} and "
+            f"{plan.seq_len} tokens; this call has a ring of {ring}, batch {b} and "
+            f"{s * ulysses * ring} tokens (s={s} x U={ulysses} x R={ring})")
+    if plan.causal != causal:
+        raise ValueError(f"the document plan was built with causal={plan.causal}, the "
+                         f"attention call has causal={causal}")

@@ -3,17 +3,27 @@
 It fills the ``core_attention`` slot of megatron-core's ``SelfAttentionSubmodules``
 (:mod:`megatron.usp.layer_specs` builds the spec) and calls :func:`megatron.usp.attention.usp_attention`
 with the Ulysses and Ring groups it finds in the ``pg_collection`` it is given.
+
+Packed documents reach it as megatron-core's ``packed_seq_params``: :class:`DocumentParams`
+(a ``PackedSeqParams`` with ``qkv_format="sbhd"``, so megatron-core's attention passes it
+through untouched) carries the micro-batch's document ring plan. It is an argument of the
+model's forward, so activation recompute and pipeline schedules with several micro-batches in
+flight each see their own (no module state).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron.usp.attention import make_schedule, resolve_overlap_chunks, usp_attention
+from megatron.usp.document_kernels import get_document_kernel
+from megatron.usp.document_ring import DocumentRingPlan
 from megatron.usp.kept_attention import AttentionKeeper, RecomputeKeep
 from megatron.usp.kernels import get_kernel
 from megatron.usp.ulysses import group_size
@@ -21,13 +31,32 @@ from megatron.usp.ulysses import group_size
 Tensor = torch.Tensor
 
 
+@dataclass
+class DocumentParams(PackedSeqParams):
+    """megatron-core's ``packed_seq_params`` carrying a micro-batch's document mask.
+
+    ``qkv_format`` is ``"sbhd"`` (the tensors keep megatron's [s, b, h, d]; megatron-core only
+    reshapes for ``"thd"``); ``max_seqlen_q``/``max_seqlen_kv`` are the full sequence length
+    (what megatron-core's RoPE sizes its table by); ``plan`` is this rank's
+    :class:`~megatron.usp.document_ring.DocumentRingPlan`.
+    """
+
+    plan: Optional[DocumentRingPlan] = None
+
+    @classmethod
+    def for_plan(cls, plan: DocumentRingPlan) -> "DocumentParams":
+        return cls(qkv_format="sbhd", max_seqlen_q=plan.seq_len, max_seqlen_kv=plan.seq_len,
+                   plan=plan)
+
+
 class USPAttention(MegatronModule):
     """megatron-core core attention computed with USP (Ulysses x zigzag Ring).
 
     Drop-in for ``DotProductAttention`` / ``TEDotProductAttention`` in the
     ``core_attention`` slot of ``SelfAttentionSubmodules``; constructed with the keyword
-    arguments megatron-core 0.16.1's ``Attention`` passes, plus ``attention_backend`` and
-    ``overlap_chunks`` (from the ModuleSpec params; see :func:`usp_attention`).
+    arguments megatron-core 0.16.1's ``Attention`` passes, plus ``attention_backend``,
+    ``overlap_chunks`` and ``document_kernel`` (from the ModuleSpec params; see
+    :func:`usp_attention`).
     ``overlap_chunks`` is resolved and checked against the heads per TP rank here, at
     model construction, so a bad value fails at start-up.
 
@@ -43,7 +72,8 @@ class USPAttention(MegatronModule):
 
     Masks: ``AttnMaskType.causal`` or ``no_mask``; ``attention_mask`` tensors are not
     read (the mask type defines the mask, as TEDotProductAttention does for these
-    types). Dropout is rejected: an attention-dropout mask would have to be drawn
+    types). A :class:`DocumentParams` in ``packed_seq_params`` confines attention to
+    documents as well (``--reset-attention-mask``); other packed formats are refused. Dropout is rejected: an attention-dropout mask would have to be drawn
     identically for a block whichever rank computes it (ring position dependent), and
     no RNG scheme for that is implemented; modern LLM pretraining uses 0.
 
@@ -69,6 +99,7 @@ class USPAttention(MegatronModule):
         attention_backend: str = "auto",
         overlap_chunks: Optional[int] = None,
         recompute_keep: Optional[RecomputeKeep] = None,
+        document_kernel: str = "auto",
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -79,6 +110,7 @@ class USPAttention(MegatronModule):
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
         self.ulysses_group, self.ring_group = _groups_from(pg_collection)
         self.kernel = get_kernel(attention_backend)
+        self.document_kernel = get_document_kernel(document_kernel, self.kernel)
         self.overlap_chunks = _overlap_chunks_for(config, pg_collection, self.ulysses_group,
                                                   self.ring_group, overlap_chunks)
         self.keeper = AttentionKeeper(recompute_keep) if recompute_keep is not None else None
@@ -94,19 +126,23 @@ class USPAttention(MegatronModule):
         packed_seq_params=None,
     ) -> Tensor:
         """[s, b, np, hn] x [s, b, ng, hn] -> [s, b, np*hn] (see class docstring)."""
+        plan = None
         if packed_seq_params is not None:
-            raise NotImplementedError(
-                "USP attention does not support packed sequences (THD, packed_seq_params); "
-                "drop --reset-attention-mask / packed datasets, or use --ulysses-degree 1 "
-                "--ring-degree 1 with TransformerEngine attention"
-            )
+            if not isinstance(packed_seq_params, DocumentParams):
+                raise NotImplementedError(
+                    "USP attention takes packed documents as DocumentParams (what get_batch "
+                    "builds for --reset-attention-mask), not megatron-core's THD "
+                    "packed_seq_params"
+                )
+            plan = packed_seq_params.plan
         if attention_bias is not None:
             raise NotImplementedError("USP attention does not support an attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = _is_causal(mask_type)
         call_args = dict(ulysses_group=self.ulysses_group, ring_group=self.ring_group,
                          causal=causal, softmax_scale=self.softmax_scale, backend=self.kernel,
-                         overlap_chunks=self.overlap_chunks)
+                         overlap_chunks=self.overlap_chunks, documents=plan,
+                         document_kernel=self.document_kernel)
         if self.keeper is not None and self.training:
             out = self.keeper(query, key, value, make_schedule(query, key, **call_args))
         else:

@@ -64,13 +64,16 @@ from megatron.usp.tiled_mlp import tiled_mlp_class
 
 def usp_core_attention_spec(attention_backend: str = "auto",
                             overlap_chunks: Optional[int] = None,
-                            recompute_keep: Optional[RecomputeKeep] = None) -> ModuleSpec:
+                            recompute_keep: Optional[RecomputeKeep] = None,
+                            document_kernel: str = "auto") -> ModuleSpec:
     """``ModuleSpec`` of :class:`megatron.usp.core_attention.USPAttention` with the given backend.
 
     ``overlap_chunks`` (``--usp-overlap-chunks``): head chunks of the all-to-all/attention
     pipeline; ``None`` lets USP attention choose (auto). It is checked against the heads when
     the layer is built, so a bad value fails at start-up. ``recompute_keep``
     (``--recompute-keep-core-attn``): see :mod:`megatron.usp.kept_attention`.
+    ``document_kernel`` (``--document-attention-kernel``): the document-masked kernel used with
+    packed documents.
     """
     if attention_backend not in BACKEND_NAMES:
         raise ValueError(
@@ -78,6 +81,8 @@ def usp_core_attention_spec(attention_backend: str = "auto",
             f"{list(BACKEND_NAMES)}"
         )
     params = {"attention_backend": attention_backend}
+    if document_kernel != "auto":
+        params["document_kernel"] = document_kernel
     if overlap_chunks is not None:
         params["overlap_chunks"] = overlap_chunks
     if recompute_keep is not None:
@@ -102,6 +107,7 @@ def get_usp_gpt_layer_spec(
     mlp_tile_tokens: Optional[int] = None,
     recompute_keep: Optional[RecomputeKeep] = None,
     mlp_tp_group=None,
+    document_kernel: str = "auto",
 ) -> ModuleSpec:
     """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
     norms of :mod:`megatron.usp.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
@@ -115,7 +121,8 @@ def get_usp_gpt_layer_spec(
             fails at model construction with the ``pip install`` command to run.
         qk_layernorm: normalise queries and keys per head (``TransformerConfig.qk_layernorm``).
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
-        overlap_chunks, recompute_keep: as for :func:`usp_core_attention_spec`.
+        overlap_chunks, recompute_keep, document_kernel: as for
+            :func:`usp_core_attention_spec`.
         fused_kernels: the resolved ``--fused-kernels`` (``torch``, ``compile``, ``liger``)
             for the norms, RoPE and, with ``fused_swiglu``, the MLP activation.
         fused_swiglu: put :class:`~megatron.usp.fused_kernels.SwiGLU` in the MLP's
@@ -144,7 +151,7 @@ def get_usp_gpt_layer_spec(
     attn_norms = dict(q_layernorm=norm, k_layernorm=norm) if qk_layernorm else {}
     attn.submodules = dataclasses.replace(
         attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks,
-                                                                recompute_keep),
+                                                                recompute_keep, document_kernel),
         **attn_norms
     )
     attn.module = USPSelfAttention
@@ -189,6 +196,7 @@ def get_usp_gpt_block_spec(
     mlp_tile_tokens: Optional[int] = None,
     recompute_keep: Optional[RecomputeKeep] = None,
     mlp_tp_group=None,
+    document_kernel: str = "auto",
 ) -> TransformerBlockSubmodules:
     """Decoder-block spec of one pipeline stage: its layers and the final norm, both USP's.
 
@@ -203,7 +211,7 @@ def get_usp_gpt_block_spec(
             ``vp_stage`` it decides how many layers this stage builds.
         attention_backend: as for :func:`get_usp_gpt_layer_spec`.
         vp_stage: virtual pipeline stage, or None.
-        overlap_chunks, mlp_tile_tokens, recompute_keep, mlp_tp_group: as for
+        overlap_chunks, mlp_tile_tokens, recompute_keep, mlp_tp_group, document_kernel: as for
             :func:`get_usp_gpt_layer_spec`.
         fused_kernels: as for :func:`get_usp_gpt_layer_spec`; the MLP activation is the fused
             SwiGLU exactly when ``config.use_te_activation_func`` is set (and not
@@ -220,7 +228,8 @@ def get_usp_gpt_block_spec(
                                    fused_swiglu=config.use_te_activation_func,
                                    lean_norms=lean_norms, lean_swiglu=lean_swiglu,
                                    mlp_tile_tokens=mlp_tile_tokens,
-                                   recompute_keep=recompute_keep, mlp_tp_group=mlp_tp_group)
+                                   recompute_keep=recompute_keep, mlp_tp_group=mlp_tp_group,
+                                   document_kernel=document_kernel)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=norm_spec(config.normalization,

@@ -15,16 +15,28 @@ cannot cross.
 
 A ring of size 1 (``group is None`` or a one-rank group) never communicates: ``exchange`` is
 not called by the ring schedule then, and calling it is an error.
+
+:meth:`RingComm.shift` is the document ring's step (:mod:`megatron.usp.document_ring`): ring
+rank ``r`` sends to ``r + offset`` and receives from ``r - offset``, each side only where the
+schedule needs the block, so a step may send, receive, both or neither; every rank derives the
+same schedule from the same batch, so each send has its matching receive. Because some ranks may
+sit a step out, :meth:`RingComm.ensure_ready` first runs one collective over the whole Ring
+group (once per group and process): with NCCL, the first point-to-point batch on a group must
+involve all of its ranks (``torch.distributed.batch_isend_irecv``'s documentation).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 Tensor = torch.Tensor
+
+# Ring groups that have run a collective with every rank (see the module docstring).
+_READY_GROUPS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class PendingExchange:
@@ -34,12 +46,14 @@ class PendingExchange:
     hand its memory to another tensor while the transfer still reads it.
     """
 
-    def __init__(self, requests: List, send_buf: Tensor, recv_buf: Tensor) -> None:
+    def __init__(self, requests: List, send_buf: Optional[Tensor],
+                 recv_buf: Optional[Tensor]) -> None:
         self._requests = requests
         self._send_buf: Optional[Tensor] = send_buf
         self._recv_buf = recv_buf
 
-    def wait(self) -> Tensor:
+    def wait(self) -> Optional[Tensor]:
+        """Finish the transfer; the received buffer (None for a send-only transfer)."""
         for req in self._requests:
             req.wait()
         self._requests = []
@@ -87,4 +101,38 @@ class RingComm:
             dist.P2POp(dist.isend, send_buf, self.send_to, self.group),
             dist.P2POp(dist.irecv, recv_buf, self.recv_from, self.group),
         ]
+        return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf)
+
+    def ensure_ready(self, device: torch.device) -> None:
+        """One all-reduce of one element over the Ring group, the first time only.
+
+        Every rank of the group must call it at the same point (the document ring does, before
+        its first exchange of a micro-batch that has any: the plan is the same on every rank).
+        """
+        if self.group is None or self.group in _READY_GROUPS:
+            return
+        dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+        _READY_GROUPS.add(self.group)
+
+    def shift(self, offset: int, send_buf: Optional[Tensor], recv_buf: Optional[Tensor]
+              ) -> Optional[PendingExchange]:
+        """Send ``send_buf`` to ring rank ``r + offset`` and receive into ``recv_buf`` from
+        ``r - offset`` (mod R); either may be None (that side is skipped), both None: None.
+
+        Bytes: ``send_buf``'s and ``recv_buf``'s sizes. Buffers must be contiguous and
+        ``send_buf`` unmodified until ``wait()``.
+        """
+        if self.size == 1:
+            raise RuntimeError("a ring of size 1 has no neighbour to exchange with")
+        ops = []
+        if send_buf is not None:
+            if not send_buf.is_contiguous():
+                raise ValueError("ring exchange buffers must be contiguous")
+            dst = dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+            ops.append(dist.P2POp(dist.isend, send_buf, dst, self.group))
+        if recv_buf is not None:
+            src = dist.get_global_rank(self.group, (self.rank - offset) % self.size)
+            ops.append(dist.P2POp(dist.irecv, recv_buf, src, self.group))
+        if not ops:
+            return None
         return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf)

@@ -195,3 +195,60 @@ def test_bench_checkpoint_tiny_model_on_the_cpu(tmp_path):
     assert [len(v) for v in result["save_s"].values()] == [1, 1]
     assert result["verify_s"] > 0 and "overhead" in result
     assert not (tmp_path / "ckpt").exists()  # the saves are removed
+
+
+# --------------------------------------------------------------------------- packed documents
+def _document_sweeps(rank, world, out_dir):
+    from megatron.bench.attention_bench import main
+
+    main(["--seq-lens", "256", *TINY, "--kv-heads", "2", "--warmup", "0",
+          "--docs", "fixed:32,lognormal", "--out", f"{out_dir}/docs.json",
+          "--markdown", f"{out_dir}/docs.md"])
+
+
+def test_bench_attention_documents_on_two_gloo_ranks(dist_run, tmp_path):
+    """--docs: document-masked USP per split, with spreads and ring traffic in the JSON."""
+    dist_run(_document_sweeps, 2, str(tmp_path), timeout=300)
+    payload = json.loads((tmp_path / "docs.json").read_text())
+    assert payload["tool"] == "bench_attention --docs"
+    results = payload["results"]
+    assert [(r["mix"], r["ulysses"], r["ring"]) for r in results] == [
+        ("fixed:32", 2, 1), ("fixed:32", 1, 2), ("lognormal", 2, 1), ("lognormal", 1, 2)]
+    for r in results:
+        assert r["status"] == "ok", r
+        _ok_numbers(r)
+        assert r["useful_pairs"] > 0 and 0 <= r["work_spread"] <= r["zigzag_work_spread"] + 1e-12
+        assert r["kv_messages"] + r["kv_messages_skipped"] == r["ring"] * (r["ring"] - 1)
+    # 32-token documents tile the zigzag chunks: the ring ranks share none, nothing is sent
+    fixed_ring = results[1]
+    assert fixed_ring["kv_messages"] == 0 and fixed_ring["ring_bytes_skipped"] > 0
+    assert "useful TFLOP/s/GPU" in (tmp_path / "docs.md").read_text()
+
+
+def test_bench_attention_document_kernels_and_balance_report(tmp_path):
+    """One process: --doc-kernels on the CPU (varlen skipped there) and --balance-report."""
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--seq-lens", "128",
+         *TINY, "--warmup", "0", "--docs", "fixed:16", "--doc-kernels",
+         "dense,tiles,tiles-copy,varlen,per-document,auto", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    by_kernel = {r["kernel"]: r for r in results}
+    assert set(by_kernel) == {"dense", "tiles", "tiles-copy", "varlen", "per-document", "auto"}
+    assert by_kernel["varlen"]["status"] == "skipped"
+    for name in ("tiles-copy", "per-document", "auto"):
+        assert by_kernel[name]["rel_err_vs_tiles"] < 1e-5, by_kernel[name]
+    assert by_kernel["auto"]["auto_choice"] == "math" and by_kernel["tiles"]["tile_calls"] == 1
+    report_json = tmp_path / "balance.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--docs", "lognormal",
+         "--seq-lens", "4096", "--splits", "1x2,2x2", "--balance-report",
+         "--balance-samples", "4", "--out", str(report_json)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(report_json.read_text())["results"]
+    assert [(r["ulysses"], r["ring"]) for r in rows] == [(1, 2), (2, 2)]
+    for r in rows:
+        assert r["spread_max"] <= 0.05 and r["spread_max"] <= r["zigzag_spread_max"]

@@ -149,7 +149,8 @@ def _build(args, groups):
 
 
 def _model_checks(rank, world_size):
-    """build_gpt_model: the flag selects FusedLossGPTModel, the default is GPTModel itself;
+    """build_gpt_model: the flag selects FusedLossGPTModel, the default is USPGPTModel
+    (GPTModel with RoPE from position_ids, megatron/training/gpt_model.py);
     with the same weights (TP2, sequence parallel, tied embeddings) the losses and every
     parameter gradient agree with GPTModel's to float32 rounding, and calls without labels
     are GPTModel's own (bit-equal logits)."""
@@ -157,6 +158,7 @@ def _model_checks(rank, world_size):
 
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.fused_loss_model import FusedLossGPTModel
+    from megatron.training.gpt_model import USPGPTModel
     from megatron.usp.cpu_shims import apply_cpu_shims
     from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import initialize_usp_parallel
@@ -168,7 +170,8 @@ def _model_checks(rank, world_size):
                                                         "--linear-cross-entropy-chunk-tokens",
                                                         "5"]), 2, cuda_available=False)
     fused = _build(fused_args, groups)
-    assert type(plain) is GPTModel and type(fused) is FusedLossGPTModel
+    assert type(plain) is USPGPTModel and type(fused) is FusedLossGPTModel
+    assert isinstance(fused, USPGPTModel) and isinstance(plain, GPTModel)
     assert fused.loss_chunk_tokens == 5 and fused.share_embeddings_and_output_weights
     fused.load_state_dict(plain.state_dict())
 

@@ -155,10 +155,6 @@ def test_empty_documents(tok, tmp_path):
         (dict(seq_length=1001), r"--seq-length=1001 must be divisible by .* = 8.*try --seq-length "
                                 r"1000 or 1008"),
         (dict(seq_length=0), "--seq-length 0 must be a positive integer"),
-        (dict(reset_position_ids=True), "--reset-position-ids is not supported with USP: "
-                                        "megatron-core's RotaryEmbedding"),
-        (dict(reset_attention_mask=True), "--reset-attention-mask is not supported with USP.*"
-                                          "no per-document mask"),
         (dict(mock_data=True), "--mock-data and --data-path exclude one another"),
         (dict(data_path=None), "no data: pass --data-path"),
         (dict(split="90,x"), "--split '90,x'"),

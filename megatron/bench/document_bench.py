@@ -1,0 +1,577 @@
+"""Packed-document attention benchmark: ``tools/bench_attention.py --docs fixed:2k,fixed:8k,lognormal``.
+
+Two modes, both on the document mixes of ``--docs`` (one packed sample per mix and length,
+documents back to back, the last one cut at the sample end as megatron-core's dataset cuts it):
+
+* **USP** (default; ``torchrun`` with one process per GPU, or gloo on the CPU): for every
+  ``--seq-lens`` S, mix and U x R split, :func:`megatron.usp.attention.usp_attention` with the
+  document plan of each rank (the chunk assignment of
+  :func:`megatron.usp.load_balance.balance_chunks`, or zigzag with ``--document-layout
+  zigzag``). Reported per case: forward and forward+backward time, *useful* TFLOP/s per GPU
+  (within-document pairs only, below), the per-ring-rank work spread of the chosen layout and of
+  zigzag, and the ring traffic: K/V messages sent and skipped against the zigzag ring, and the
+  bytes skipped per attention call (forward + backward).
+* **Kernel comparison** (``--doc-kernels dense,tiles,...``; one process, one GPU): the local
+  document kernels on the whole packed sequence [1, h, S, d]: ``dense`` (the local kernel over
+  the whole S with the plain causal mask: the ceiling, counted with its own dense causal
+  FLOPs), ``tiles`` (batched cuDNN calls on strided views), ``tiles-copy`` (the same with
+  contiguous copies), ``varlen`` (PyTorch's flash varlen op), ``per-document`` (one kernel call
+  per document on contiguous slices: the anchor table's column), ``auto`` (the measured choice;
+  the record says what it chose) and, when asked for, ``flex`` (``flex_attention`` with a
+  compiled BlockMask, reference only). Each kernel's output is compared with ``tiles``'s
+  (relative L2, recorded, never asserted: correctness is tests/gpu's job).
+
+* **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
+  of zigzag and of the balanced assignment for every mix, length and ``--splits`` U x R (any
+  size, not the world's), over ``--balance-samples`` consecutive samples of the packed document
+  stream: :func:`balance_report`.
+
+Useful FLOPs: forward ``4 * b * h * d * P`` with ``P`` the visible (query, key) pairs (a causal
+document of ``L`` tokens has ``L(L+1)/2``), forward+backward 3.5x that; the dense ceiling counts
+``4*b*h*S^2*d/2`` (``megatron.bench.flops``). Mixes: ``fixed:N`` (documents of N tokens, k =
+1024), ``lognormal`` (median 2K, sigma 1.2: a long tail of documents longer than the sequence)
+and ``corpus`` (the embedded corpus's document lengths, when it is built).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.bench import report, timing
+from megatron.bench.cli import BenchConfigError, seq_label
+from megatron.bench.flops import FWD_BWD_FACTOR, attention_fwd_flops
+from megatron.usp import load_balance as lb
+from megatron.usp.document_kernels import (
+    AutoDocumentKernel,
+    TileDocumentKernel,
+    VarlenDocumentKernel,
+    build_document_block,
+    varlen_available,
+)
+from megatron.usp.document_ring import needs_matrix, ring_positions
+from megatron.usp.kernels import get_kernel
+from megatron.usp.ring_attention import ring_accum_dtype
+from megatron.usp.token_layout import shard_for_cp_rank
+
+Tensor = torch.Tensor
+PROGRESS_PREFIX = "[bench_attention --docs]"
+DOC_KERNELS = ("dense", "tiles", "tiles-copy", "varlen", "per-document", "auto", "flex")
+LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA = 2048, 1.2
+
+
+# --------------------------------------------------------------------------- mixes
+def parse_doc_mixes(text: str) -> List[str]:
+    """``fixed:2k,fixed:8k,lognormal`` -> names (checked)."""
+    mixes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in mixes:
+        if m in ("lognormal", "corpus"):
+            continue
+        if m.startswith("fixed:"):
+            try:
+                if _size(m[6:]) >= 1:
+                    continue
+            except ValueError:
+                pass
+        raise BenchConfigError(f"--docs {m!r}: use fixed:N (e.g. fixed:2k), lognormal or corpus")
+    if not mixes:
+        raise BenchConfigError("--docs is empty; try --docs fixed:2k,fixed:8k,lognormal")
+    return mixes
+
+
+def _size(text: str) -> int:
+    t = text.strip().lower()
+    return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+
+
+def corpus_lengths() -> Optional[np.ndarray]:
+    """Document lengths of the embedded corpus, if it is built on this machine (else None)."""
+    try:
+        from megatron.training.corpus import ensure_default_corpus
+        from megatron.training.indexed_files import inspect_indexed_dataset
+
+        corpus = ensure_default_corpus()
+        return np.asarray(inspect_indexed_dataset(corpus.data_prefix, "corpus").sequence_lengths)
+    except Exception:  # noqa: BLE001 - no corpus (no sentencepiece, no disk): mix skipped
+        return None
+
+
+def mix_lengths(mix: str, seq_len: int, seed: int) -> Optional[np.ndarray]:
+    """Document lengths of a mix, enough to fill ``seq_len`` (None: unavailable here)."""
+    if mix.startswith("fixed:"):
+        n = _size(mix[6:])
+        return np.full(-(-seq_len // n), n)
+    if mix == "lognormal":
+        rng = np.random.default_rng(seed)
+        return np.maximum(1, rng.lognormal(math.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA,
+                                           seq_len // 64 + 16).astype(np.int64))
+    lengths = corpus_lengths()
+    if lengths is None:
+        return None
+    return np.roll(lengths, -(seed % lengths.size))
+
+
+def useful_pairs(segments: np.ndarray, causal: bool = True) -> int:
+    """Visible (query, key) pairs of segment ids [b, S]: the useful attention work."""
+    return int(lb.token_work(segments, causal).sum())
+
+
+# --------------------------------------------------------------------------- results
+@dataclass
+class DocCaseResult:
+    """One timed case. Times in ms, rates in useful TFLOP/s per GPU."""
+
+    seq_len: int
+    mix: str
+    method: str                     # usp | kernel
+    label: str
+    gpus: int
+    ulysses: Optional[int] = None
+    ring: Optional[int] = None
+    kernel: Optional[str] = None
+    status: str = "ok"
+    note: Optional[str] = None
+    documents: Optional[int] = None
+    useful_pairs: Optional[int] = None
+    fwd_ms: Optional[float] = None
+    fwd_bwd_ms: Optional[float] = None
+    fwd_tflops_per_gpu: Optional[float] = None
+    fwd_bwd_tflops_per_gpu: Optional[float] = None
+    vs_dense: Optional[float] = None
+    layout: Optional[str] = None
+    work_spread: Optional[float] = None
+    zigzag_work_spread: Optional[float] = None
+    kv_messages: Optional[int] = None
+    kv_messages_skipped: Optional[int] = None
+    ring_bytes: Optional[int] = None
+    ring_bytes_skipped: Optional[int] = None
+    auto_choice: Optional[str] = None
+    tile_calls: Optional[int] = None
+    rel_err_vs_tiles: Optional[float] = None
+    peak_mem_gib: Optional[float] = None
+    fwd_times_ms: List[float] = field(default_factory=list)
+    fwd_bwd_times_ms: List[float] = field(default_factory=list)
+
+
+def _rates(res: DocCaseResult, fwd_flops: float) -> None:
+    res.fwd_ms = timing.median_ms(res.fwd_times_ms)
+    res.fwd_bwd_ms = timing.median_ms(res.fwd_bwd_times_ms)
+    res.fwd_tflops_per_gpu = fwd_flops / (res.fwd_ms / 1e3) / res.gpus / 1e12
+    res.fwd_bwd_tflops_per_gpu = (FWD_BWD_FACTOR * fwd_flops / (res.fwd_bwd_ms / 1e3)
+                                  / res.gpus / 1e12)
+
+
+def progress_line(r: DocCaseResult) -> str:
+    head = f"{PROGRESS_PREFIX} S={seq_label(r.seq_len)} {r.mix:<10} {r.label:<24}"
+    if r.status != "ok":
+        return f"{head} {r.status}: {r.note or ''}".rstrip()
+    extra = []
+    if r.work_spread is not None:
+        extra.append(f"spread {100 * r.work_spread:.1f}% (zigzag {100 * r.zigzag_work_spread:.1f}%)")
+    if r.kv_messages_skipped is not None:
+        extra.append(f"K/V msgs {r.kv_messages} (skipped {r.kv_messages_skipped}, "
+                     f"{r.ring_bytes_skipped / 2**20:.1f} MiB)")
+    if r.auto_choice:
+        extra.append(f"auto -> {r.auto_choice}")
+    if r.rel_err_vs_tiles is not None:
+        extra.append(f"rel_err {r.rel_err_vs_tiles:.1e}")
+    return (f"{head} fwd {r.fwd_ms:8.2f} ms {r.fwd_tflops_per_gpu:6.1f} | fwd+bwd "
+            f"{r.fwd_bwd_ms:8.2f} ms {r.fwd_bwd_tflops_per_gpu:6.1f} useful TFLOP/s/GPU"
+            + ("" if not extra else " | " + "; ".join(extra)))
+
+
+def results_markdown(meta: dict, cfg, results: Sequence[DocCaseResult]) -> str:
+    title = (f"Packed documents, {cfg.dtype}, {cfg.heads} query / {cfg.kv_heads} KV heads of "
+             f"{cfg.head_dim}, causal within documents; useful TFLOP/s per GPU; median of "
+             f"{cfg.iters} after {cfg.warmup} warm-up\n\n")
+    headers = ["S", "docs", "case", "GPUs", "fwd+bwd ms", "useful TFLOP/s/GPU", "vs dense",
+               "spread (zigzag)", "K/V msgs (skipped)", "ring MiB skipped", "note"]
+    rows = []
+    for r in results:
+        if r.status != "ok":
+            rows.append([seq_label(r.seq_len), r.mix, r.label, r.gpus, r.status, "", "", "",
+                         "", "", r.note or ""])
+            continue
+        spread = ("" if r.work_spread is None else
+                  f"{100 * r.work_spread:.1f}% ({100 * r.zigzag_work_spread:.1f}%)")
+        msgs = "" if r.kv_messages is None else f"{r.kv_messages} ({r.kv_messages_skipped})"
+        mib = "" if r.ring_bytes_skipped is None else f"{r.ring_bytes_skipped / 2**20:.1f}"
+        note = f"auto -> {r.auto_choice}" if r.auto_choice else (r.note or "")
+        rows.append([seq_label(r.seq_len), r.mix, r.label, r.gpus, report.fmt(r.fwd_bwd_ms, 2),
+                     report.fmt(r.fwd_bwd_tflops_per_gpu), report.fmt(r.vs_dense, pct=True),
+                     spread, msgs, mib, note])
+    return title + report.metadata_markdown(meta) + "\n" + report.markdown_table(headers, rows)
+
+
+# --------------------------------------------------------------------------- inputs
+def _inputs(cfg, seq_len: int, device) -> Dict[str, Tensor]:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(cfg.seed * 1_000_003 + seq_len)
+    heads = {"q": cfg.heads, "k": cfg.kv_heads, "v": cfg.kv_heads, "dout": cfg.heads}
+    return {n: torch.randn(cfg.batch, h, seq_len, cfg.head_dim, generator=gen, device=device,
+                           dtype=cfg.torch_dtype) for n, h in heads.items()}
+
+
+def _segments(cfg, mix: str, seq_len: int) -> Optional[np.ndarray]:
+    lengths = mix_lengths(mix, seq_len, cfg.seed)
+    if lengths is None:
+        return None
+    return lb.segments_from_lengths(lengths, seq_len, cfg.batch)
+
+
+def _ring_bytes(plan, kv_bytes: int, dtype: torch.dtype) -> Dict[str, int]:
+    """Ring traffic of one attention call (forward + backward, all ranks) against zigzag.
+
+    Zigzag: every rank sends R-1 K/V blocks forward and backward and R dK/dV hops (R-1 in the
+    accumulator dtype). Document ring: the plan's K/V messages forward and backward, and as many
+    dK/dV shares (kv's dtype).
+    """
+    R = plan.ring_size
+    acc_scale = torch.finfo(ring_accum_dtype(dtype, R)).bits // torch.finfo(dtype).bits
+    zigzag = R * (2 * (R - 1) + (R - 1) * acc_scale + 1) * kv_bytes if R > 1 else 0
+    msgs = plan.kv_messages()
+    ours = 3 * msgs * kv_bytes
+    return {"ring_bytes": ours, "ring_bytes_skipped": zigzag - ours,
+            "kv_messages": msgs, "kv_messages_skipped": plan.skipped_kv_messages()}
+
+
+# --------------------------------------------------------------------------- USP mode
+def usp_case(sweep, cfg, seq_len: int, mix: str, split, groups) -> DocCaseResult:
+    from megatron.usp.attention import usp_attention
+    from megatron.usp.document_ring import build_document_ring_plan
+
+    u, r = split
+    res = DocCaseResult(seq_len, mix, "usp", f"USP U{u}xR{r} {cfg.document_kernel}",
+                        sweep.world, ulysses=u, ring=r, kernel=cfg.document_kernel)
+    seg = _segments(cfg, mix, seq_len)
+    if seg is None:
+        res.status, res.note = "skipped", "the embedded corpus is not built here"
+        return res
+    choice = lb.balance_chunks(lb.token_work(seg), u, r)
+    assignment = None if (choice.is_zigzag or cfg.document_layout == "zigzag") else \
+        choice.assignment
+    res.layout = "zigzag" if assignment is None else f"balanced m={assignment.group_chunks}"
+    res.work_spread = choice.zigzag_spread if assignment is None else choice.spread
+    res.zigzag_work_spread = choice.zigzag_spread
+    res.documents = int(sum(row.max() + 1 for row in seg))
+    res.useful_pairs = useful_pairs(seg)
+    rank = sweep.rank
+    plan = build_document_ring_plan(seg, rank // u, r, assignment, True, sweep.device)
+    x = _inputs(cfg, seq_len, sweep.device)
+    loc = {n: shard_for_cp_rank(t, 2, rank, sweep.world, assignment).permute(2, 0, 1, 3)
+           .contiguous() for n, t in x.items()}
+    del x
+    kv_bytes = (2 * cfg.batch * max(cfg.kv_heads, u) // u * (seq_len // r) * cfg.head_dim
+                * torch.finfo(cfg.torch_dtype).bits // 8)
+    for key, value in _ring_bytes(plan, kv_bytes, cfg.torch_dtype).items():
+        setattr(res, key, value)
+    q, k, v = (loc[n].requires_grad_() for n in ("q", "k", "v"))
+    ulysses_group, ring_group = groups
+
+    def fwd():
+        return usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group,
+                             causal=True, backend=cfg.backend, documents=plan,
+                             document_kernel=cfg.document_kernel)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), (q, k, v), loc["dout"])
+
+    timing.reset_peak_memory(sweep.device)
+    res.fwd_times_ms = timing.time_iterations(fwd, warmup=cfg.warmup, iters=cfg.iters,
+                                              device=sweep.device)
+    res.fwd_bwd_times_ms = timing.time_iterations(fwd_bwd, warmup=cfg.warmup, iters=cfg.iters,
+                                                  device=sweep.device)
+    res.peak_mem_gib = sweep._max_over_ranks(timing.peak_memory_gib(sweep.device))
+    _rates(res, 4.0 * cfg.heads * cfg.head_dim * res.useful_pairs)
+    return res
+
+
+# --------------------------------------------------------------------------- kernel mode
+def _per_document(kernel, block):
+    """One kernel call per document on contiguous slices (the anchor table's column)."""
+
+    def bounds():
+        seg = block.q_seg[0]
+        starts = np.flatnonzero(np.concatenate([[True], seg[1:] != seg[:-1]]))
+        return list(zip(starts.tolist(), np.concatenate([starts[1:], [seg.size]]).tolist()))
+
+    spans = bounds()
+
+    def fwd(q, k, v, scale):
+        outs, lses = [], []
+        for a, b in spans:
+            o, lse = kernel.forward(q[:, :, a:b].contiguous(), k[:, :, a:b].contiguous(),
+                                    v[:, :, a:b].contiguous(), True, scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+    def bwd(dout, q, k, v, out, lse, scale):
+        grads = [kernel.backward(*(t[:, :, a:b].contiguous() for t in (dout, q, k, v, out)),
+                                 lse[:, :, a:b].contiguous(), True, scale) for a, b in spans]
+        return tuple(torch.cat([g[i] for g in grads], dim=2) for i in range(3))
+
+    return fwd, bwd
+
+
+def _flex(block, x, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    seg = block.tensor("q_seg")[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (seg[q_idx] == seg[kv_idx]) & (kv_idx <= q_idx)
+
+    s = seg.numel()
+    mask = create_block_mask(mask_mod, 1, 1, s, s, device=x["q"].device, _compile=True)
+    compiled = torch.compile(flex_attention)
+    gqa = x["k"].shape[1] != x["q"].shape[1]
+
+    def run(q, k, v):
+        return compiled(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+    return run
+
+
+def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
+                reference: Optional[Tensor]) -> DocCaseResult:
+    res = DocCaseResult(seq_len, mix, "kernel", name, 1, kernel=name)
+    res.documents = int(seg[0].max() + 1)
+    res.useful_pairs = useful_pairs(seg)
+    res.tile_calls = len(block.groups)
+    local = get_kernel(cfg.backend)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+    if name == "dense":
+        def fwd():
+            return local.forward(q, k, v, True, scale)
+
+        def fwd_bwd():
+            out, lse = fwd()
+            return local.backward(dout, q, k, v, out, lse, True, scale)
+        flops = attention_fwd_flops(cfg.batch, cfg.heads, seq_len, cfg.head_dim, True)
+    elif name == "flex":
+        run = _flex(block, x, scale)
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+        def fwd():
+            return run(qg, kg, vg)
+
+        def fwd_bwd():
+            return torch.autograd.grad(fwd(), (qg, kg, vg), dout)
+        flops = 4.0 * cfg.heads * cfg.head_dim * res.useful_pairs
+    else:
+        if name == "per-document":
+            f, b = _per_document(local, block)
+        else:
+            kern = {"tiles": lambda: TileDocumentKernel(local),
+                    "tiles-copy": lambda: TileDocumentKernel(local, views=False),
+                    "varlen": VarlenDocumentKernel, "auto": lambda: AutoDocumentKernel(local)}[
+                name]()
+            if name == "auto":
+                chosen = kern.choose(q, block)
+                res.auto_choice = chosen.name
+
+            def f(q_, k_, v_, s_, kern=kern):
+                return kern.forward(q_, k_, v_, block, s_)
+
+            def b(do, q_, k_, v_, o, lse, s_, kern=kern):
+                return kern.backward(do, q_, k_, v_, o, lse, block, s_)
+
+        def fwd():
+            return f(q, k, v, scale)
+
+        def fwd_bwd():
+            out, lse = fwd()
+            return b(dout, q, k, v, out, lse, scale)
+        flops = 4.0 * cfg.heads * cfg.head_dim * res.useful_pairs
+    timing.reset_peak_memory(sweep.device)
+    res.fwd_times_ms = timing.time_iterations(fwd, warmup=cfg.warmup, iters=cfg.iters,
+                                              device=sweep.device, distributed=False)
+    res.fwd_bwd_times_ms = timing.time_iterations(fwd_bwd, warmup=cfg.warmup, iters=cfg.iters,
+                                                  device=sweep.device, distributed=False)
+    res.peak_mem_gib = timing.peak_memory_gib(sweep.device)
+    _rates(res, flops)
+    if reference is not None and name != "dense":
+        with torch.no_grad():
+            out = fwd()
+        out = out[0] if isinstance(out, tuple) else out
+        res.rel_err_vs_tiles = float((out.float() - reference.float()).norm()
+                                     / reference.float().norm())
+    return res
+
+
+# --------------------------------------------------------------------------- the sweep
+class _DocSweep:
+    """What the cases share: config, device, rank (the attention bench's _Sweep helpers)."""
+
+    def __init__(self, base_sweep) -> None:
+        self.base = base_sweep
+        self.device = base_sweep.device
+        self.rank = base_sweep.rank
+        self.world = base_sweep.world
+
+    def _max_over_ranks(self, value):
+        return self.base._max_over_ranks(value)
+
+    def log(self, text: Callable[[], str]) -> None:
+        self.base.log(text)
+
+
+def _guarded(res_factory: Callable[[], DocCaseResult], fallback: DocCaseResult) -> DocCaseResult:
+    try:
+        return res_factory()
+    except Exception as exc:  # noqa: BLE001 - an OOM or a kernel refusing a shape is a result
+        fallback.status = "oom" if timing.is_out_of_memory(exc) else "error"
+        fallback.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return fallback
+
+
+def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write) -> List:
+    """Every (S, mix) case of the configured mode; rank 0 calls ``write(results)`` after each
+    case, so an interrupted sweep keeps what it measured."""
+    sweep = _DocSweep(base_sweep)
+    results: List[DocCaseResult] = []
+    kernels = cfg.doc_kernels
+    for seq_len in cfg.seq_lens:
+        dense_rate = None
+        for mix in cfg.docs:
+            if kernels:
+                if sweep.rank == 0:
+                    results += _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate,
+                                             lambda done, so_far=list(results):
+                                             write(so_far + done))
+                    dense_rate = next((r.fwd_bwd_tflops_per_gpu for r in results
+                                       if r.seq_len == seq_len and r.kernel == "dense"
+                                       and r.status == "ok"), dense_rate)
+                timing.barrier(None, sweep.device)
+                continue
+            for split in splits:
+                fallback = DocCaseResult(seq_len, mix, "usp", f"USP U{split[0]}xR{split[1]}",
+                                         sweep.world, ulysses=split[0], ring=split[1])
+                res = _guarded(lambda s=seq_len, m=mix, sp=split: usp_case(
+                    sweep, cfg, s, m, sp, base_sweep.groups_for(sp)), fallback)
+                results.append(res)
+                sweep.log(lambda r=res: progress_line(r))
+                timing.free_memory(sweep.device)
+                if sweep.rank == 0:
+                    write(results)
+    return results
+
+
+def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
+                  ) -> List[DocCaseResult]:
+    out: List[DocCaseResult] = []
+    seg = _segments(cfg, mix, seq_len)
+    if seg is None:
+        return [DocCaseResult(seq_len, mix, "kernel", "all", 1, status="skipped",
+                              note="the embedded corpus is not built here")]
+    pos = np.arange(seq_len)[None].repeat(cfg.batch, 0)
+    block = build_document_block(pos, seg, pos, seg, True, sweep.device)
+    x = _inputs(cfg, seq_len, sweep.device)
+    reference = None
+    for name in kernels:
+        if name == "dense" and dense_rate is not None:
+            continue                       # the ceiling does not depend on the mix
+        if name == "varlen" and not varlen_available():
+            out.append(DocCaseResult(seq_len, mix, "kernel", name, 1, kernel=name,
+                                     status="skipped", note="no flash varlen op here"))
+            continue
+        fallback = DocCaseResult(seq_len, mix, "kernel", name, 1, kernel=name)
+        res = _guarded(lambda n=name, ref=reference: kernel_case(
+            sweep, cfg, seq_len, mix, n, x, seg, block, ref), fallback)
+        if name == "tiles" and res.status == "ok":
+            with torch.no_grad():
+                reference, _ = TileDocumentKernel(get_kernel(cfg.backend)).forward(
+                    x["q"], x["k"], x["v"], block, 1.0 / math.sqrt(cfg.head_dim))
+        if name == "dense" and res.status == "ok":
+            dense_rate = res.fwd_bwd_tflops_per_gpu
+        out.append(res)
+        sweep.log(lambda r=res: progress_line(r))
+        timing.free_memory(sweep.device)
+        write(out)                          # an interrupted run keeps what it measured
+    for r in out:
+        if r.status == "ok" and dense_rate and r.kernel != "dense":
+            r.vs_dense = r.fwd_bwd_tflops_per_gpu / dense_rate
+    return out
+
+
+def as_dicts(results: Sequence[DocCaseResult]) -> List[dict]:
+    return [asdict(r) for r in results]
+
+
+def check_document_config(cfg, world: int) -> None:
+    """Flag checks of the document mode (before any case runs)."""
+    if cfg.doc_kernels:
+        unknown = [k for k in cfg.doc_kernels if k not in DOC_KERNELS]
+        if unknown:
+            raise BenchConfigError(f"--doc-kernels {','.join(unknown)}: choose from "
+                                   f"{list(DOC_KERNELS)}")
+        if world != 1:
+            raise BenchConfigError("--doc-kernels compares single-GPU kernels: run one "
+                                   "process (python tools/bench_attention.py ...)")
+    if not cfg.causal:
+        raise BenchConfigError("--docs measures causal attention within documents; drop "
+                               "--no-causal")
+    if dist.is_initialized() and cfg.batch < 1:
+        raise BenchConfigError("--batch-size must be >= 1")
+
+
+# --------------------------------------------------------------------------- balance report
+def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, samples: int,
+                   seed: int = 1234) -> List[dict]:
+    """Work spread of zigzag and of :func:`~megatron.usp.load_balance.balance_chunks` per
+    (mix, S, U x R), over ``samples`` consecutive samples of the mix's document stream (a
+    document cut at a sample end continues in the next one). Pure computation."""
+    rows = []
+    for mix in mixes:
+        for seq_len in seq_lens:
+            lengths = mix_lengths(mix, seq_len * samples, seed)
+            if lengths is None:
+                rows.append(dict(mix=mix, seq_len=seq_len, status="skipped",
+                                 note="the embedded corpus is not built here"))
+                continue
+            seg = lb.segments_from_lengths(lengths, seq_len, samples)
+            for u, r in splits:
+                zig, bal, ms, skipped = [], [], [], []
+                for row in seg:
+                    choice = lb.balance_chunks(lb.token_work(row), u, r)
+                    zig.append(choice.zigzag_spread)
+                    bal.append(choice.spread)
+                    ms.append(0 if choice.is_zigzag else choice.assignment.group_chunks)
+                    assignment = None if choice.is_zigzag else choice.assignment
+                    needs = needs_matrix(row[None], ring_positions(seq_len, r, assignment), True)
+                    sent = sum(needs[a][b] for a in range(r) for b in range(r) if a != b)
+                    skipped.append(1 - sent / (r * (r - 1)) if r > 1 else 1.0)
+                rows.append(dict(mix=mix, seq_len=seq_len, ulysses=u, ring=r, samples=samples,
+                                 documents=int(sum(row.max() + 1 for row in seg)),
+                                 zigzag_spread_max=max(zig), zigzag_spread_mean=float(
+                                     np.mean(zig)), spread_max=max(bal),
+                                 spread_mean=float(np.mean(bal)),
+                                 zigzag_kept=sum(m == 0 for m in ms),
+                                 group_chunks=sorted(set(m for m in ms if m)),
+                                 kv_messages_skipped_mean=float(np.mean(skipped))))
+    return rows
+
+
+def balance_markdown(rows: Sequence[dict]) -> str:
+    headers = ["docs", "S", "U x R", "samples", "documents", "zigzag spread max / mean",
+               "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped"]
+    table = []
+    for r in rows:
+        if r.get("status") == "skipped":
+            table.append([r["mix"], seq_label(r["seq_len"]), "", "", "", r["note"], "", "", "",
+                          ""])
+            continue
+        table.append([r["mix"], seq_label(r["seq_len"]), f"{r['ulysses']}x{r['ring']}",
+                      r["samples"], r["documents"],
+                      f"{100 * r['zigzag_spread_max']:.1f}% / {100 * r['zigzag_spread_mean']:.1f}%",
+                      f"{100 * r['spread_max']:.2f}% / {100 * r['spread_mean']:.2f}%",
+                      r["zigzag_kept"], ",".join(map(str, r["group_chunks"])) or "-",
+                      f"{100 * r['kv_messages_skipped_mean']:.0f}%"])
+    return report.markdown_table(headers, table)

@@ -1,0 +1,96 @@
+"""Packed documents in the data loader: segment ids and the chunk assignment of each micro-batch.
+
+Megatron-LM's flags, Megatron-LM's meaning:
+
+* ``--reset-position-ids``: positions restart after each EOD token (megatron-core's
+  ``GPTDataset`` computes them; the RoPE follows them, :mod:`megatron.training.gpt_model`).
+* ``--reset-attention-mask``: a token attends only to its own document (EOD-delimited; the EOD
+  closes its document). The batch carries ``segment_ids [b, s]``
+  (:func:`megatron.usp.document_mask.segment_ids_from_tokens`) instead of a dense mask, and a
+  chunk assignment ``layout`` chosen here to balance the causal work over the ring ranks
+  (:func:`megatron.usp.load_balance.balance_chunks`; ``--document-layout zigzag`` keeps the
+  default layout). Every sequence key of the batch is then sharded through that one assignment
+  (:func:`megatron.training.batch.shard_batch_for_cp`).
+* ``--eod-mask-loss``: loss mask 0 on EOD tokens (megatron-core's dataset).
+
+:class:`DocumentBatching` is the DataLoader's ``collate_fn`` (it runs in the loader's worker
+processes, off the training step's critical path). Documents are never padded and no token is
+dropped: a document of one token, of odd length, or longer than the sequence (it continues in
+the next sample, as a new segment there) is just a segment of that length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from megatron.training.data import collate_samples
+from megatron.usp.document_kernels import DOCUMENT_KERNEL_NAMES, document_kernel_problem
+from megatron.usp.document_mask import segment_ids_from_tokens
+from megatron.usp.load_balance import balance_chunks, token_work
+
+DOCUMENT_LAYOUTS = ("auto", "zigzag")
+
+
+@dataclass(frozen=True)
+class DocumentBatching:
+    """``collate_fn`` adding ``segment_ids`` and ``layout`` to each micro-batch (module doc).
+
+    Attributes:
+        eod: the tokenizer's EOD id.
+        ulysses, ring: U and R (the layout balances the R ring ranks).
+        balance: ``--document-layout``: ``auto`` (balanced chunks, zigzag when not better) or
+            ``zigzag``.
+    """
+
+    eod: int
+    ulysses: int
+    ring: int
+    balance: str = "auto"
+
+    def __call__(self, samples: Sequence[Dict]) -> Dict[str, Optional[object]]:
+        batch = collate_samples(samples)
+        seg = segment_ids_from_tokens(batch["tokens"], self.eod)          # [b, s] int32
+        batch["segment_ids"] = seg
+        batch["layout"] = None
+        if self.balance == "auto" and self.ring > 1:
+            choice = balance_chunks(token_work(seg.numpy()), self.ulysses, self.ring)
+            if not choice.is_zigzag:
+                batch["layout"] = choice.assignment
+        return batch
+
+
+def documents_enabled(args) -> bool:
+    """Whether the batches carry document information every pipeline stage must read."""
+    return bool(args.reset_attention_mask or args.reset_position_ids)
+
+
+def add_document_args(group) -> None:
+    """The document flags of ``pretrain_gpt.py`` (the data group)."""
+    group.add_argument("--document-attention-kernel", default="auto",
+                       choices=DOCUMENT_KERNEL_NAMES,
+                       help="with --reset-attention-mask: local document-masked kernel (tiles: "
+                            "batched calls of --attention-backend per tile shape; varlen: "
+                            "PyTorch's flash varlen, CUDA bf16; math: exact dense mask, tiny "
+                            "shapes; auto: measured choice, docs/performance.md)")
+    group.add_argument("--document-layout", default="auto", choices=DOCUMENT_LAYOUTS,
+                       help="with --reset-attention-mask: auto balances the ring ranks' causal "
+                            "work by assigning sequence chunks per micro-batch (zigzag when "
+                            "not better); zigzag keeps the default layout")
+
+
+def document_flags_problem(args) -> Optional[str]:
+    """Why the document flags cannot combine, naming the flag and a valid value, or None."""
+    masked = args.reset_attention_mask
+    if args.document_attention_kernel != "auto" and not masked:
+        return (f"--document-attention-kernel {args.document_attention_kernel} has no effect "
+                f"without --reset-attention-mask; add --reset-attention-mask or drop the flag")
+    if args.document_layout != "auto" and not masked:
+        return (f"--document-layout {args.document_layout} has no effect without "
+                f"--reset-attention-mask; add --reset-attention-mask or drop the flag")
+    if masked:
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        return document_kernel_problem(args.document_attention_kernel, args.device, dtype)
+    return None

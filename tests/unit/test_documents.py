@@ -1,0 +1,327 @@
+"""Packed documents without a process group: segments, positions, the layout of every batch
+key under chunk assignments, tiles, the load balance and the document flags.
+
+References are independent: megatron-core's own ``_get_ltor_masks_and_position_ids`` for
+Megatron-LM's meaning of the three flags (its dense mask and reset positions), brute-force
+pair counting for tiles and work, and the Ulysses gather simulated with plain indexing.
+"""
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+from megatron.training.batch import SEQUENCE_KEYS, shard_batch_for_cp
+from megatron.usp import load_balance as lb
+from megatron.usp import token_layout as layout
+from megatron.usp.document_mask import (
+    dense_document_mask,
+    document_offsets,
+    segment_ids_from_tokens,
+    tiles_for_block,
+    token_runs,
+)
+from megatron.usp.document_ring import build_document_ring_plan, needs_matrix, ring_positions
+
+EOD = 7
+
+
+def _tokens_with_eods(rng, s, p_eod):
+    t = rng.integers(8, 50, size=s)
+    t[rng.random(s) < p_eod] = EOD
+    return torch.as_tensor(t)
+
+
+# --------------------------------------------------------------------------- Megatron's meaning
+@pytest.mark.parametrize("seed", range(6))
+def test_segments_and_positions_match_megatron_core(seed):
+    """Our segment ids give megatron-core's reset positions and its document attention mask."""
+    rng = np.random.default_rng(seed)
+    s = int(rng.integers(1, 80))
+    tokens = _tokens_with_eods(rng, s, (0.0, 0.05, 0.3, 1.0)[seed % 4])
+    if seed == 5:
+        tokens[-1] = EOD                      # a sample ending exactly at a document end
+    mask, loss_mask, pos = _get_ltor_masks_and_position_ids(tokens, EOD, True, True, True, True)
+    seg = segment_ids_from_tokens(tokens, EOD)
+    assert torch.equal(document_offsets(seg), pos)
+    p = torch.arange(s)
+    ours = dense_document_mask(p, seg, p, seg, causal=True)
+    assert torch.equal(ours, ~mask[0])                      # megatron's mask is True = masked
+    assert torch.equal(loss_mask, (tokens != EOD).float())  # --eod-mask-loss
+
+
+def test_batched_segments():
+    tokens = torch.tensor([[1, EOD, 2, 3, EOD], [EOD, EOD, 4, 5, 6]])
+    assert segment_ids_from_tokens(tokens, EOD).tolist() == [[0, 0, 1, 1, 1], [0, 1, 2, 2, 2]]
+    assert document_offsets(segment_ids_from_tokens(tokens, EOD)).tolist() == [
+        [0, 1, 0, 1, 2], [0, 0, 0, 1, 2]]
+
+
+# --------------------------------------------------------------------------- layout properties
+GRIDS = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (3, 2)]
+
+
+def _random_assignment(u, r, m, rng):
+    perm = rng.permutation(2 * u * r * m).reshape(r, -1)
+    return layout.ChunkAssignment(u, tuple(tuple(sorted(x.tolist())) for x in perm))
+
+
+@pytest.mark.parametrize("u,r", GRIDS)
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_every_key_goes_through_the_same_layout(u, r, m):
+    """tokens, labels, loss mask, positions and segments: each CP rank's shard is the full
+    tensor at its positions, unshard inverts, the ranks partition the sequence."""
+    rng = np.random.default_rng(10 * u + r + m)
+    cp = u * r
+    s = 2 * cp * m * 3
+    assignment = _random_assignment(u, r, m, rng)
+    tokens = torch.stack([_tokens_with_eods(rng, s, 0.1) for _ in range(2)])
+    _, loss0, pos0 = _get_ltor_masks_and_position_ids(tokens[0], EOD, True, True, True, False)
+    _, loss1, pos1 = _get_ltor_masks_and_position_ids(tokens[1], EOD, True, True, True, False)
+    full = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1),
+            "loss_mask": torch.stack([loss0, loss1]), "position_ids": torch.stack([pos0, pos1]),
+            "segment_ids": segment_ids_from_tokens(tokens, EOD), "layout": assignment,
+            "attention_mask": None}
+    shards = [shard_batch_for_cp(full, c, cp) for c in range(cp)]
+    seen = []
+    for c, shard in enumerate(shards):
+        pos = layout.positions_for_cp_rank(s, c, cp, assignment)
+        seen.extend(pos)
+        for key in SEQUENCE_KEYS:
+            assert torch.equal(shard[key], full[key][:, pos]), (key, c)
+    assert sorted(seen) == list(range(s))
+    for key in SEQUENCE_KEYS:
+        assert torch.equal(layout.unshard_from_cp_ranks([sh[key] for sh in shards], 1,
+                                                        assignment), full[key])
+
+
+@pytest.mark.parametrize("u,r", GRIDS)
+def test_ulysses_gather_gives_each_ring_rank_its_chunks_in_order(u, r):
+    """The unchanged all-to-all + zigzag permutation turns the CP ranks' shards into the ring
+    rank's assigned chunks in increasing order, for any assignment."""
+    rng = np.random.default_rng(u * 7 + r)
+    for m in (1, 2):
+        cp, s = u * r, 2 * u * r * m * 2
+        assignment = _random_assignment(u, r, m, rng)
+        x = torch.arange(s)
+        order = layout.ulysses_to_zigzag_order(u)
+        for ring_rank in range(r):
+            halves = []
+            for uu in range(u):
+                shard = layout.shard_for_cp_rank(x, 0, uu + u * ring_rank, cp, assignment)
+                halves.extend(shard.chunk(2))
+            gathered = torch.cat([halves[i] for i in order])
+            want = layout.positions_for_ring_rank(s, ring_rank, r, assignment)
+            assert gathered.tolist() == want == sorted(want)
+            assert ring_positions(s, r, assignment)[ring_rank].tolist() == want
+
+
+def test_zigzag_assignment_is_the_default_layout():
+    for u, r in GRIDS:
+        a, s = layout.zigzag_assignment(u, r), 2 * u * r * 4
+        assert a.is_zigzag()
+        for c in range(u * r):
+            assert layout.positions_for_cp_rank(s, c, u * r, a) == \
+                layout.positions_for_cp_rank(s, c, u * r)
+        for rr in range(r):
+            assert layout.positions_for_ring_rank(s, rr, r, a) == \
+                layout.positions_for_ring_rank(s, rr, r)
+
+
+def test_bad_assignments_are_refused():
+    with pytest.raises(ValueError, match="not a chunk assignment"):
+        layout.ChunkAssignment(1, ((0, 1), (1, 2)))
+    with pytest.raises(ValueError, match="2\\*U"):
+        layout.ChunkAssignment(2, ((0, 1), (2, 3)))
+    with pytest.raises(ValueError, match="increasing"):
+        layout.ChunkAssignment(1, ((1, 0), (2, 3)))
+    a = layout.zigzag_assignment(1, 2)
+    with pytest.raises(ValueError, match="not divisible"):
+        layout.positions_for_cp_rank(10, 0, 2, a)
+    with pytest.raises(ValueError, match="for 2 context-parallel ranks, not 4"):
+        layout.shard_for_cp_rank(torch.zeros(8), 0, 0, 4, a)
+
+
+# --------------------------------------------------------------------------- tiles
+def _visible_pairs(q_pos, q_seg, k_pos, k_seg, causal):
+    m = dense_document_mask(torch.as_tensor(q_pos), torch.as_tensor(q_seg),
+                            torch.as_tensor(k_pos), torch.as_tensor(k_seg), causal)
+    return {(int(i), int(j)) for i, j in zip(*torch.nonzero(m, as_tuple=True))}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tiles_cover_each_visible_pair_once(seed):
+    rng = np.random.default_rng(seed)
+    total = int(rng.integers(2, 60))
+    seg_of = np.cumsum(rng.random(total) < 0.15)
+    q_pos = np.sort(rng.choice(total, size=int(rng.integers(1, total + 1)), replace=False))
+    k_pos = q_pos if seed % 3 == 0 else np.sort(rng.choice(total, size=int(
+        rng.integers(1, total + 1)), replace=False))
+    if seed % 5 == 1:
+        k_pos = rng.permutation(k_pos)
+    causal = seed % 4 != 3
+    tiles = tiles_for_block(token_runs(q_pos, seg_of[q_pos]), token_runs(k_pos, seg_of[k_pos]),
+                            causal)
+    pairs = []
+    for t in tiles:
+        for i in range(t.q_len):
+            for j in range(t.k_len):
+                if not t.causal or j <= i:
+                    pairs.append((t.q_start + i, t.k_start + j))
+        if t.causal:
+            assert t.q_len == t.k_len
+    assert len(pairs) == len(set(pairs)) == sum(t.pairs for t in tiles)
+    assert set(pairs) == _visible_pairs(q_pos, seg_of[q_pos], k_pos, seg_of[k_pos], causal)
+
+
+def test_runs():
+    runs = token_runs([4, 5, 6, 0, 1, 9], [1, 1, 2, 0, 0, 3])
+    assert [(r.start, r.length, r.position, r.segment) for r in runs] == [
+        (0, 2, 4, 1), (2, 1, 6, 2), (3, 2, 0, 0), (5, 1, 9, 3)]
+
+
+# --------------------------------------------------------------------------- ring plan
+@pytest.mark.parametrize("seed", range(12))
+def test_needs_matrix_is_the_dense_mask_between_ring_ranks(seed):
+    rng = np.random.default_rng(seed)
+    ring, u, s = int(rng.choice([2, 3, 4])), 1, 96
+    s -= s % (2 * ring * 2)
+    seg = np.stack([np.cumsum(rng.random(s) < p) for p in (0.02, 0.2)])
+    assignment = _random_assignment(u, ring, 2, rng) if seed % 2 else None
+    positions = ring_positions(s, ring, assignment)
+    needs = needs_matrix(seg, positions, causal=True)
+    p = torch.arange(s)
+    for r in range(ring):
+        for j in range(ring):
+            want = any(dense_document_mask(p[positions[r]], torch.as_tensor(seg[b, positions[r]]),
+                                           p[positions[j]], torch.as_tensor(seg[b, positions[j]]),
+                                           True).any() for b in range(2))
+            assert needs[r][j] == want, (r, j)
+    plan = build_document_ring_plan(seg, 0, ring, assignment)
+    assert plan.kv_messages() + plan.skipped_kv_messages() == ring * (ring - 1)
+    assert [blk is not None for blk in plan.blocks] == list(needs[0])
+
+
+def test_documents_inside_super_chunks_need_no_ring_exchange():
+    ring, s = 4, 64
+    seg = np.repeat(np.arange(2 * ring), s // (2 * ring))[None]       # one per super-chunk
+    plan = build_document_ring_plan(seg, 1, ring, None)
+    assert plan.kv_messages() == 0 and plan.sources_needed == plan.ranks_needing_me == 0
+
+
+# --------------------------------------------------------------------------- load balance
+def test_token_work_counts_visible_keys():
+    rng = np.random.default_rng(0)
+    seg = np.stack([np.cumsum(rng.random(50) < 0.1) for _ in range(3)])
+    p = torch.arange(50)
+    want = sum(dense_document_mask(p, torch.as_tensor(row), p, torch.as_tensor(row), True)
+               .sum(-1).numpy() for row in seg)
+    assert np.array_equal(lb.token_work(seg), want)
+    want_full = sum(dense_document_mask(p, torch.as_tensor(row), p, torch.as_tensor(row),
+                                        False).sum(-1).numpy() for row in seg)
+    assert np.array_equal(lb.token_work(seg, causal=False), want_full)
+
+
+def test_rank_work_from_document_lengths():
+    # One document over the whole sequence: zigzag is exactly balanced. Documents of 24, 24
+    # and 16 tokens over chunks of 16: ring rank 0 holds chunks 0 and 3 (work 136 + 136),
+    # ring rank 1 chunks 1 and 2 (work 164 + 36 and 264).
+    s = 64
+    zig = layout.zigzag_assignment(1, 2)
+    assert lb.spread(lb.document_rank_work([s], s, zig)) == 0
+    work = lb.document_rank_work([24, 24, 16], s, zig)
+    assert work.tolist() == [272, 464] and lb.spread(work) == pytest.approx(96 / 368)
+    seg = lb.segments_from_lengths([5, 200], 16, 3)     # a long document continues
+    assert seg.tolist()[0] == [0] * 5 + [1] * 11 and seg[1].tolist() == [0] * 16
+
+
+def _corpus_lengths(small_corpus):
+    from megatron.training.indexed_files import inspect_indexed_dataset
+
+    return np.asarray(inspect_indexed_dataset(small_corpus.data_prefix, "x").sequence_lengths)
+
+
+@pytest.mark.parametrize("u,r,s", [(1, 2, 32768), (1, 4, 32768), (2, 4, 131072),
+                                   (1, 8, 131072)])
+def test_balance_within_five_percent(small_corpus, u, r, s):
+    """Deliverable: every ring rank's work within 5 % of the mean for the embedded corpus's
+    own document lengths and for a lognormal mix with a long tail (zigzag is not)."""
+    rng = np.random.default_rng(1)
+    mixes = {"corpus": _corpus_lengths(small_corpus),
+             "lognormal": np.maximum(1, rng.lognormal(np.log(2048), 1.2, 4000).astype(int))}
+    for name, lengths in mixes.items():
+        for sample in range(3):
+            shifted = np.roll(lengths, -37 * sample)
+            work = lb.token_work(lb.segments_from_lengths(shifted, s, 1))
+            choice = lb.balance_chunks(work, u, r)
+            assert choice.spread <= 0.05, (name, sample, choice)
+            assert choice.spread <= choice.zigzag_spread
+            assert lb.spread(lb.ring_rank_work(work, choice.assignment)) == choice.spread
+
+
+def test_zigzag_is_kept_when_it_is_not_worse():
+    work = lb.token_work(np.zeros((1, 256), dtype=int))   # one document: zigzag is exact
+    choice = lb.balance_chunks(work, 2, 2)
+    assert choice.is_zigzag and choice.spread == 0
+    assert lb.balance_chunks(work, 2, 1).is_zigzag
+
+
+# --------------------------------------------------------------------------- the data loader
+def test_document_batching_on_the_corpus(small_corpus, tmp_path):
+    """Corpus samples of 64 tokens (the small test corpus: documents of ~1300 tokens on
+    average): boundaries exist, some micro-batches leave zigzag, and the chosen layout is
+    better balanced than zigzag."""
+    from megatron.training.data import build_gpt_datasets
+    from megatron.training.data_config import DataConfig
+    from megatron.training.documents import DocumentBatching
+    from megatron.training.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("SentencePieceTokenizer", small_corpus.tokenizer_model)
+    cfg = DataConfig(data_path=[small_corpus.data_prefix], seq_length=64,
+                     reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True,
+                     data_cache_path=str(tmp_path))
+    train, _, _ = build_gpt_datasets(cfg, tok, [256, None, None])
+    collate = DocumentBatching(int(tok.eod), ulysses=1, ring=4)
+    batches = [collate([train[i] for i in range(k, k + 4)]) for k in range(0, 256, 4)]
+    boundaries = sum(int((b["tokens"] == tok.eod).sum()) for b in batches)
+    moved = [b for b in batches if b["layout"] is not None]
+    assert boundaries >= 8 and moved, (boundaries, len(moved))
+    for b in batches:
+        assert torch.equal(b["segment_ids"], segment_ids_from_tokens(b["tokens"], tok.eod))
+        assert torch.equal(b["position_ids"], document_offsets(b["segment_ids"]))
+    for b in moved:
+        work = lb.token_work(b["segment_ids"].numpy())
+        assert lb.spread(lb.ring_rank_work(work, b["layout"])) < lb.spread(
+            lb.ring_rank_work(work, layout.zigzag_assignment(1, 4)))
+
+
+# --------------------------------------------------------------------------- bad input
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--train-iters", "2",
+        "--lr", "1e-3", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--reset-attention-mask", "--document-attention-kernel", "varlen"],
+     "--document-attention-kernel varlen needs CUDA and --bf16.*tiles"),
+    (["--document-attention-kernel", "math"],
+     "--document-attention-kernel math has no effect without --reset-attention-mask"),
+    (["--reset-position-ids", "--document-layout", "zigzag"],
+     "--document-layout zigzag has no effect without --reset-attention-mask"),
+])
+def test_document_flags_that_cannot_combine(extra, match):
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+    with pytest.raises(ArgumentsError, match=match):
+        validate_args(parse_args(BASE + extra), 1)
+
+
+def test_document_flags_accepted():
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = validate_args(parse_args(BASE + ["--reset-position-ids", "--reset-attention-mask",
+                                            "--eod-mask-loss", "--document-attention-kernel",
+                                            "math", "--document-layout", "zigzag"]), 1)
+    assert args.document_attention_kernel == "math" and args.document_layout == "zigzag"
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--document-attention-kernel", "dense"])
