@@ -26,7 +26,7 @@ import re
 import sys
 from typing import List, Optional, Sequence
 
-from megatron.training.documents import add_document_args, document_flags_problem
+from megatron.training.document_args import add_document_args, document_flags_problem
 from megatron.training.memory_args import add_memory_args, validate_memory_args
 from megatron.usp.backend_names import (
     BACKEND_NAMES,
@@ -348,7 +348,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="CUDA only: record every allocation from start-up (torch.cuda.memory) "
                         "and, after --memory-snapshot-iteration, write the snapshot to "
                         "--memory-snapshot-path and where the peak goes to PATH.txt "
-                        "(python -m megatron.bench.memory_summary PATH redoes the summary)")
+                        "(python -m megatron.training.memory_snapshot PATH redoes the summary)")
     g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
                    help="rank N writes PATH with .rankN before the suffix; {seq_length} in "
                         "PATH becomes --seq-length")

@@ -24,14 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
-import torch
-
 from megatron.training.data import collate_samples
-from megatron.usp.document_kernels import DOCUMENT_KERNEL_NAMES, document_kernel_problem
+from megatron.training.document_args import (  # noqa: F401  (re-exported)
+    DOCUMENT_LAYOUTS,
+    add_document_args,
+    document_flags_problem,
+)
 from megatron.usp.document_mask import segment_ids_from_tokens
 from megatron.usp.load_balance import balance_chunks, token_work
-
-DOCUMENT_LAYOUTS = ("auto", "zigzag")
 
 
 @dataclass(frozen=True)
@@ -67,30 +67,3 @@ def documents_enabled(args) -> bool:
     return bool(args.reset_attention_mask or args.reset_position_ids)
 
 
-def add_document_args(group) -> None:
-    """The document flags of ``pretrain_gpt.py`` (the data group)."""
-    group.add_argument("--document-attention-kernel", default="auto",
-                       choices=DOCUMENT_KERNEL_NAMES,
-                       help="with --reset-attention-mask: local document-masked kernel (tiles: "
-                            "batched calls of --attention-backend per tile shape; varlen: "
-                            "PyTorch's flash varlen, CUDA bf16; math: exact dense mask, tiny "
-                            "shapes; auto: measured choice, docs/performance.md)")
-    group.add_argument("--document-layout", default="auto", choices=DOCUMENT_LAYOUTS,
-                       help="with --reset-attention-mask: auto balances the ring ranks' causal "
-                            "work by assigning sequence chunks per micro-batch (zigzag when "
-                            "not better); zigzag keeps the default layout")
-
-
-def document_flags_problem(args) -> Optional[str]:
-    """Why the document flags cannot combine, naming the flag and a valid value, or None."""
-    masked = args.reset_attention_mask
-    if args.document_attention_kernel != "auto" and not masked:
-        return (f"--document-attention-kernel {args.document_attention_kernel} has no effect "
-                f"without --reset-attention-mask; add --reset-attention-mask or drop the flag")
-    if args.document_layout != "auto" and not masked:
-        return (f"--document-layout {args.document_layout} has no effect without "
-                f"--reset-attention-mask; add --reset-attention-mask or drop the flag")
-    if masked:
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        return document_kernel_problem(args.document_attention_kernel, args.device, dtype)
-    return None

@@ -1,6 +1,6 @@
 """Kernel choices and whether each can run here, without importing torch: the
 ``--attention-backend`` names, the ``--fused-kernels`` names (and the kernel each uses per op),
-and the ``--recompute-cpu-offload`` items.
+the ``--document-attention-kernel`` names, and the ``--recompute-cpu-offload`` items.
 
 :mod:`megatron.usp.kernels` builds the kernels; this module only answers the start-up
 question "can this backend run on this device with the installed packages?", so that
@@ -108,3 +108,19 @@ def resolve_fused_kernels(name: str, cuda: bool) -> str:
 # --------------------------------------------------------------------------- --recompute-cpu-offload
 # What full recompute keeps that can wait in host memory (megatron.usp.activation_offload).
 OFFLOAD_CHOICES: Tuple[str, ...] = ("layer_input", "core_attn")
+
+
+# --------------------------------------------------------------------------- --document-attention-kernel
+DOCUMENT_KERNEL_NAMES: Tuple[str, ...] = ("auto", "tiles", "varlen", "math")
+
+
+def document_kernel_name_problem(name: str, device: str, low_precision: bool) -> Optional[str]:
+    """Why ``--document-attention-kernel name`` cannot run on ``device`` with bf16 / fp16
+    (``low_precision``) or float32 inputs, or None."""
+    if name not in DOCUMENT_KERNEL_NAMES:
+        return (f"--document-attention-kernel {name!r} is not known; choose one of "
+                f"{list(DOCUMENT_KERNEL_NAMES)}")
+    if name == "varlen" and (device != "cuda" or not low_precision):
+        return ("--document-attention-kernel varlen needs CUDA and --bf16 (PyTorch's flash "
+                "varlen op); use --document-attention-kernel tiles (or auto)")
+    return None

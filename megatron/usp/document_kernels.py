@@ -58,7 +58,10 @@ from megatron.usp.kernels import (
 
 Tensor = torch.Tensor
 
-DOCUMENT_KERNEL_NAMES: Tuple[str, ...] = ("auto", "tiles", "varlen", "math")
+from megatron.usp.backend_names import (  # noqa: E402  (torch-free, for --help)
+    DOCUMENT_KERNEL_NAMES,
+    document_kernel_name_problem,
+)
 
 # auto on CUDA: use ``tiles`` when the block's useful pairs per kernel call reach this many
 # (one cuDNN call per tile group); below it the calls are too small and ``varlen`` (one call
@@ -658,14 +661,9 @@ class AutoDocumentKernel(DocumentKernel):
 
 
 def document_kernel_problem(name: str, device: str, dtype: torch.dtype) -> Optional[str]:
-    """Why ``--document-attention-kernel name`` cannot run on ``device``/``dtype``, or None."""
-    if name not in DOCUMENT_KERNEL_NAMES:
-        return (f"--document-attention-kernel {name!r} is not known; choose one of "
-                f"{list(DOCUMENT_KERNEL_NAMES)}")
-    if name == "varlen" and (device != "cuda" or dtype not in (torch.float16, torch.bfloat16)):
-        return ("--document-attention-kernel varlen needs CUDA and --bf16 (PyTorch's flash "
-                "varlen op); use --document-attention-kernel tiles (or auto)")
-    return None
+    """Why ``--document-attention-kernel name`` cannot run on ``device``/``dtype``, or None
+    (:func:`megatron.usp.backend_names.document_kernel_name_problem`)."""
+    return document_kernel_name_problem(name, device, dtype in (torch.float16, torch.bfloat16))
 
 
 def get_document_kernel(name: str, kernel: AttentionKernel) -> DocumentKernel:
