@@ -78,7 +78,7 @@ def measure(model: str = "llama-0.85b", seq_length: int = 4096, saves: int = 2,
         scheduler = build_scheduler(args, optimizer)
         state = TrainState()
         train_iter, _ = build_data_iterators(args, rt, state)
-        step_fn = partial(batch_mod.forward_step, batch_context(rt))
+        step_fn = partial(batch_mod.forward_step, batch_context(rt, args))
         train_step(args, rt, step_fn, train_iter, model_chunks, optimizer, 1)
         state.iteration = 1
 
