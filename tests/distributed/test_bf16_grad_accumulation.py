@@ -49,7 +49,7 @@ def _step_gradient(layout, grad_reduce_in_bf16: bool):
         training._wire_grad_sync(model)
         train_iter, _ = training.build_data_iterators(args, rt, TrainState())
         model[0].zero_grad_buffer()
-        step = partial(batch_mod.forward_step, training.batch_context(rt))
+        step = partial(batch_mod.forward_step, training.batch_context(rt, args))
         training.forward_backward(args, step, train_iter, model, forward_only=False)
         params = dict(unwrap(model[0]).named_parameters())
         want = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
