@@ -2,15 +2,22 @@
 
 A checkpoint directory holds ``checksums.json``::
 
-    {"version": 1, "algorithm": "xxh3_128",
+    {"version": 2, "algorithm": "xxh3_128", "chunk_bytes": 67108864,
      "files": {"__0_0.distcp": {"bytes": 488688, "xxh3_128": "5f0c..."}, ...}}
 
 covering every other file in the directory. XXH3-128 (the ``xxhash`` package) hashes at
-~9 GB/s per core in memory on our CPU machine (BLAKE2b from the standard library: 0.47 GB/s,
-too slow for a 12 GB checkpoint), so the cost is the read; files are hashed by a thread
-pool (the hash releases the GIL) and, at save and load alike, spread over the ranks (see
-:func:`files_of_rank`), so each rank reads about 1/world of the checkpoint, mostly the
+~8-9 GB/s per core in memory (BLAKE2b from the standard library: 0.47 GB/s, too slow for a
+12 GB checkpoint), so the cost is reading the bytes back. megatron-core's writer leaves a
+few large files per rank (the 0.85B model: two of ~6 GB), so hashing file by file would use
+two cores; instead each file is cut into ``chunk_bytes`` pieces, the pieces are hashed by a
+thread pool (``xxhash`` releases the GIL), and a file's digest is the XXH3-128 of its
+pieces' digests in order (a two-level tree: the same bytes always give the same digest, and
+a change anywhere changes it). At save and load alike the files are spread over the ranks
+(:func:`files_of_rank`), so each rank reads about 1/world of the checkpoint, mostly the
 files it wrote itself (still in its page cache).
+
+A version-1 manifest (one streaming XXH3-128 over the whole file, before the chunked
+scheme) is still verified.
 
 A file whose bytes changed without changing its size loads silently otherwise: PyTorch's
 ``.metadata`` holds offsets and lengths, not checksums.
@@ -25,42 +32,74 @@ from typing import Dict, Iterable, List, Optional
 
 MANIFEST = "checksums.json"
 ALGORITHM = "xxh3_128"
-VERSION = 1
-_CHUNK = 16 << 20
+VERSION = 2
+CHUNK_BYTES = 64 << 20
+"""Piece of a file hashed by one thread (version 2)."""
+_READ = 16 << 20
 
 
 class ChecksumMismatch(ValueError):
     """A file's bytes differ from what the manifest recorded at save."""
 
 
-def hash_file(path: str) -> str:
-    """XXH3-128 of the file's bytes, as 32 hex digits."""
+def _hash_range(path: str, start: int, length: Optional[int]) -> bytes:
+    """XXH3-128 digest of ``length`` bytes of ``path`` from ``start`` (None: to the end)."""
     import xxhash
 
     h = xxhash.xxh3_128()
-    buf = bytearray(_CHUNK)
+    buf = bytearray(_READ if length is None else max(1, min(_READ, length)))
     view = memoryview(buf)
+    left = length
     with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
+        f.seek(start)
+        while left is None or left > 0:
+            n = f.readinto(view if left is None else view[:min(len(buf), left)])
             if not n:
+                if left:
+                    raise OSError(f"{path} ended {left} bytes early while being hashed")
                 break
             h.update(view[:n])
-    return h.hexdigest()
+            if left is not None:
+                left -= n
+    return h.digest()
+
+
+def hash_file(path: str, chunk_bytes: Optional[int] = CHUNK_BYTES) -> str:
+    """The file's digest as 32 hex digits: the version-2 tree over ``chunk_bytes`` pieces,
+    or (``chunk_bytes=None``, version 1) one streaming hash of the whole file."""
+    return hash_files(os.path.dirname(path) or ".", [os.path.basename(path)],
+                      chunk_bytes)[os.path.basename(path)][ALGORITHM]
 
 
 def _threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(16, os.cpu_count() or 1))
 
 
-def hash_files(root: str, names: Iterable[str]) -> Dict[str, Dict[str, object]]:
-    """{name: {"bytes": size, ALGORITHM: digest}} for ``names`` under ``root``."""
+def hash_files(root: str, names: Iterable[str], chunk_bytes: Optional[int] = CHUNK_BYTES
+               ) -> Dict[str, Dict[str, object]]:
+    """{name: {"bytes": size, ALGORITHM: digest}} for ``names`` under ``root``; the pieces
+    of all files go through one thread pool. ``chunk_bytes=None``: the version-1 digest."""
+    import xxhash
+
     names = sorted(names)
-    paths = [os.path.join(root, n) for n in names]
+    sizes = {n: os.path.getsize(os.path.join(root, n)) for n in names}
+    tasks = []   # (name, start, length)
+    for n in names:
+        if chunk_bytes is None:
+            tasks.append((n, 0, None))
+        else:
+            pieces = max(1, -(-sizes[n] // chunk_bytes))
+            tasks += [(n, i * chunk_bytes, min(chunk_bytes, sizes[n] - i * chunk_bytes))
+                      for i in range(pieces)]
     with ThreadPoolExecutor(_threads()) as pool:
-        digests = list(pool.map(hash_file, paths))
-    return {n: {"bytes": os.path.getsize(p), ALGORITHM: d}
-            for n, p, d in zip(names, paths, digests)}
+        digests = list(pool.map(lambda t: _hash_range(os.path.join(root, t[0]), t[1], t[2]),
+                                tasks))
+    out: Dict[str, Dict[str, object]] = {}
+    for n in names:
+        mine = [d for (name, _, _), d in zip(tasks, digests) if name == n]
+        digest = mine[0].hex() if chunk_bytes is None else xxhash.xxh3_128(b"".join(mine)).hexdigest()
+        out[n] = {"bytes": sizes[n], ALGORITHM: digest}
+    return out
 
 
 def checkpoint_files(root: str) -> List[str]:
@@ -99,20 +138,29 @@ def _writer_rank(name: str) -> Optional[int]:
     return int(head) if head.isdigit() else None
 
 
-def write_manifest(root: str, entries: Dict[str, Dict[str, object]]) -> None:
-    """Write ``root/checksums.json`` (fsynced) for ``entries``, which must cover every file."""
+class Manifest(dict):
+    """``{name: {"bytes": ..., ALGORITHM: ...}}`` as read from ``checksums.json``, with the
+    piece size its digests were made with (``None``: a version-1 manifest)."""
+
+    chunk_bytes: Optional[int] = CHUNK_BYTES
+
+
+def write_manifest(root: str, entries: Dict[str, Dict[str, object]],
+                   chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Write ``root/checksums.json`` (fsynced) for ``entries`` (digests of
+    :func:`hash_files` with ``chunk_bytes``), which must cover every file."""
     missing = sorted(set(checkpoint_files(root)) - set(entries))
     if missing:
         raise ValueError(f"checksums of {root} lack {missing}")
     path = os.path.join(root, MANIFEST)
     with open(path, "w") as f:
-        json.dump({"version": VERSION, "algorithm": ALGORITHM, "files": entries}, f,
-                  indent=0, sort_keys=True)
+        json.dump({"version": VERSION, "algorithm": ALGORITHM, "chunk_bytes": chunk_bytes,
+                   "files": entries}, f, indent=0, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
 
 
-def read_manifest(root: str) -> Optional[Dict[str, Dict[str, object]]]:
+def read_manifest(root: str) -> Optional[Manifest]:
     """The manifest's files, or None for a checkpoint saved without one (before checksums);
     ChecksumMismatch when it is unreadable."""
     path = os.path.join(root, MANIFEST)
@@ -123,7 +171,14 @@ def read_manifest(root: str) -> Optional[Dict[str, Dict[str, object]]]:
             data = json.load(f)
         if data.get("algorithm") != ALGORITHM:
             raise ValueError(f"algorithm {data.get('algorithm')!r}")
-        return dict(data["files"])
+        version = data.get("version")
+        if version not in (1, 2):
+            raise ValueError(f"version {version!r}; this installation reads 1 and 2")
+        manifest = Manifest(data["files"])
+        manifest.chunk_bytes = None if version == 1 else int(data["chunk_bytes"])
+        if manifest.chunk_bytes is not None and manifest.chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes {manifest.chunk_bytes}")
+        return manifest
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ChecksumMismatch(f"{MANIFEST} is unreadable ({exc})") from None
 
@@ -140,7 +195,7 @@ def verify_files(root: str, manifest: Dict[str, Dict[str, object]], names: List[
         sizes[name] = os.path.getsize(path)
         if sizes[name] != manifest[name]["bytes"]:
             return f"{name} holds {sizes[name]} bytes, {manifest[name]['bytes']} were saved"
-    got = hash_files(root, names)
+    got = hash_files(root, names, getattr(manifest, "chunk_bytes", CHUNK_BYTES))
     for name in sorted(names):
         if got[name][ALGORITHM] != manifest[name][ALGORITHM]:
             return (f"{name} does not match its checksum ({ALGORITHM} "

@@ -49,6 +49,72 @@ def test_manifest_round_trip_and_a_flipped_byte_is_named(tmp_path):
     assert problem.startswith("__1_0.distcp does not match its checksum")
 
 
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("offset", [0, 999, 1000, 1001, 3499])
+def test_chunked_digest_catches_a_flip_in_any_piece(tmp_path, offset):
+    # 3500 bytes in pieces of 1000: four pieces, the last one short; flips at both edges of a
+    # piece boundary and in the last piece.
+    root = str(tmp_path)
+    _files(root, {"__0_0.distcp": 3500, "empty": 0})
+    names = checksums.checkpoint_files(root)
+    checksums.write_manifest(root, checksums.hash_files(root, names, 1000), chunk_bytes=1000)
+    manifest = checksums.read_manifest(root)
+    assert manifest.chunk_bytes == 1000
+    assert checksums.verify_files(root, manifest, names) is None
+    _flip(os.path.join(root, "__0_0.distcp"), offset)
+    assert checksums.verify_files(root, manifest, names).startswith(
+        "__0_0.distcp does not match its checksum")
+
+
+def test_chunked_digest_is_a_tree_over_the_pieces(tmp_path):
+    import xxhash
+
+    data = os.urandom(2500)
+    (tmp_path / "f").write_bytes(data)
+    pieces = [xxhash.xxh3_128(data[i:i + 1000]).digest() for i in (0, 1000, 2000)]
+    assert checksums.hash_file(str(tmp_path / "f"), 1000) == \
+        xxhash.xxh3_128(b"".join(pieces)).hexdigest()
+    # version 1: one streaming hash of the whole file
+    assert checksums.hash_file(str(tmp_path / "f"), None) == xxhash.xxh3_128(data).hexdigest()
+    # the piece size is part of the digest: another size gives another digest
+    assert checksums.hash_file(str(tmp_path / "f"), 1000) != \
+        checksums.hash_file(str(tmp_path / "f"), 2048)
+
+
+def test_a_version_1_manifest_is_still_verified(tmp_path):
+    import json
+
+    import xxhash
+
+    root = str(tmp_path)
+    _files(root, {"__0_0.distcp": 3000})
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    with open(os.path.join(root, checksums.MANIFEST), "w") as f:
+        json.dump({"version": 1, "algorithm": "xxh3_128", "files": {"__0_0.distcp": {
+            "bytes": 3000, "xxh3_128": xxhash.xxh3_128(data).hexdigest()}}}, f)
+    manifest = checksums.read_manifest(root)
+    assert manifest.chunk_bytes is None
+    assert checksums.verify_files(root, manifest, ["__0_0.distcp"]) is None
+    _flip(os.path.join(root, "__0_0.distcp"), 2000)
+    assert "does not match" in checksums.verify_files(root, manifest, ["__0_0.distcp"])
+
+
+def test_a_manifest_of_an_unknown_version_is_refused(tmp_path):
+    import json
+
+    (tmp_path / checksums.MANIFEST).write_text(json.dumps(
+        {"version": 9, "algorithm": "xxh3_128", "files": {}}))
+    with pytest.raises(checksums.ChecksumMismatch, match="version 9"):
+        checksums.read_manifest(str(tmp_path))
+
+
 def test_manifest_must_cover_every_file(tmp_path):
     root = str(tmp_path)
     _files(root, {"a": 10, "b": 10})

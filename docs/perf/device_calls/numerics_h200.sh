@@ -2,14 +2,16 @@
 # Issue 13, part 4: does the micro-batch split still move the bf16 loss curve now that
 # gradients accumulate in float32? ONE H200, DP1, the docs/perf/h200x2_curves model, global
 # batch 4 as micro-batch x accumulation 4x1 (the reference), 2x2 and 1x4, STEPS steps, bf16
-# with the new default; the noise pair is 4x1 with the output layer's weight gradient summed
-# over 4 chunks (--fused-linear-cross-entropy --linear-cross-entropy-chunk-tokens 4096) instead
-# of inside one GEMM: a change of reduction order only. Control: 1x4 with the old default
-# (--grad-reduce-in-bf16), which the drift test must flag. The five runs share the GPU at once
-# (each is launch-bound: ~6 % MFU alone); then tools/compare_loss.py's drift test.
-# Run from the repository root: bash docs/perf/device_calls/numerics_h200.sh (about 4-5 min).
-# Writes to $OUT: run.log, mb4x1.jsonl, mb2x2.jsonl, mb1x4.jsonl, mb4x1_chunked.jsonl,
-# mb1x4_bf16grad.jsonl, drift.png, summary.json. Reading: docs/perf/bf16_microbatch/README.md.
+# with the new default; the noise pairs are 4x1 against 4x1 with the output layer's weight
+# gradient summed over chunks of 2048, 4096 and 8192 tokens (--fused-linear-cross-entropy
+# --linear-cross-entropy-chunk-tokens N) instead of inside one GEMM: changes of reduction
+# order only, three of them so that the band does not rest on one chaotic pair (the widest
+# is used). Control: 1x4 with the old default (--grad-reduce-in-bf16). The seven runs share
+# the GPU at once (each is launch-bound: ~6 % MFU alone); then tools/compare_loss.py's drift
+# test. Run from the repository root: bash docs/perf/device_calls/numerics_h200.sh (about
+# 5 min). Writes to $OUT: run.log, the seven metrics files (mb*.jsonl), drift.png and
+# summary.json: 10 files, so a caller keeping to the device's 8 returned files tars them.
+# Reading: docs/perf/bf16_microbatch/README.md.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -45,11 +47,14 @@ launch() {  # name port flags...: one DP1 run, cut at the deadline (its metrics 
 launch mb4x1 29611 --micro-batch-size 4 &
 launch mb2x2 29612 --micro-batch-size 2 &
 launch mb1x4 29613 --micro-batch-size 1 &
-launch mb4x1_chunked 29614 --micro-batch-size 4 --fused-linear-cross-entropy \
-  --linear-cross-entropy-chunk-tokens 4096 &
+for chunk in 2048 4096 8192; do
+  launch mb4x1_chunked$chunk $(( 29620 + chunk / 1024 )) --micro-batch-size 4 \
+    --fused-linear-cross-entropy --linear-cross-entropy-chunk-tokens $chunk &
+done
 launch mb1x4_bf16grad 29615 --micro-batch-size 1 --grad-reduce-in-bf16 &
 wait
-for name in mb4x1 mb2x2 mb1x4 mb4x1_chunked mb1x4_bf16grad; do
+RUNS="mb4x1 mb2x2 mb1x4 mb4x1_chunked2048 mb4x1_chunked4096 mb4x1_chunked8192 mb1x4_bf16grad"
+for name in $RUNS; do
   { echo "--- $name (tail)"; grep -v Warning "/tmp/$name.log" | grep -v warnings.warn | tail -n 6; } >> "$LOG"
 done
 
@@ -64,8 +69,7 @@ for name in sys.argv[1:]:
     except OSError:
         its = []
     last.append(max(its, default=0))
-print(min(last))" "$OUT"/mb4x1.jsonl "$OUT"/mb2x2.jsonl "$OUT"/mb1x4.jsonl \
-  "$OUT"/mb4x1_chunked.jsonl "$OUT"/mb1x4_bf16grad.jsonl)
+print(min(last))" $(for name in $RUNS; do echo "$OUT/$name.jsonl"; done))
 echo "steps reached by every run: $LAST of $STEPS (t=$SECONDS)" >> "$LOG"
 EXTRA=()
 if [ "$LAST" -lt "$STEPS" ]; then
@@ -73,7 +77,9 @@ if [ "$LAST" -lt "$STEPS" ]; then
 fi
 python3 tools/compare_loss.py "$OUT"/mb4x1.jsonl "$OUT"/mb2x2.jsonl "$OUT"/mb1x4.jsonl \
   "$OUT"/mb1x4_bf16grad.jsonl --labels 4x1 2x2 1x4 "1x4 bf16 grads" \
-  --noise-pair "$OUT"/mb4x1.jsonl "$OUT"/mb4x1_chunked.jsonl \
+  --noise-pair "$OUT"/mb4x1.jsonl "$OUT"/mb4x1_chunked2048.jsonl \
+  --noise-pair "$OUT"/mb4x1.jsonl "$OUT"/mb4x1_chunked4096.jsonl \
+  --noise-pair "$OUT"/mb4x1.jsonl "$OUT"/mb4x1_chunked8192.jsonl \
   ${EXTRA[@]+"${EXTRA[@]}"} --png "$OUT/drift.png" --summary-json "$OUT/summary.json" \
   --print-every 50 >> "$LOG" 2>&1
 echo "compare rc=$? (expected 1: only '1x4 bf16 grads' drifts) t=$SECONDS" >> "$LOG"
