@@ -71,6 +71,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -414,10 +415,27 @@ def classify(returncode: Optional[int], log_text: str, records: List[dict], log_
         return RunOutcome("ok", 0, records, log_path, cmd)
     if is_oom_log(log_text):
         return RunOutcome("oom", returncode, records, log_path, cmd, "out of memory")
-    tail = [ln for ln in log_text.splitlines() if ln.strip()][-3:]
     note = (f"exit {returncode}, {_iterations(records)}/{iters} iterations logged: "
-            + " / ".join(t.strip()[:160] for t in tail))
+            + failure_cause(log_text))
     return RunOutcome("error", returncode, records, log_path, cmd, note)
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception)\b(?::|$)")
+
+
+def failure_cause(log_text: str) -> str:
+    """The line of a failed run's log that says why: a bad-input message
+    (``pretrain_gpt.py: error: ...``), else the last exception line of a traceback other than
+    torchrun's own ``ChildFailedError`` (which ends every failed log and says nothing), else
+    the last three lines."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for ln in lines:
+        if ": error: " in ln and ln.split(": error: ", 1)[0].endswith(".py"):
+            return ln[:300]
+    causes = [ln for ln in lines if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln]
+    if causes:
+        return causes[-1][:300]
+    return " / ".join(t[:160] for t in lines[-3:])
 
 
 # --------------------------------------------------------------------------- metrics

@@ -538,3 +538,20 @@ def test_metadata_says_when_the_tree_differs_from_the_commit(tmp_path):
             "git_commit": "abc", "git_dirty": True, "command": "c"}
     assert "commit: abc + uncommitted changes" in report.metadata_markdown(meta)
     assert report._git_dirty(tmp_path / "missing") is None
+
+
+def test_a_failed_run_is_explained_by_its_cause_not_torchruns_summary():
+    from megatron.bench.e2e import failure_cause
+
+    torchrun_tail = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                     "====\n/work/pretrain_gpt.py FAILED\n  traceback : To enable traceback see: "
+                     "https://pytorch.org/docs/stable/elastic/errors.html\n====\n")
+    crash = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+             "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    assert failure_cause(crash + torchrun_tail).startswith("torch.OutOfMemoryError: CUDA out")
+    bad = "pretrain_gpt.py: error: --mlp-tile-tokens 7 must divide the local sequence\n"
+    assert failure_cause(bad + torchrun_tail) == bad.strip()
+    assert failure_cause("a\nb\nc\nd\n") == "b / c / d"
+    chained = ("KeyError: 'x'\n\nDuring handling of the above exception, another exception "
+               "occurred:\nRuntimeError: the real one\n") + torchrun_tail
+    assert failure_cause(chained) == "RuntimeError: the real one"
