@@ -423,12 +423,16 @@ def classify(returncode: Optional[int], log_text: str, records: List[dict], log_
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception)\b(?::|$)")
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")   # torchrun's per-rank log prefix
+
+
 def failure_cause(log_text: str) -> str:
     """The line of a failed run's log that says why: a bad-input message
     (``pretrain_gpt.py: error: ...``), else the last exception line of a traceback other than
     torchrun's own ``ChildFailedError`` (which ends every failed log and says nothing), else
     the last three lines."""
-    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    lines = [_RANK_PREFIX.sub("", ln).strip() for ln in log_text.splitlines()]
+    lines = [ln for ln in lines if ln]
     for ln in lines:
         if ": error: " in ln and ln.split(": error: ", 1)[0].endswith(".py"):
             return ln[:300]

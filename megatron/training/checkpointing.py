@@ -430,9 +430,20 @@ def _restore_adam_steps(optimizer, loaded: Any) -> None:
         if len(steps) != 1:
             continue  # Apex/TE optimizers keep their own step; nothing to restore
         step = float(steps.pop())
-        for param_state in inner.state.values():
-            if "step" in param_state:
-                param_state["step"] = torch.tensor(step, dtype=torch.float32)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                param_state = inner.state.get(param)
+                if param_state and "step" in param_state:
+                    param_state["step"] = adam_step_tensor(step, group, param)
+
+
+def adam_step_tensor(step: float, group: Dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+    """Adam's per-parameter ``step`` where ``torch.optim.Adam(W)`` expects it: on the
+    parameter's device for a ``fused`` or ``capturable`` param group (the fused CUDA kernel
+    refuses a CPU step: "state_steps is on cpu", as a resumed bf16 run on one H200 showed),
+    on the CPU otherwise (PyTorch's default)."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return torch.tensor(step, dtype=torch.float32, device=param.device if on_device else "cpu")
 
 
 # Flags that shape the model's tensors: a checkpoint loads only into the same values.

@@ -131,6 +131,7 @@ def build_optimizer(args, model):
     step on the CPU with --optimizer-cpu-offload)."""
     from megatron.core import optimizer as mcore_optimizer
 
+    no_te = bool(args.use_precision_aware_optimizer) and _te_missing()
     config = mcore_optimizer.OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
@@ -142,12 +143,40 @@ def build_optimizer(args, model):
         # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer (memory_args.py).
         optimizer_cpu_offload=args.optimizer_cpu_offload,
         optimizer_offload_fraction=args.optimizer_offload_fraction or 0.0,
-        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer and not no_te,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
     )
+    if no_te:
+        precision_aware_without_te(config)
     optimizer = mcore_optimizer.get_megatron_optimizer(config, model)
     use_fused_adam(optimizer)
     return optimizer
+
+
+def precision_aware_without_te(config) -> None:
+    """Turn ``use_precision_aware_optimizer`` on in an ``OptimizerConfig`` built with it off.
+
+    megatron-core 0.16.1's ``OptimizerConfig.__post_init__`` asks ``is_te_min_version("2.1.0")``
+    under ``use_precision_aware_optimizer``, and that raises ``TypeError`` (``None >= Version``)
+    when TransformerEngine is not installed, although the question has a fixed answer then
+    (no: so ``store_param_remainders`` goes off) and the only precision-aware path that needs
+    no TE, ``optimizer_cpu_offload`` (HybridDeviceOptimizer), returns right after it. So the
+    config is built with the flag off and given here what ``__post_init__`` would have set for
+    that path; ``memory_args.validate`` has already refused the flag without
+    ``--optimizer-cpu-offload``, without the distributed optimizer and without Adam.
+    """
+    if not config.optimizer_cpu_offload:
+        raise ValueError("the precision-aware optimizer without TransformerEngine exists only "
+                         "with optimizer_cpu_offload (HybridDeviceOptimizer)")
+    config.use_precision_aware_optimizer = True
+    config.store_param_remainders = False
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True   # the offload case's value
+
+
+def _te_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is None
 
 
 def use_fused_adam(optimizer) -> int:

@@ -555,3 +555,7 @@ def test_a_failed_run_is_explained_by_its_cause_not_torchruns_summary():
     chained = ("KeyError: 'x'\n\nDuring handling of the above exception, another exception "
                "occurred:\nRuntimeError: the real one\n") + torchrun_tail
     assert failure_cause(chained) == "RuntimeError: the real one"
+    ranked = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"t.py\", line 5\n"
+              "[rank0]: TypeError: '>=' not supported between instances of 'NoneType' and "
+              "'Version'\n") + torchrun_tail
+    assert failure_cause(ranked).startswith("TypeError: '>=' not supported")

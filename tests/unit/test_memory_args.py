@@ -80,3 +80,42 @@ def test_valid_long_sequence_combinations_pass():
 def test_impossible_combinations_are_refused(extra, world, cuda, match):
     with pytest.raises(ArgumentsError, match=match):
         _valid(extra, world=world, cuda=cuda)
+
+
+# ---------------------------------------------------------------- optimizer config workarounds
+def test_precision_aware_offload_config_without_transformer_engine():
+    """megatron-core 0.16.1's OptimizerConfig raises TypeError under
+    use_precision_aware_optimizer when TE is absent; build_optimizer's workaround gives the
+    config what __post_init__ sets for the HybridDeviceOptimizer path."""
+    import importlib.util
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron.training.training import precision_aware_without_te
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(TypeError):   # the upstream bug this works around
+            OptimizerConfig(optimizer="adam", use_distributed_optimizer=True,
+                            optimizer_cpu_offload=True, use_precision_aware_optimizer=True)
+    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True,
+                             optimizer_cpu_offload=True, use_precision_aware_optimizer=False)
+    precision_aware_without_te(config)
+    assert config.use_precision_aware_optimizer
+    assert config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    assert config.store_param_remainders is False
+    plain = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="optimizer_cpu_offload"):
+        precision_aware_without_te(plain)
+
+
+def test_adam_step_goes_where_the_param_group_expects_it():
+    import torch
+
+    from megatron.training.checkpointing import adam_step_tensor
+
+    param = torch.empty(3, device="meta")   # stands for a CUDA parameter
+    fused = adam_step_tensor(7.0, {"fused": True}, param)
+    assert fused.device.type == "meta" and fused.dtype == torch.float32
+    assert adam_step_tensor(7.0, {"capturable": True}, param).device.type == "meta"
+    plain = adam_step_tensor(7.0, {"fused": False, "foreach": True}, param)
+    assert plain.device.type == "cpu" and float(plain) == 7.0
