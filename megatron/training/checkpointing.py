@@ -395,6 +395,13 @@ def _prime_distributed_optimizer_state(optimizer) -> None:
         inner = getattr(opt, "optimizer", None)
         if not isinstance(opt, DistributedOptimizer) or inner is None or inner.state:
             continue
+        if callable(getattr(inner, "dummy_step", None)):
+            # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer has no
+            # init_state_fn; its own dummy_step() (one step on random gradients, meant for
+            # exactly this: state to load into) creates the state, and the load then
+            # overwrites the moments, the step and the fp32 main params it touched.
+            inner.dummy_step()
+            continue
         if opt.init_state_fn is None:
             continue
         opt.init_state_fn(inner, opt.config)
@@ -514,6 +521,35 @@ def _check_optimizer_compatible(saved_args: Dict[str, Any], args, path: str) -> 
             f"{'with' if saved else 'without'} {flag} and this run is "
             f"{'without' if saved else 'with'} it; {'add' if saved else 'drop'} {flag}, or pass "
             f"--no-load-optim to load the weights only")
+    if not saved:
+        return
+    # megatron-core's distributed-optimizer checkpoint keys its state by the gradient
+    # buffer's (param dtype, grad dtype): another --bf16 or gradient-buffer setting finds no
+    # key to load (a KeyError from deep inside dist_checkpointing, seen on one H200).
+    was, now = _grad_buffer_dtypes(saved_args), _grad_buffer_dtypes(vars(args))
+    if was == now:
+        return
+    if was[0] != now[0]:
+        fix = f"{'add' if was[0] == 'bf16' else 'drop'} --bf16"
+    elif was[1] == "fp32":
+        fix = "drop --grad-reduce-in-bf16"
+    else:
+        fix = ("add --grad-reduce-in-bf16 (the checkpoint was saved with it, or before "
+               "float32 gradient accumulation became the default under --bf16)")
+    raise CheckpointError(
+        f"--load {path}: the checkpoint's distributed-optimizer state was saved with "
+        f"{was[0]} parameters and {was[1]} gradient buffers, this run has {now[0]} and "
+        f"{now[1]}: megatron-core stores that state per buffer dtype, so it loads only into "
+        f"the same; {fix}, or pass --no-load-optim to load the weights only")
+
+
+def _grad_buffer_dtypes(values: Dict[str, Any]) -> Tuple[str, str]:
+    """(parameter dtype, gradient-buffer dtype) of a run's arguments, as ``model.py`` sets
+    them: fp32 gradients unless --bf16 without float32 accumulation (--grad-reduce-in-bf16,
+    or a checkpoint of before float32 became the default that did not ask for it)."""
+    bf16 = bool(values.get("bf16"))
+    fp32_grads = not bf16 or bool(values.get("accumulate_allreduce_grads_in_fp32"))
+    return ("bf16" if bf16 else "fp32", "fp32" if fp32_grads else "bf16")
 
 
 def _save_strategy(groups: USPGroups):

@@ -282,3 +282,44 @@ def test_busy_master_port_is_named():
     assert problem and f"--master-port {port} (MASTER_PORT) is already in use" in problem
     assert "MASTER_PORT=" in problem
     assert port_problem("localhost", port) is None  # released: free again
+
+
+# --------------------------------------------------------------------------- resume: optimizer
+@pytest.mark.parametrize("saved,now,fix", [
+    # fp32 buffer saved (the default under --bf16), resumed with the opt-out
+    ({"bf16": True, "accumulate_allreduce_grads_in_fp32": True},
+     {"bf16": True, "accumulate_allreduce_grads_in_fp32": False}, "drop --grad-reduce-in-bf16"),
+    # a checkpoint of the old default (bf16 accumulation), resumed with the new default
+    ({"bf16": True}, {"bf16": True, "accumulate_allreduce_grads_in_fp32": True},
+     "add --grad-reduce-in-bf16"),
+    ({"bf16": False}, {"bf16": True, "accumulate_allreduce_grads_in_fp32": True}, "drop --bf16"),
+])
+def test_another_grad_buffer_dtype_is_refused_by_name(saved, now, fix):
+    import argparse
+
+    from megatron.training.checkpointing import CheckpointError, _check_optimizer_compatible
+
+    saved = dict(saved, use_distributed_optimizer=True)
+    args = argparse.Namespace(use_distributed_optimizer=True, **now)
+    with pytest.raises(CheckpointError, match="--no-load-optim") as err:
+        _check_optimizer_compatible(saved, args, "ckpt")
+    assert fix in str(err.value) and "gradient buffers" in str(err.value)
+
+
+def test_the_same_grad_buffer_dtype_loads():
+    import argparse
+
+    from megatron.training.checkpointing import _check_optimizer_compatible
+
+    for values in ({"bf16": True, "accumulate_allreduce_grads_in_fp32": True},
+                   {"bf16": True, "accumulate_allreduce_grads_in_fp32": False},
+                   {"bf16": False, "accumulate_allreduce_grads_in_fp32": False},
+                   {"bf16": False, "accumulate_allreduce_grads_in_fp32": True}):
+        _check_optimizer_compatible(dict(values, use_distributed_optimizer=True),
+                                    argparse.Namespace(use_distributed_optimizer=True, **values),
+                                    "ckpt")
+    # fp32 training: the flag does not change the buffer, old or new checkpoints alike
+    _check_optimizer_compatible({"use_distributed_optimizer": True, "bf16": False},
+                                argparse.Namespace(use_distributed_optimizer=True, bf16=False,
+                                                   accumulate_allreduce_grads_in_fp32=True),
+                                "ckpt")
