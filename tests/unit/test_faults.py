@@ -88,6 +88,18 @@ def test_chunked_digest_is_a_tree_over_the_pieces(tmp_path):
         checksums.hash_file(str(tmp_path / "f"), 2048)
 
 
+def test_a_file_that_cannot_be_mapped_is_read_with_the_same_digest(tmp_path, monkeypatch):
+    data = os.urandom(2500)
+    (tmp_path / "f").write_bytes(data)
+    mapped = {n: checksums.hash_file(str(tmp_path / "f"), n) for n in (1000, None)}
+
+    def no_mmap(*a, **k):
+        raise OSError("mmap not supported here")
+
+    monkeypatch.setattr(checksums.mmap, "mmap", no_mmap)
+    assert {n: checksums.hash_file(str(tmp_path / "f"), n) for n in (1000, None)} == mapped
+
+
 def test_a_version_1_manifest_is_still_verified(tmp_path):
     import json
 
