@@ -75,6 +75,13 @@ def _state_devices(optimizer) -> list:
     return sorted(found)
 
 
+def _records(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def run_case(name: str, flags, extra: dict) -> list:
     from megatron.training import training
     from megatron.training.arguments import parse_args
@@ -88,10 +95,16 @@ def run_case(name: str, flags, extra: dict) -> list:
         return opt
 
     training.build_optimizer = recording_build
+    metrics = os.path.join(tempfile.mkdtemp(prefix="long_seq_metrics_"), f"{name}.jsonl")
     try:
-        result = training.pretrain(parse_args(BASE + list(flags)))
+        result = training.pretrain(parse_args(BASE + list(flags) + ["--metrics-file", metrics]))
     finally:
         training.build_optimizer = build
+    # Per step, the learning rate and grad norm the run logged: the cases share one schedule,
+    # so their lr must agree; the grad norms say where a case's losses leave the baseline's.
+    steps = [r for r in _records(metrics) if r.get("kind") == "train"]
+    extra["lr"] = [r.get("lr") for r in steps]
+    extra["grad_norm"] = [r.get("grad_norm") for r in steps]
     if "optimizer" in seen:
         extra["optimizer_state_devices"] = _state_devices(seen["optimizer"])
         from megatron.training.model import unwrap

@@ -158,4 +158,9 @@ def test_training_flags_on_one_gpu(tmp_path):
     first, resumed = res["optimizer_offload"], res["optimizer_offload_resumed"]
     assert first["extra"]["optimizer_state_devices"] == ["cpu"]
     close("optimizer_offload", first["losses"] + resumed["losses"], base)
+    # one schedule for every case (the resumed run logs steps 4-6 of it)
+    lrs = res["full"]["extra"]["lr"]
+    for name in ("keep_offload_tiled", "fsdp"):
+        assert res[name]["extra"]["lr"] == lrs, (name, res[name]["extra"]["lr"], lrs)
+    assert first["extra"]["lr"] + resumed["extra"]["lr"] == lrs, (first, resumed, lrs)
     close("fsdp", res["fsdp"]["losses"], base)
