@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from megatron.bench.timing import median_ms_alone
 
 
 @dataclass
@@ -52,20 +53,6 @@ class Ceiling:
     attention_tflops: float          # fwd+bwd, 3.5x-forward convention
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats: int) -> float:
     """Forward ``y = x W^T`` plus both backward GEMMs (``dx = dy W``, ``dW = dy^T x``)."""
     x = torch.randn(tokens, n_in, device=device, dtype=dtype)
@@ -77,7 +64,7 @@ def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats
         torch.matmul(dy, w)
         torch.matmul(dy.t(), x)
 
-    return _median_ms(step, repeats)
+    return median_ms_alone(step, warmup=2, iters=repeats)
 
 
 def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int, device,
@@ -96,7 +83,7 @@ def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int,
         out, lse = kernel.forward(q, k, v, True, scale)
         kernel.backward(dout, q, k, v, out, lse, True, scale)
 
-    return _median_ms(step, repeats)
+    return median_ms_alone(step, warmup=2, iters=repeats)
 
 
 def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.bench.timing import median_ms_alone
 from megatron.usp import fused_kernels as fk
 
 Tensor = torch.Tensor
@@ -45,20 +45,6 @@ class OpResult:
     rel_err_grad: Optional[float] = None
     status: str = "ok"
     note: Optional[str] = None
-
-
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _rel(a: Tensor, ref: Tensor) -> float:
@@ -138,7 +124,7 @@ def run_op(op: str, impl: str, fn: Callable, shape, tokens: int, repeats: int) -
     # Clones: an implementation may rotate its incoming gradient in place (Liger's RoPE).
     torch.autograd.backward(outs, [d.clone() for d in douts])
     ref_leaves = [t.detach().double().requires_grad_(True) for t in grads_in]
-    ref_extra = [e.double() if e.dtype == torch.bfloat16 else e.double() for e in extra]
+    ref_extra = [e.double() for e in extra]
     ref_out = ref_fn(*ref_leaves, *ref_extra)
     ref_outs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
     torch.autograd.backward(ref_outs, [d.double() for d in douts])
@@ -152,7 +138,7 @@ def run_op(op: str, impl: str, fn: Callable, shape, tokens: int, repeats: int) -
         o = fn(*xs, *extra)
         torch.autograd.backward(o if isinstance(o, tuple) else (o,), douts)
 
-    res.fwd_bwd_ms = _median_ms(step, repeats)
+    res.fwd_bwd_ms = median_ms_alone(step, warmup=3, iters=repeats)
     res.gbps = nbytes / (res.fwd_bwd_ms / 1e3) / 1e9
     return res
 

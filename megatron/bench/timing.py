@@ -95,6 +95,16 @@ def median_ms(times: List[float]) -> float:
     return float(statistics.median(times))
 
 
+def median_ms_alone(fn: Callable[[], object], *, warmup: int, iters: int,
+                    device: Optional[torch.device] = None) -> float:
+    """Median time of ``fn`` run by this rank alone (no barrier, no reduction); ``device``
+    defaults to the current CUDA device (the kernel benchmarks)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return median_ms(time_iterations(fn, warmup=warmup, iters=iters, device=device,
+                                     distributed=False))
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window on ``device`` (nothing to do on the CPU)."""
     if device.type == "cuda":

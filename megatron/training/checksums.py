@@ -116,12 +116,13 @@ def hash_files(root: str, names: Iterable[str], chunk_bytes: Optional[int] = CHU
     with ThreadPoolExecutor(_threads()) as pool:
         digests = list(pool.map(lambda t: _hash_range(os.path.join(root, t[0]), t[1], t[2]),
                                 tasks))
-    out: Dict[str, Dict[str, object]] = {}
-    for n in names:
-        mine = [d for (name, _, _), d in zip(tasks, digests) if name == n]
-        digest = mine[0].hex() if chunk_bytes is None else xxhash.xxh3_128(b"".join(mine)).hexdigest()
-        out[n] = {"bytes": sizes[n], ALGORITHM: digest}
-    return out
+    pieces: Dict[str, List[bytes]] = {n: [] for n in names}
+    for (name, _, _), d in zip(tasks, digests):   # tasks are in file, then piece order
+        pieces[name].append(d)
+    return {n: {"bytes": sizes[n],
+                ALGORITHM: pieces[n][0].hex() if chunk_bytes is None
+                else xxhash.xxh3_128(b"".join(pieces[n])).hexdigest()}
+            for n in names}
 
 
 def checkpoint_files(root: str) -> List[str]:

@@ -21,9 +21,8 @@ modules (``README.md``, "Training very long sequences"):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 
-from megatron.usp.backend_names import OFFLOAD_CHOICES
+from megatron.usp.backend_names import OFFLOAD_CHOICES, backend_installed
 
 FSDP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DEFAULT_OFFLOAD_FRACTION = 1.0
@@ -128,8 +127,7 @@ def _validate_optimizer_offload(args) -> None:
             if value is not None:
                 raise _error(f"{flag} has no effect without --optimizer-cpu-offload; add "
                              f"--optimizer-cpu-offload (or drop {flag})")
-        if (args.use_precision_aware_optimizer
-                and importlib.util.find_spec("transformer_engine") is None):
+        if args.use_precision_aware_optimizer and not backend_installed("te"):
             raise _error("--use-precision-aware-optimizer without --optimizer-cpu-offload "
                          "needs TransformerEngine's FusedAdam (not installed); add "
                          "--optimizer-cpu-offload or drop --use-precision-aware-optimizer")

@@ -131,7 +131,9 @@ def build_optimizer(args, model):
     step on the CPU with --optimizer-cpu-offload)."""
     from megatron.core import optimizer as mcore_optimizer
 
-    no_te = bool(args.use_precision_aware_optimizer) and _te_missing()
+    from megatron.usp.backend_names import backend_installed
+
+    no_te = bool(args.use_precision_aware_optimizer) and not backend_installed("te")
     config = mcore_optimizer.OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
@@ -171,12 +173,6 @@ def precision_aware_without_te(config) -> None:
     config.use_precision_aware_optimizer = True
     config.store_param_remainders = False
     config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True   # the offload case's value
-
-
-def _te_missing() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is None
 
 
 def use_fused_adam(optimizer) -> int:
