@@ -14,6 +14,11 @@ data, 4096 tokens, 2 micro-batches per step, bf16, ZeRO-1, full recompute, 6 ste
   that checkpoint to step 6;
 * ``fsdp``: ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``.
 
+Run only when named in ``--cases`` (to locate where Megatron-FSDP's losses leave the
+baseline's): ``full_one_microbatch`` / ``fsdp_one_microbatch`` (global batch 1: no gradient
+accumulation over micro-batches) and ``full_no_clip`` / ``fsdp_no_clip`` (``--clip-grad 0``:
+the grad norm no longer scales the update).
+
 ``extra`` records where the optimizer state lives (``optimizer_state_devices``) and, for the
 offload case, the offloader's counters. The assertions are in
 ``tests/gpu/test_long_sequence_gpu.py``::
@@ -59,9 +64,18 @@ def cases(ckpt_dir: str):
         "optimizer_offload": OPT_OFFLOAD + ["--save", ckpt_dir, "--save-interval", "3",
                                             "--exit-interval", "3"],
         "optimizer_offload_resumed": OPT_OFFLOAD + ["--load", ckpt_dir, "--save", ckpt_dir],
-        "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                 "optim_grads_params"],
+        "fsdp": FSDP,
     }
+
+
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+# Diagnosis pairs, only when named in --cases (later flags override BASE's).
+DIAGNOSIS = {
+    "full_one_microbatch": ["--global-batch-size", "1"],
+    "fsdp_one_microbatch": FSDP + ["--global-batch-size", "1"],
+    "full_no_clip": ["--clip-grad", "0"],
+    "fsdp_no_clip": FSDP + ["--clip-grad", "0"],
+}
 
 
 def _state_devices(optimizer) -> list:
@@ -126,13 +140,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--cases", nargs="*", default=None)
     ns = p.parse_args(argv)
+    ckpt = tempfile.mkdtemp(prefix="long_seq_ckpt_")
+    chosen = dict(cases(ckpt))
+    chosen.update({k: v for k, v in DIAGNOSIS.items() if ns.cases and k in ns.cases})
+    unknown = sorted(set(ns.cases or ()) - set(chosen) - set(DIAGNOSIS))
+    if unknown:
+        p.error(f"--cases: unknown {unknown}; choose from {sorted(chosen) + sorted(DIAGNOSIS)}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29577")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    ckpt = tempfile.mkdtemp(prefix="long_seq_ckpt_")
     out = {}
-    for name, flags in cases(ckpt).items():
+    for name, flags in chosen.items():
         if ns.cases and name not in ns.cases:
             continue
         extra, losses, error = {}, None, None

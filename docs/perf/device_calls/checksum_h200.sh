@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import xxhash" 2>/dev/null || { echo "xxhash missing" > "$OUT/run.log"; exit 1; }
 LOG=$OUT/run.log
 echo "start $(date -u +%FT%TZ); free: $(df -h /tmp | tail -1)" > "$LOG"
-timeout ${CK_TIMEOUT:-110} python3 tools/bench_checkpoint.py --model llama-0.85b --seq-length 4096 --saves 2 \
+timeout ${CK_TIMEOUT:-110} python3 tools/bench_checkpoint.py --model llama-0.85b --seq-length 4096 --saves ${CK_SAVES:-2} \
   --save-dir /tmp/checkpoint_cost --out "$OUT/checksum_h200.json" >> "$LOG" 2>&1
 echo "bench_checkpoint rc=$? t=${SECONDS}s" >> "$LOG"
 rm -rf /tmp/checkpoint_cost
