@@ -1,8 +1,9 @@
-"""The long-sequence training paths on one GPU: losses of short runs, for tests/gpu.
+"""The long-sequence training paths on GPUs: losses of short runs, for tests/gpu.
 
-Runs ``pretrain(args)`` in one process (NCCL, world 1) for each case below, on a small
-Llama-style model (2 layers, hidden 512, 8 query / 2 KV heads of 64, SwiGLU 1024, RoPE, mock
-data, 4096 tokens, 2 micro-batches per step, bf16, ZeRO-1, full recompute, 6 steps), and writes
+Runs ``pretrain(args)`` for each case below on a small Llama-style model (2 layers, hidden
+512, 8 query / 2 KV heads of 64, SwiGLU 1024, RoPE, mock data, 4096 tokens, 2 micro-batches
+per rank and step, bf16, ZeRO-1, full recompute, 6 steps), in one process (NCCL, world 1), or
+under ``torchrun`` on several GPUs (data parallel), and writes (rank 0)
 ``{case: {"losses": [...], "error": null | traceback, "extra": {...}}}`` as JSON. The cases:
 
 * ``full``: the baseline (megatron-core's full recompute);
@@ -12,18 +13,17 @@ data, 4096 tokens, 2 micro-batches per step, bf16, ZeRO-1, full recompute, 6 ste
   --overlap-cpu-optimizer-d2h-h2d`` (megatron-core's HybridDeviceOptimizer, all state on the
   CPU), saving a checkpoint at step 3; ``optimizer_offload_resumed``: the same run resumed from
   that checkpoint to step 6;
-* ``fsdp``: ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``.
+* ``fsdp``: ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``
+  (refused at start-up on one GPU: nothing to shard, and megatron-core 0.16.1 double-counts
+  the gradients over one rank; see ``docs/perf/longseq_h200_2026-12-02/fsdp_diagnosis.json``).
 
-Run only when named in ``--cases`` (to locate where Megatron-FSDP's losses leave the
-baseline's): ``full_one_microbatch`` / ``fsdp_one_microbatch`` (global batch 1: no gradient
-accumulation over micro-batches) and ``full_no_clip`` / ``fsdp_no_clip`` (``--clip-grad 0``:
-the grad norm no longer scales the update).
-
-``extra`` records where the optimizer state lives (``optimizer_state_devices``) and, for the
-offload case, the offloader's counters. The assertions are in
-``tests/gpu/test_long_sequence_gpu.py``::
+``extra`` records each step's learning rate and grad norm, where the optimizer state lives
+(``optimizer_state_devices``) and, for the offload case, the offloader's counters. The
+assertions are in ``tests/gpu/test_long_sequence_gpu.py``::
 
     python tools/gpu_long_sequence_check.py --out /tmp/long_seq_gpu.json [--cases full fsdp]
+    torchrun --nproc-per-node 2 tools/gpu_long_sequence_check.py --out J --cases full fsdp \
+        --ckpt-dir /shared/tmp/dir
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ BASE = [
     "--seq-length", "4096", "--max-position-embeddings", "4096", "--swiglu",
     "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--mock-data", "--vocab-size", "2047",
-    "--fused-linear-cross-entropy", "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--fused-linear-cross-entropy", "--micro-batch-size", "1",
     "--train-iters", str(STEPS), "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "1234",
     "--eval-iters", "0", "--num-workers", "0", "--log-interval", "1", "--bf16",
     "--use-distributed-optimizer", "--recompute-granularity", "full",
@@ -69,13 +69,6 @@ def cases(ckpt_dir: str):
 
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
-# Diagnosis pairs, only when named in --cases (later flags override BASE's).
-DIAGNOSIS = {
-    "full_one_microbatch": ["--global-batch-size", "1"],
-    "fsdp_one_microbatch": FSDP + ["--global-batch-size", "1"],
-    "full_no_clip": ["--clip-grad", "0"],
-    "fsdp_no_clip": FSDP + ["--clip-grad", "0"],
-}
 
 
 def _state_devices(optimizer) -> list:
@@ -96,7 +89,7 @@ def _records(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_case(name: str, flags, extra: dict) -> list:
+def run_case(name: str, flags, extra: dict, world: int = 1) -> list:
     from megatron.training import training
     from megatron.training.arguments import parse_args
 
@@ -111,7 +104,9 @@ def run_case(name: str, flags, extra: dict) -> list:
     training.build_optimizer = recording_build
     metrics = os.path.join(tempfile.mkdtemp(prefix="long_seq_metrics_"), f"{name}.jsonl")
     try:
-        result = training.pretrain(parse_args(BASE + list(flags) + ["--metrics-file", metrics]))
+        # two micro-batches per rank and step at any world size
+        result = training.pretrain(parse_args(BASE + ["--global-batch-size", str(2 * world)]
+                                              + list(flags) + ["--metrics-file", metrics]))
     finally:
         training.build_optimizer = build
     # Per step, the learning rate and grad norm the run logged: the cases share one schedule,
@@ -132,6 +127,14 @@ def run_case(name: str, flags, extra: dict) -> list:
     return [result.losses[i] for i in sorted(result.losses)]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
@@ -139,30 +142,38 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--cases", nargs="*", default=None)
+    p.add_argument("--ckpt-dir", default=None,
+                   help="checkpoint directory of the optimizer_offload cases (every rank's "
+                        "same path under torchrun; default: a fresh temporary one)")
     ns = p.parse_args(argv)
-    ckpt = tempfile.mkdtemp(prefix="long_seq_ckpt_")
-    chosen = dict(cases(ckpt))
-    chosen.update({k: v for k, v in DIAGNOSIS.items() if ns.cases and k in ns.cases})
-    unknown = sorted(set(ns.cases or ()) - set(chosen) - set(DIAGNOSIS))
+    chosen = cases(ns.ckpt_dir or tempfile.mkdtemp(prefix="long_seq_ckpt_"))
+    unknown = sorted(set(ns.cases or ()) - set(chosen))
     if unknown:
-        p.error(f"--cases: unknown {unknown}; choose from {sorted(chosen) + sorted(DIAGNOSIS)}")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29577")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+        p.error(f"--cases: unknown {unknown}; choose from {sorted(chosen)}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and ns.ckpt_dir is None:
+        p.error("--ckpt-dir: under torchrun every rank needs the same checkpoint directory")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        dist.init_process_group("nccl")          # torchrun's environment
+    else:                                        # a port of its own: no inherited MASTER_PORT
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1)
     out = {}
     for name, flags in chosen.items():
         if ns.cases and name not in ns.cases:
             continue
         extra, losses, error = {}, None, None
         try:
-            losses = run_case(name, flags, extra)
+            losses = run_case(name, flags, extra, world)
         except Exception:  # noqa: BLE001 - each case reports its own failure
             error = traceback.format_exc()
         out[name] = {"losses": losses, "error": error, "extra": extra}
-        print(f"[gpu_long_sequence_check] {name}: {'error' if error else losses}", flush=True)
-        with open(ns.out, "w") as f:
-            json.dump(out, f, indent=2)
+        if dist.get_rank() == 0:
+            print(f"[gpu_long_sequence_check] {name}: {'error' if error else losses}",
+                  flush=True)
+            with open(ns.out, "w") as f:
+                json.dump(out, f, indent=2)
     dist.destroy_process_group()
     return 0
 

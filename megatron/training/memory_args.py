@@ -176,6 +176,16 @@ def _validate_fsdp(args) -> None:
         (args.save is not None or args.load is not None,
          "checkpoints need megatron-core's fsdp_dtensor format, which Megatron-USP's "
          "checkpointing does not write; drop --save / --load"),
+        # Measured on one H200 (2026-12-02, tools/gpu_long_sequence_check.py's diagnosis
+        # cases): over one rank, megatron-core 0.16.1's reduce-scatter writes each
+        # micro-batch's gradients into the very buffer it then adds them to, so the
+        # gradients double at every micro-batch (grad norm 2x with one micro-batch per step,
+        # ~3x with two, and different losses from the first update on).
+        (args.data_parallel_size * args.context_parallel_size == 1,
+         "shards over the data-parallel x context-parallel ranks and this run has one: there "
+         "is nothing to shard, and megatron-core 0.16.1's Megatron-FSDP then adds every "
+         "micro-batch's gradients twice (measured); drop --use-megatron-fsdp "
+         "(--use-distributed-optimizer keeps one copy of the state), or run on more GPUs"),
         (args.recompute_cpu_offload is not None, "is not verified with --recompute-cpu-offload "
                                                  "(FSDP frees and re-gathers parameters inside "
                                                  "the recompute); drop one"),

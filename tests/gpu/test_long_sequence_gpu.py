@@ -11,8 +11,10 @@
   process (see its docstring) and checks, per step against the ``full`` baseline (bf16, so
   relative 2e-2; cuDNN's backward is not bitwise reproducible): kept attention + offload +
   tiled MLP; the HybridDeviceOptimizer with all state on the CPU, and its resume from a
-  checkpoint (same losses to 2e-2 as the uninterrupted baseline); Megatron-FSDP (ZeRO-3). Each
-  curve must fall, so an optimizer that does not update fails.
+  checkpoint (same losses to 2e-2 as the uninterrupted baseline); Megatron-FSDP refused over
+  one rank. Each curve must fall, so an optimizer that does not update fails.
+* ``test_megatron_fsdp_matches_distributed_optimizer_on_two_gpus`` (2 GPUs): ZeRO-3 against
+  ZeRO-1 over DP2, losses and grad norms per step.
 """
 
 from __future__ import annotations
@@ -131,36 +133,66 @@ def test_tiled_mlp_on_gpu():
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
-@pytest.mark.gpu
-def test_training_flags_on_one_gpu(tmp_path):
+def _check_tool(tmp_path, *args, nproc=1):
+    """Run tools/gpu_long_sequence_check.py (under torchrun when nproc > 1); its JSON."""
     out = tmp_path / "long_seq_gpu.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_long_sequence_check.py"),
-                           "--out", str(out)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=str(tmp_path))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)   # (the tiled-MLP test above set MASTER_PORT in this process)
+    tool = os.path.join(ROOT, "tools", "gpu_long_sequence_check.py")
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable])
+    proc = subprocess.run(launch + [tool, "--out", str(out), *args], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    errors = {k: v["error"] for k, v in res.items() if v["error"]}
+    return res
+
+
+def _close(name, got, want):
+    assert len(got) == len(want), (name, got, want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= REL * abs(b), (name, i + 1, got, want)
+
+
+@pytest.mark.gpu
+def test_training_flags_on_one_gpu(tmp_path):
+    res = _check_tool(tmp_path)
+    # Megatron-FSDP over one rank is refused at start-up, naming the way out
+    assert "nothing to shard" in (res["fsdp"]["error"] or ""), res["fsdp"]
+    assert "drop --use-megatron-fsdp" in res["fsdp"]["error"]
+    errors = {k: v["error"] for k, v in res.items() if v["error"] and k != "fsdp"}
     assert not errors, "\n".join(f"== {k}\n{v}" for k, v in errors.items())
     base = res["full"]["losses"]
     assert len(base) == 6 and base[-1] < base[0] - 0.05, base
 
-    def close(name, got, want):
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert abs(a - b) <= REL * abs(b), (name, i + 1, got, want)
-
-    close("keep_offload_tiled", res["keep_offload_tiled"]["losses"], base)
+    _close("keep_offload_tiled", res["keep_offload_tiled"]["losses"], base)
     stats = res["keep_offload_tiled"]["extra"]["offload_stats"]
     assert stats["offloaded"] == stats["taken"] == 6 * 2 * 2 * 2     # steps, mb, layers, kinds
     assert stats["reloaded_on_demand"] == 0 and res["keep_offload_tiled"]["extra"]["host_pinned"]
     assert res["keep_offload_tiled"]["extra"]["host_buffers"] == 2 * 2      # reserved, reused
     first, resumed = res["optimizer_offload"], res["optimizer_offload_resumed"]
     assert first["extra"]["optimizer_state_devices"] == ["cpu"]
-    close("optimizer_offload", first["losses"] + resumed["losses"], base)
+    _close("optimizer_offload", first["losses"] + resumed["losses"], base)
     # one schedule for every case (the resumed run logs steps 4-6 of it)
     lrs = res["full"]["extra"]["lr"]
-    for name in ("keep_offload_tiled", "fsdp"):
-        assert res[name]["extra"]["lr"] == lrs, (name, res[name]["extra"]["lr"], lrs)
+    assert res["keep_offload_tiled"]["extra"]["lr"] == lrs
     assert first["extra"]["lr"] + resumed["extra"]["lr"] == lrs, (first, resumed, lrs)
-    close("fsdp", res["fsdp"]["losses"], base)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="Megatron-FSDP needs 2 GPUs here "
+                    "(over one rank it is refused: nothing to shard)")
+def test_megatron_fsdp_matches_distributed_optimizer_on_two_gpus(tmp_path):
+    """DP2, two micro-batches per rank: ZeRO-3 against ZeRO-1, step by step, in losses and in
+    grad norms (the one-rank bug doubled the gradients at every micro-batch: 2-3x norms)."""
+    res = _check_tool(tmp_path, "--cases", "full", "fsdp", "--ckpt-dir",
+                      str(tmp_path / "ckpt"), nproc=2)
+    errors = {k: v["error"] for k, v in res.items() if v["error"]}
+    assert not errors, "\n".join(f"== {k}\n{v}" for k, v in errors.items())
+    base = res["full"]["losses"]
+    assert len(base) == 6 and base[-1] < base[0] - 0.05, base
+    _close("fsdp", res["fsdp"]["losses"], base)
+    _close("fsdp grad norm", res["fsdp"]["extra"]["grad_norm"], res["full"]["extra"]["grad_norm"])
+    assert res["fsdp"]["extra"]["lr"] == res["full"]["extra"]["lr"]

@@ -38,8 +38,10 @@ def test_valid_long_sequence_combinations_pass():
     assert args.recompute_cpu_offload == ["layer_input", "core_attn"]
     args = _valid(FULL + OFFLOAD, world=1, cuda=True)
     assert args.optimizer_offload_fraction == 1.0      # Megatron-LM's default
-    args = _valid(["--use-distributed-optimizer", "--use-megatron-fsdp"], world=1, cuda=True)
+    args = _valid(["--use-distributed-optimizer", "--use-megatron-fsdp"], world=2, cuda=True)
     assert args.data_parallel_sharding_strategy == "optim_grads_params"
+    _valid(["--use-distributed-optimizer", "--use-megatron-fsdp", "--ulysses-degree", "2"],
+           world=2, cuda=True)      # shards over DP x CP: CP alone is enough
     # tile = the MLP's local tokens: 256 / U2 / TP2 with sequence parallelism
     _valid(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ulysses-degree",
             "2", "--mlp-tile-tokens", "64"], world=4)
@@ -74,8 +76,12 @@ def test_valid_long_sequence_combinations_pass():
     (["--use-megatron-fsdp"] + OFFLOAD, 1, True, "not combined with --optimizer-cpu-offload"),
     (["--use-megatron-fsdp", "--use-distributed-optimizer", "--save", "/tmp/x"], 1, True,
      "fsdp_dtensor"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer"], 1, True,
+     "this run has one: there is nothing to shard.*drop --use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--tensor-model-parallel-size",
+      "2"], 2, True, "nothing to shard"),
     (["--use-megatron-fsdp", "--use-distributed-optimizer"] + FULL
-     + ["--recompute-cpu-offload", "layer_input"], 1, True, "--recompute-cpu-offload"),
+     + ["--recompute-cpu-offload", "layer_input"], 2, True, "--recompute-cpu-offload"),
 ])
 def test_impossible_combinations_are_refused(extra, world, cuda, match):
     with pytest.raises(ArgumentsError, match=match):
