@@ -437,11 +437,17 @@ def _restore_adam_steps(optimizer, loaded: Any) -> None:
         if len(steps) != 1:
             continue  # Apex/TE optimizers keep their own step; nothing to restore
         step = float(steps.pop())
+        # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer shares each state dict
+        # with a sub-optimizer that steps another tensor (the CPU copy, or the float32 master)
+        # of the model's parameter: the step goes with that tensor (a CPU fused Adam refuses a
+        # CUDA step: "Tensors of the same index must be on the same device", seen on one H200).
+        stepped = getattr(inner, "param_to_inner_param", None) or {}
         for group in inner.param_groups:
             for param in group["params"]:
                 param_state = inner.state.get(param)
                 if param_state and "step" in param_state:
-                    param_state["step"] = adam_step_tensor(step, group, param)
+                    param_state["step"] = adam_step_tensor(step, group,
+                                                           stepped.get(param, param))
 
 
 def adam_step_tensor(step: float, group: Dict[str, Any], param: torch.Tensor) -> torch.Tensor:

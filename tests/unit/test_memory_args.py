@@ -125,3 +125,30 @@ def test_adam_step_goes_where_the_param_group_expects_it():
     assert adam_step_tensor(7.0, {"capturable": True}, param).device.type == "meta"
     plain = adam_step_tensor(7.0, {"fused": False, "foreach": True}, param)
     assert plain.device.type == "cpu" and float(plain) == 7.0
+
+
+def test_restored_adam_step_sits_with_the_tensor_a_sub_optimizer_steps(monkeypatch):
+    """HybridDeviceOptimizer (--optimizer-cpu-offload): the state of a model parameter (CUDA)
+    is stepped by a CPU sub-optimizer on a CPU copy; a fused group's restored step must sit on
+    the CPU, not on the model parameter's device (a resumed run on one H200 failed so)."""
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron.training.checkpointing import _restore_adam_steps
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    model_param = torch.nn.Parameter(torch.zeros(3, device="meta"))   # stands for CUDA
+    on_gpu = torch.nn.Parameter(torch.zeros(2, device="meta"))          # stays on the GPU
+    cpu_copy = torch.zeros(3)
+    inner = torch.optim.AdamW([model_param, on_gpu], foreach=False)
+    inner.param_groups[0]["fused"] = True
+    inner.param_to_inner_param = {model_param: cpu_copy, on_gpu: on_gpu}
+    for p in (model_param, on_gpu):
+        inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p)}
+    opt = DistributedOptimizer.__new__(DistributedOptimizer)
+    opt.optimizer = inner
+    _restore_adam_steps(opt, {"optimizer": {"param_groups": [{"step": 5}]}})
+    step = inner.state[model_param]["step"]
+    assert step.device.type == "cpu" and float(step) == 5.0
+    assert inner.state[on_gpu]["step"].device.type == "meta"
