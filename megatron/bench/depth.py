@@ -13,7 +13,11 @@ tools/bench_e2e.py --num-layers L``) give both parts::
 and the full depth ``m(L) = fixed + L * per_layer`` is compared with the GPU and host
 capacities. This holds while the flags put each layer's bytes in the same place at every depth
 (``--optimizer-offload-fraction 1.0`` or ``0``: a fraction in between moves whole layers
-between GPU and host as the depth changes, so it is refused here).
+between GPU and host as the depth changes, so it is refused here). With
+``--recompute-cpu-offload`` the newest ``prefetch`` (2) offloaded items of a forward never
+leave the GPU, so a slice of 1 or 2 layers keeps all its layer inputs there and the step from
+1 to 2 layers counts a GPU-resident input as per-layer (the 0.85B model at 1M, 2026-12-02:
+8.5 GiB per layer instead of ~4.8): with offload both slices need at least 3 layers.
 
 ``python -m megatron.bench.depth A.json B.json --full-layers 32 --gpu-gib 139 --host-gib 125
 [--out fit.json]`` reads two ``bench_e2e`` JSON files (their first ``ok`` result each), prints
@@ -113,6 +117,15 @@ def point_from_bench(payload: dict) -> DepthPoint:
     raise ValueError("no ok result in the bench_e2e file (the slice did not train)")
 
 
+DEFAULT_PREFETCH = 2
+"""megatron.usp.activation_offload's prefetch depth (items kept on the GPU)."""
+MIN_OFFLOAD_SLICE = DEFAULT_PREFETCH + 1
+
+
+def _offloads_activations(payload: dict) -> bool:
+    return "--recompute-cpu-offload" in payload.get("config", {}).get("extra_args", [])
+
+
 def _offload_fraction(payload: dict) -> Optional[float]:
     extra = payload.get("config", {}).get("extra_args", [])
     if "--optimizer-offload-fraction" in extra:
@@ -140,6 +153,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"between GPU and host with the depth; slice with 0 or 1")
     try:
         points = [point_from_bench(x) for x in payloads]
+        shallow = [x.layers for x in points if x.layers < MIN_OFFLOAD_SLICE]
+        if shallow and any(_offloads_activations(x) for x in payloads):
+            raise ValueError(
+                f"slices of {shallow} layer(s) with --recompute-cpu-offload: the newest "
+                f"{DEFAULT_PREFETCH} offloaded items of a forward stay on the GPU, so such a "
+                f"slice is not in the per-layer regime; slice with >= {MIN_OFFLOAD_SLICE} "
+                f"layers (e.g. --num-layers 3 and 4)")
         fit = fit_depth(*points)
     except ValueError as exc:
         p.error(str(exc))

@@ -109,3 +109,24 @@ def test_depth_command_reads_two_bench_files(tmp_path, capsys):
     with pytest.raises(SystemExit):
         depth.main([files[0], str(bad), "--full-layers", "32", "--gpu-gib", "1",
                     "--host-gib", "1"])
+
+
+def test_depth_refuses_offload_slices_shallower_than_the_prefetch_window(tmp_path):
+    """With --recompute-cpu-offload a 1- or 2-layer slice keeps every input on the GPU
+    (the offloader's prefetch window): its per-layer GPU bytes would be wrong."""
+    from megatron.usp import activation_offload
+
+    assert depth.DEFAULT_PREFETCH == activation_offload.DEFAULT_PREFETCH
+    files = {}
+    for layers in (1, 2, 3, 4):
+        path = tmp_path / f"L{layers}.json"
+        result = {"status": "ok", "num_layers": layers, "peak_mem_gib": 40.0 + layers,
+                  "peak_host_gib": 3.0 + 4 * layers, "iter_ms": 1000.0 * layers}
+        path.write_text(json.dumps({"config": {"extra_args": ["--recompute-cpu-offload",
+                                                              "layer_input"]},
+                                    "results": [result]}))
+        files[layers] = str(path)
+    cap = ["--full-layers", "16", "--gpu-gib", "139", "--host-gib", "125"]
+    with pytest.raises(SystemExit):
+        depth.main([files[1], files[2]] + cap)
+    assert depth.main([files[3], files[4]] + cap) == 0
