@@ -6,8 +6,10 @@ recommends only what ``pretrain_gpt.py`` here can run. One small table,
 reason or None``; :func:`runnable` applies them, and grows when a flag is added (e.g.
 Megatron-FSDP for ZeRO-2/3 adds its stages to :attr:`Capabilities.zero_stages`).
 
-* ZeRO-0 is the plain optimizer and ZeRO-1 ``--use-distributed-optimizer``; ZeRO-2/3 would
-  be megatron-core's Megatron-FSDP, which ``pretrain_gpt.py`` has no flag for.
+* ZeRO-0 is the plain optimizer and ZeRO-1 ``--use-distributed-optimizer``; ZeRO-2/3 are
+  megatron-core's Megatron-FSDP (``--use-megatron-fsdp``), which the planner does not
+  recommend yet: it is refused over one DP x CP rank (megatron-core 0.16.1 double-counts the
+  gradients there) and not yet verified over more on GPUs.
 * Selective recompute is ``--recompute-modules mlp``, plus ``layernorm`` only with
   TransformerEngine: megatron-core 0.16.1's norm checkpoint calls TransformerEngine even
   without FP8 (``megatron/training/arguments.py`` refuses it otherwise). The cost model's
@@ -51,9 +53,9 @@ def installed_capabilities() -> Capabilities:
 def _zero_stage(layout: Layout, caps: Capabilities) -> Optional[str]:
     if layout.zero_stage in caps.zero_stages:
         return None
-    return (f"ZeRO-{layout.zero_stage} is megatron-core's Megatron-FSDP, which pretrain_gpt.py "
-            f"has no flag for (ZeRO-0: the plain optimizer; ZeRO-1: "
-            f"--use-distributed-optimizer)")
+    return (f"ZeRO-{layout.zero_stage} is megatron-core's Megatron-FSDP (--use-megatron-fsdp), "
+            f"not recommended until verified over 2+ GPUs (ZeRO-0: the plain optimizer; "
+            f"ZeRO-1: --use-distributed-optimizer)")
 
 
 RUNNABLE_CHECKS: List[Tuple[str, Callable[[Layout, Capabilities], Optional[str]]]] = [
