@@ -110,6 +110,32 @@ def peak_host_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def host_memory_gib() -> Optional[float]:
+    """Resident memory of this process now (``/proc/self/statm``; pinned host buffers count,
+    they are resident), or None where that file does not exist."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def memory_report(device: torch.device) -> str:
+    """One line: this process's GPU memory (allocated now / peak / reserved by PyTorch's
+    caching allocator) and host memory (resident now / peak), for the start-up phases."""
+    parts = []
+    if device.type == "cuda":
+        gib = 2**30
+        parts.append(f"GPU {torch.cuda.memory_allocated(device) / gib:.1f} GiB allocated "
+                     f"(peak {torch.cuda.max_memory_allocated(device) / gib:.1f}, reserved "
+                     f"{torch.cuda.memory_reserved(device) / gib:.1f})")
+    now = host_memory_gib()
+    parts.append(f"host {'n/a' if now is None else f'{now:.1f}'} GiB resident "
+                 f"(peak {peak_host_memory_gib():.1f})")
+    return ", ".join(parts)
+
+
 @dataclass
 class StepStats:
     """One iteration's numbers, as the training loop measured them."""

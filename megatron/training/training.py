@@ -56,6 +56,7 @@ from megatron.training.metrics import (
     MetricsWriter,
     StepStats,
     Throughput,
+    memory_report,
     peak_host_memory_gib,
     peak_memory_gib,
 )
@@ -564,9 +565,14 @@ def pretrain(args: argparse.Namespace,
             start_writer_manager()
         model = build_model(args, rt.groups)
         _wire_grad_sync(model)
+        # Where memory goes before the first step (long sequences: the model with the
+        # offload buffers it reserves, then the optimizer's state and its start-up copies).
+        print_rank_0(rt, f"memory after building the model: {memory_report(rt.device)}")
         optimizer = build_optimizer(args, model)
         scheduler = build_scheduler(args, optimizer)
         resume = load_checkpoint(args, model, optimizer, scheduler)
+        print_rank_0(rt, f"memory after building the optimizer"
+                         f"{' and loading' if resume.path else ''}: {memory_report(rt.device)}")
         state = resume.state
         _log_setup(args, rt, model, resume.path, state)
         result = TrainResult(iteration=state.iteration, loaded_from=resume.path)

@@ -158,3 +158,23 @@ def test_disabled_writer_writes_nothing(tmp_path):
     w.train_step(StepStats(1, 8, 1.0, 1.0, 1e-3, 0.1, False, 1.0))
     w.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_memory_report_names_host_memory_now_and_at_peak():
+    """The start-up memory lines (after the model, after the optimizer): on the CPU the host
+    part only, with the resident size now within the peak."""
+    import re
+
+    import torch
+
+    from megatron.training.metrics import host_memory_gib, memory_report, peak_host_memory_gib
+
+    before = host_memory_gib()
+    assert before is not None and 0 < before <= peak_host_memory_gib() + 0.05   # (ru_maxrss lags)
+    block = torch.ones(64 << 20, dtype=torch.uint8)   # 64 MiB, touched: resident
+    assert host_memory_gib() >= before + 0.05
+    line = memory_report(torch.device("cpu"))
+    assert "GPU" not in line
+    now, peak = map(float, re.fullmatch(r"host (\S+) GiB resident \(peak (\S+)\)", line).groups())
+    assert 0 < now <= peak + 0.05
+    del block
