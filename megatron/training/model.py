@@ -192,12 +192,32 @@ def _recompute_offloader(args, device: torch.device):
         return None, None
     offloader = ActivationOffloader(device, config)
     keep = RecomputeKeep(offloader, to_host=config.core_attn) if config.keep_core_attn else None
-    _reserve_host_buffers(args, offloader)
     return offloader, keep
 
 
+def reserve_offload_buffers(args, model_chunks) -> int:
+    """Pin the host buffers of ``--recompute-cpu-offload`` now; returns the bytes reserved.
+
+    Called at start-up after the optimizer is built (and the checkpoint loaded), not with
+    the model: megatron-core's optimizer set-up makes transient host copies
+    (``--optimizer-cpu-offload``: its HybridDeviceOptimizer is built twice, with pinned and
+    float32 copies of the offloaded parameters), and those should come and go before tens of
+    GiB are pinned here rather than on top of them (Llama-3-8B at 256K on one H200 was
+    killed at the host's 125 GiB in that phase). Without this call the buffers are allocated
+    at their first use.
+    """
+    total = 0
+    for chunk in model_chunks:
+        offloader = getattr(unwrap(chunk), "activation_offloader", None)
+        if offloader is not None:
+            before = offloader.pool.allocated_bytes
+            _reserve_host_buffers(args, offloader)
+            total += offloader.pool.allocated_bytes - before
+    return total
+
+
 def _reserve_host_buffers(args, offloader) -> None:
-    """Pin the host buffers of one micro-batch's offloaded items at start-up: layer inputs
+    """Pin the host buffers of one micro-batch's offloaded items: layer inputs
     ``[s/CP (/TP with SP), b, h]``, kept attention outputs ``[s/CP, b, heads/TP, d]``; one of
     each per layer of this stage (more are allocated if micro-batches overlap, PP > 1)."""
     config = offloader.config

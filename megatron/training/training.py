@@ -60,7 +60,7 @@ from megatron.training.metrics import (
     peak_host_memory_gib,
     peak_memory_gib,
 )
-from megatron.training.model import build_model, count_parameters
+from megatron.training.model import build_model, count_parameters, reserve_offload_buffers
 from megatron.training.process_guard import children_ignore_sigterm
 from megatron.training.profiling import StepProfiler
 from megatron.usp.parallel_state import USPGroups
@@ -565,14 +565,18 @@ def pretrain(args: argparse.Namespace,
             start_writer_manager()
         model = build_model(args, rt.groups)
         _wire_grad_sync(model)
-        # Where memory goes before the first step (long sequences: the model with the
-        # offload buffers it reserves, then the optimizer's state and its start-up copies).
+        # Where memory goes before the first step (long sequences: the model, the
+        # optimizer's state and its start-up copies, then the pinned offload buffers).
         print_rank_0(rt, f"memory after building the model: {memory_report(rt.device)}")
         optimizer = build_optimizer(args, model)
         scheduler = build_scheduler(args, optimizer)
         resume = load_checkpoint(args, model, optimizer, scheduler)
         print_rank_0(rt, f"memory after building the optimizer"
                          f"{' and loading' if resume.path else ''}: {memory_report(rt.device)}")
+        pinned = reserve_offload_buffers(args, model)
+        if pinned:
+            print_rank_0(rt, f"memory after reserving {pinned / 2**30:.1f} GiB of host buffers "
+                             f"for --recompute-cpu-offload: {memory_report(rt.device)}")
         state = resume.state
         _log_setup(args, rt, model, resume.path, state)
         result = TrainResult(iteration=state.iteration, loaded_from=resume.path)

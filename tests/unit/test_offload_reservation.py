@@ -1,0 +1,63 @@
+"""The pinned host buffers of ``--recompute-cpu-offload`` are reserved after the optimizer.
+
+megatron-core's optimizer set-up makes transient host copies (with ``--optimizer-cpu-offload``
+its HybridDeviceOptimizer is built twice); the buffers of the layer inputs are pinned after
+it, so the two do not stack (Llama-3-8B at 256K on one H200 was killed at the host's 125 GiB
+in that phase). One gloo rank trains one step of a 2-layer model whose layer inputs (2048
+tokens x 128 float32 = 1 MiB each) are big enough to offload; the order of the set-up calls
+and the bytes reserved are recorded.
+"""
+
+import json
+
+ARGS = [
+    "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "2048", "--max-position-embeddings", "2048", "--swiglu",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--disable-bias-linear", "--mock-data", "--vocab-size", "255",
+    "--global-batch-size", "1", "--micro-batch-size", "1", "--train-iters", "1",
+    "--lr", "1e-3", "--eval-iters", "0", "--num-workers", "0", "--device", "cpu",
+    "--recompute-granularity", "full", "--recompute-method", "uniform",
+    "--recompute-num-layers", "1", "--recompute-cpu-offload", "layer_input",
+]
+
+
+def _run(rank, world_size, out_path):
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+    from megatron.training.model import unwrap
+
+    order, chunks = [], []
+    build, reserve = training.build_optimizer, training.reserve_offload_buffers
+
+    def recording_build(args, model):
+        order.append("optimizer")
+        chunks.extend(model)
+        return build(args, model)
+
+    def recording_reserve(args, model):
+        reserved = reserve(args, model)
+        order.append(["reserve", reserved])
+        return reserved
+
+    training.build_optimizer, training.reserve_offload_buffers = recording_build, recording_reserve
+    try:
+        result = training.pretrain(parse_args(ARGS))
+    finally:
+        training.build_optimizer, training.reserve_offload_buffers = build, reserve
+    stats = vars(unwrap(chunks[0]).activation_offloader.stats)
+    with open(out_path, "w") as f:
+        json.dump({"order": order, "iteration": result.iteration, "stats": stats}, f)
+
+
+def test_offload_buffers_are_pinned_after_the_optimizer(tmp_path):
+    from tests.harness import run_on_ranks
+
+    out = tmp_path / "order.json"
+    run_on_ranks(_run, 1, str(out), timeout=300)
+    got = json.loads(out.read_text())
+    layer_input = 2048 * 1 * 128 * 4                 # [s, b, h] float32
+    assert got["order"] == ["optimizer", ["reserve", 2 * layer_input]], got
+    assert got["iteration"] == 1
+    # the step used the reserved buffers: both layer inputs went to them and came back
+    assert got["stats"]["offloaded"] == got["stats"]["taken"] == 2, got["stats"]
