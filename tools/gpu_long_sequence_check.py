@@ -52,6 +52,7 @@ BASE = [
     "--use-distributed-optimizer", "--recompute-granularity", "full",
     "--recompute-method", "uniform", "--recompute-num-layers", "1",
 ]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 OPT_OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer",
                "--overlap-cpu-optimizer-d2h-h2d"]
 
@@ -67,8 +68,6 @@ def cases(ckpt_dir: str):
         "fsdp": FSDP,
     }
 
-
-FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 
 
 def _state_devices(optimizer) -> list:
@@ -127,17 +126,11 @@ def run_case(name: str, flags, extra: dict, world: int = 1) -> list:
     return [result.losses[i] for i in sorted(result.losses)]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
+
+    from megatron.training.launch import free_port
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -157,7 +150,7 @@ def main(argv=None) -> int:
     if world > 1:
         dist.init_process_group("nccl")          # torchrun's environment
     else:                                        # a port of its own: no inherited MASTER_PORT
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}",
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1)
     out = {}
     for name, flags in chosen.items():

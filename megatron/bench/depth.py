@@ -32,6 +32,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
+from megatron.usp.backend_names import OFFLOAD_PREFETCH as DEFAULT_PREFETCH
+
 
 @dataclass(frozen=True)
 class DepthPoint:
@@ -117,8 +119,6 @@ def point_from_bench(payload: dict) -> DepthPoint:
     raise ValueError("no ok result in the bench_e2e file (the slice did not train)")
 
 
-DEFAULT_PREFETCH = 2
-"""megatron.usp.activation_offload's prefetch depth (items kept on the GPU)."""
 MIN_OFFLOAD_SLICE = DEFAULT_PREFETCH + 1
 
 

@@ -89,6 +89,7 @@ from megatron.bench.cli import (
     seq_label,
 )
 from megatron.bench.flops import tflops_per_gpu
+from megatron.training.launch import free_port
 from megatron.usp.kernels import BACKEND_NAMES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -353,14 +354,6 @@ def read_metrics(path: str) -> List[dict]:
     return records
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_to_end(cmd: List[str], env: dict, log, timeout_s: float) -> Optional[int]:
     """Run ``cmd`` in its own session; its exit code, or None after killing it on timeout.
 
@@ -393,7 +386,7 @@ def run_training(cfg: E2EConfig, spec: RunSpec) -> RunOutcome:
     if metrics.exists():
         metrics.unlink()
     log_path = log_dir / f"{spec.name}.log"
-    cmd = launch_command(cfg, spec, str(metrics), _free_port())
+    cmd = launch_command(cfg, spec, str(metrics), free_port())
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")

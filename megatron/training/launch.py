@@ -35,13 +35,14 @@ def port_problem(host: str, port: int) -> Optional[str]:
             if exc.errno == errno.EADDRINUSE:
                 return (f"--master-port {port} (MASTER_PORT) is already in use on {host}: "
                         f"another job's rendezvous is listening there; pick a free port "
-                        f"(e.g. MASTER_PORT={_free_port()}), or on one node leave "
+                        f"(e.g. MASTER_PORT={free_port()}), or on one node leave "
                         f"MASTER_PORT unset and a free one is chosen")
             return f"--master-port {port} (MASTER_PORT) cannot be used: {exc.strerror}"
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a one-node MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]

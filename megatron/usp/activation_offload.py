@@ -54,9 +54,9 @@ import torch
 
 Tensor = torch.Tensor
 
-DEFAULT_PREFETCH = 2
 MIN_OFFLOAD_BYTES = 1 << 20   # smaller tensors are not worth a copy (megatron-core's default)
 from megatron.usp.backend_names import OFFLOAD_CHOICES  # noqa: E402  (torch-free, for --help)
+from megatron.usp.backend_names import OFFLOAD_PREFETCH as DEFAULT_PREFETCH  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,9 @@ def resolve_fused_kernels(name: str, cuda: bool) -> str:
 # --------------------------------------------------------------------------- --recompute-cpu-offload
 # What full recompute keeps that can wait in host memory (megatron.usp.activation_offload).
 OFFLOAD_CHOICES: Tuple[str, ...] = ("layer_input", "core_attn")
+# How many of a forward's newest offloaded items stay on the device (they are needed first);
+# also what megatron.bench.depth needs to know about a slice's GPU bytes.
+OFFLOAD_PREFETCH = 2
 
 
 # --------------------------------------------------------------------------- --document-attention-kernel
