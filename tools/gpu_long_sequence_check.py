@@ -12,7 +12,9 @@ under ``torchrun`` on several GPUs (data parallel), and writes (rank 0)
 * ``optimizer_offload``: + ``--optimizer-cpu-offload --use-precision-aware-optimizer
   --overlap-cpu-optimizer-d2h-h2d`` (megatron-core's HybridDeviceOptimizer, all state on the
   CPU), saving a checkpoint at step 3; ``optimizer_offload_resumed``: the same run resumed from
-  that checkpoint to step 6;
+  that checkpoint to step 6; ``optimizer_half_offload`` / ``..._resumed``: the same with half
+  of the parameters' state on the GPU (``--optimizer-offload-fraction 0.5``: a CPU and a GPU
+  sub-optimizer);
 * ``fsdp``: ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``
   (refused at start-up on one GPU: nothing to shard, and megatron-core 0.16.1 double-counts
   the gradients over one rank; see ``docs/perf/longseq_h200_2026-12-02/fsdp_diagnosis.json``).
@@ -55,9 +57,11 @@ BASE = [
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 OPT_OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer",
                "--overlap-cpu-optimizer-d2h-h2d"]
+OPT_HALF = OPT_OFFLOAD + ["--optimizer-offload-fraction", "0.5"]
 
 
 def cases(ckpt_dir: str):
+    half_dir = os.path.join(ckpt_dir, "half")
     return {
         "full": [],
         "keep_offload_tiled": ["--recompute-keep-core-attn", "--recompute-cpu-offload",
@@ -65,6 +69,9 @@ def cases(ckpt_dir: str):
         "optimizer_offload": OPT_OFFLOAD + ["--save", ckpt_dir, "--save-interval", "3",
                                             "--exit-interval", "3"],
         "optimizer_offload_resumed": OPT_OFFLOAD + ["--load", ckpt_dir, "--save", ckpt_dir],
+        "optimizer_half_offload": OPT_HALF + ["--save", half_dir, "--save-interval", "3",
+                                              "--exit-interval", "3"],
+        "optimizer_half_offload_resumed": OPT_HALF + ["--load", half_dir, "--save", half_dir],
         "fsdp": FSDP,
     }
 

@@ -131,9 +131,23 @@ def memory_report(device: torch.device) -> str:
                      f"(peak {torch.cuda.max_memory_allocated(device) / gib:.1f}, reserved "
                      f"{torch.cuda.memory_reserved(device) / gib:.1f})")
     now = host_memory_gib()
-    parts.append(f"host {'n/a' if now is None else f'{now:.1f}'} GiB resident "
-                 f"(peak {peak_host_memory_gib():.1f})")
+    host = (f"host {'n/a' if now is None else f'{now:.1f}'} GiB resident "
+            f"(peak {peak_host_memory_gib():.1f}")
+    pinned = pinned_host_gib() if device.type == "cuda" else None
+    if pinned is not None:   # blocks PyTorch's pinned allocator holds, in use or cached
+        host += f", pinned {pinned:.1f}"
+    parts.append(host + ")")
     return ", ".join(parts)
+
+
+def pinned_host_gib() -> Optional[float]:
+    """GiB of pinned host blocks held by PyTorch's caching host allocator (in use or cached
+    for reuse; sizes rounded to powers of two), or None where PyTorch does not report it."""
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None)
+    if stats_fn is None or not torch.cuda.is_available():
+        return None
+    value = stats_fn().get("allocated_bytes.current")
+    return None if value is None else value / 2**30
 
 
 @dataclass

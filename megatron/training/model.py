@@ -199,12 +199,11 @@ def reserve_offload_buffers(args, model_chunks) -> int:
     """Pin the host buffers of ``--recompute-cpu-offload`` now; returns the bytes reserved.
 
     Called at start-up after the optimizer is built (and the checkpoint loaded), not with
-    the model: megatron-core's optimizer set-up makes transient host copies
-    (``--optimizer-cpu-offload``: its HybridDeviceOptimizer is built twice, with pinned and
-    float32 copies of the offloaded parameters), and those should come and go before tens of
-    GiB are pinned here rather than on top of them (Llama-3-8B at 256K on one H200 was
-    killed at the host's 125 GiB in that phase). Without this call the buffers are allocated
-    at their first use.
+    the model, so that what the optimizer's set-up allocates for a moment (float32 copies of
+    the parameters: ``offload_optimizer.install_staged_offload``) comes and goes before tens
+    of GiB are pinned here rather than on top of it (Llama-3-8B at 256K on one H200 was killed
+    at the host's 125 GiB in that phase when the buffers came first). Without this call the
+    buffers are allocated at their first use.
     """
     total = 0
     for chunk in model_chunks:

@@ -143,17 +143,34 @@ def build_optimizer(args, model):
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather_with_optimizer_step=False,
-        # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer (memory_args.py).
+        # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer (memory_args.py),
+        # built where its transient copies fit and then replaced by the staged one with the
+        # asked fraction (offload_optimizer.py says why).
         optimizer_cpu_offload=args.optimizer_cpu_offload,
-        optimizer_offload_fraction=args.optimizer_offload_fraction or 0.0,
+        optimizer_offload_fraction=_build_fraction(args, model),
         use_precision_aware_optimizer=args.use_precision_aware_optimizer and not no_te,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
     )
     if no_te:
         precision_aware_without_te(config)
     optimizer = mcore_optimizer.get_megatron_optimizer(config, model)
+    if args.optimizer_cpu_offload:
+        from megatron.training.offload_optimizer import install_staged_offload
+
+        install_staged_offload(optimizer, args.optimizer_offload_fraction)
     use_fused_adam(optimizer)
     return optimizer
+
+
+def _build_fraction(args, model) -> float:
+    """The fraction megatron-core builds its HybridDeviceOptimizer with before the staged one
+    replaces it (``offload_optimizer.build_fraction``); 0 without ``--optimizer-cpu-offload``."""
+    if not args.optimizer_cpu_offload:
+        return 0.0
+    from megatron.training.offload_optimizer import build_fraction, gpu_free_bytes
+
+    params = sum(p.numel() for chunk in model for p in chunk.parameters() if p.requires_grad)
+    return build_fraction(params, gpu_free_bytes())
 
 
 def precision_aware_without_te(config) -> None:
@@ -231,7 +248,11 @@ def _wire_grad_sync(model) -> None:
 
 def build_data_iterators(args, rt: Runtime, state: TrainState):
     """(train, valid) iterators of full-sequence micro-batches for this DP rank."""
-    from megatron.training.data import build_data_iterator, build_gpt_datasets
+    from megatron.training.data import (
+        build_data_iterator,
+        build_gpt_datasets,
+        worker_start_method,
+    )
 
     gbs = args.global_batch_size
     evals = args.train_iters // args.eval_interval + 1
@@ -239,22 +260,24 @@ def build_data_iterators(args, rt: Runtime, state: TrainState):
              None]
     train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer, sizes)
     dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
-    collate = {}
+    loader_args = {"worker_start_method": worker_start_method(bool(args.optimizer_cpu_offload))}
     if args.reset_attention_mask:
         from megatron.training.documents import DocumentBatching
 
-        collate["collate_fn"] = DocumentBatching(int(rt.tokenizer.eod), rt.groups.dims.ulysses,
-                                                 rt.groups.dims.ring, args.document_layout)
+        loader_args["collate_fn"] = DocumentBatching(
+            int(rt.tokenizer.eod), rt.groups.dims.ulysses, rt.groups.dims.ring,
+            args.document_layout)
     # The (persistent) DataLoader workers start here; a group-wide SIGTERM is the rank's to
     # handle (it saves at the end of the iteration), not theirs to die of.
     with children_ignore_sigterm():
         train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
-                                    state.consumed_train_samples, args.num_workers, **collate)
+                                    state.consumed_train_samples, args.num_workers,
+                                    **loader_args)
         valid = None
         if args.eval_iters and valid_ds is not None:
             valid = build_data_iterator(valid_ds, args.micro_batch_size, dp_rank, dp_size,
                                         state.consumed_valid_samples, args.num_workers,
-                                        **collate)
+                                        **loader_args)
     return train, valid
 
 

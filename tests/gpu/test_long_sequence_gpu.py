@@ -175,10 +175,14 @@ def test_training_flags_on_one_gpu(tmp_path):
     first, resumed = res["optimizer_offload"], res["optimizer_offload_resumed"]
     assert first["extra"]["optimizer_state_devices"] == ["cpu"]
     _close("optimizer_offload", first["losses"] + resumed["losses"], base)
+    half, half_resumed = res["optimizer_half_offload"], res["optimizer_half_offload_resumed"]
+    assert half["extra"]["optimizer_state_devices"] == ["cpu", "cuda"]
+    _close("optimizer_half_offload", half["losses"] + half_resumed["losses"], base)
     # one schedule for every case (the resumed run logs steps 4-6 of it)
     lrs = res["full"]["extra"]["lr"]
     assert res["keep_offload_tiled"]["extra"]["lr"] == lrs
     assert first["extra"]["lr"] + resumed["extra"]["lr"] == lrs, (first, resumed, lrs)
+    assert half["extra"]["lr"] + half_resumed["extra"]["lr"] == lrs, (half, half_resumed)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from megatron.training.data import (
     build_data_iterator,
     build_gpt_datasets,
     collate_samples,
+    worker_start_method,
 )
 from megatron.training.data_config import (
     DataConfig,
@@ -290,6 +291,13 @@ def test_iterator_batches_are_deterministic_and_resumable(small_corpus, tok, tmp
     workers = build_data_iterator(train, micro, rank, dp, consumed_samples=0, num_workers=2)
     for want in batches:
         assert torch.equal(next(workers)["tokens"], want["tokens"])
+    # workers started by a fork server (--optimizer-cpu-offload: nothing shared with the
+    # trainer's memory) give the same batches
+    assert worker_start_method(True) == "forkserver" and worker_start_method(False) is None
+    served = build_data_iterator(train, micro, rank, dp, consumed_samples=0, num_workers=2,
+                                 worker_start_method=worker_start_method(True))
+    for want in batches:
+        assert torch.equal(next(served)["tokens"], want["tokens"])
     resumed = build_data_iterator(train, micro, rank, dp, consumed_samples=3 * micro * dp,
                                   num_workers=0)
     assert torch.equal(next(resumed)["tokens"], batches[3]["tokens"])
