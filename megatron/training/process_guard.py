@@ -3,9 +3,10 @@
 Why: megatron-core's checkpoint writer starts helper processes: a multiprocessing
 ``Manager`` (spawned once, kept for the life of the rank, ~300 MB) and forked writers
 during each save (``megatron/core/dist_checkpointing/strategies/filesystem_async.py``).
-DataLoader workers are forked too. When the rank exits normally they are shut down; when
-the rank, or torchrun above it, is killed with SIGKILL nothing runs in the rank, and
-those processes lived on (11 of them, 18 minutes later, in a probe).
+DataLoader workers are forked too (or, with ``--optimizer-cpu-offload``, forked by a fork
+server the rank starts: still its descendants). When the rank exits normally they are shut
+down; when the rank, or torchrun above it, is killed with SIGKILL nothing runs in the rank,
+and those processes lived on (11 of them, 18 minutes later, in a probe).
 
 How: :func:`start_guard` (called by ``pretrain_gpt.py`` first thing) starts this file as a
 small stdlib-only process in its own session, so a signal to the rank's process group
