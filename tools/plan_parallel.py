@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
 from megatron.planner import (
@@ -31,6 +32,7 @@ from megatron.planner import (
     plan_layouts,
     with_overrides,
 )
+from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, Assumptions
 from megatron.planner.explain import format_table
 from megatron.planner.plan import plan_from, result_to_json
 from megatron.planner.validate import DEFAULT_TOLERANCE, validate_measurements
@@ -74,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=_degree, default=None, metavar="N|auto")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--recompute", choices=["none", "selective", "full"])
+    p.add_argument("--linear-cross-entropy-chunk-tokens", type=int, default=8192, metavar="N",
+                   help="plan the fused output layer and loss (--fused-linear-cross-entropy) "
+                        "over chunks of N tokens (default 8192; the plan's flags include it)")
+    p.add_argument("--plain-cross-entropy", action="store_true",
+                   help="plan megatron-core's unfused loss instead (full-sequence logits and "
+                        "their float32 softmax)")
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--validate", metavar="MEASURED_JSON",
@@ -98,6 +106,12 @@ def hardware_from_args(args: argparse.Namespace, default: Optional[str] = DEFAUL
     if args.calibration:
         hw = apply_calibration(hw, load_calibration(args.calibration))
     return with_overrides(hw, args.gpu_memory, args.intra_node_bw, args.inter_node_bw)
+
+
+def assumptions_from_args(args: argparse.Namespace) -> Assumptions:
+    """The loss the plan assumes (the other assumptions are megatron-core's defaults)."""
+    chunk = None if args.plain_cross_entropy else args.linear_cross_entropy_chunk_tokens
+    return replace(DEFAULT_ASSUMPTIONS, loss_chunk_tokens=chunk)
 
 
 def fixed_from_args(args: argparse.Namespace) -> Dict[str, Any]:
@@ -147,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         workload = Workload(load_model(args.model), args.seq_length, args.gpus,
                             args.gpus_per_node, args.micro_batch_size, args.global_batch_size)
         result = plan_layouts(workload, hardware_from_args(args), fixed_from_args(args),
-                              top=args.top)
+                              top=args.top, assumptions=assumptions_from_args(args))
     except PlannerError as exc:
         return _error(exc, args.json)
     if args.json:

@@ -91,6 +91,15 @@ def layout_flags(layout: Layout, recompute_modules: Tuple[str, ...],
     return flags
 
 
+def loss_flags(loss_chunk_tokens: Optional[int]) -> List[str]:
+    """The loss the cost model assumed (``Assumptions.loss_chunk_tokens``): the fused output
+    layer and loss over chunks of that many tokens, or nothing (megatron-core's loss)."""
+    if loss_chunk_tokens is None:
+        return []
+    return ["--fused-linear-cross-entropy", "--linear-cross-entropy-chunk-tokens",
+            str(loss_chunk_tokens)]
+
+
 def model_flags(model: ModelSpec, seq_length: int) -> List[str]:
     """The model's shape as ``pretrain_gpt.py`` flags (the vocabulary comes from the
     tokenizer; position embeddings, norms and biases are the user's choice)."""

@@ -157,6 +157,9 @@ class Assumptions:
         memory_reserve_gib: CUDA context, NCCL and library workspaces.
         selective_recompute_modules: what ``selective`` recomputes (``mlp``, and the norms
             with ``layernorm``).
+        loss_chunk_tokens: the loss the plan runs: ``--fused-linear-cross-entropy`` over
+            chunks of this many tokens (the plan's flags say so, :func:`logits_bytes`); None:
+            megatron-core's vocab-parallel cross-entropy over the full logits.
     """
 
     param_bytes: int = 2
@@ -175,6 +178,13 @@ class Assumptions:
     # megatron-core's recompute_modules of "selective"; the search sets what the training
     # script can run here (megatron/planner/capabilities.py).
     selective_recompute_modules: Tuple[str, ...] = ("layernorm", "mlp")
+    loss_chunk_tokens: Optional[int] = 8192
+
+    def __post_init__(self) -> None:
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
+            raise PlannerError(f"--linear-cross-entropy-chunk-tokens {self.loss_chunk_tokens} "
+                               f"must be >= 1 (e.g. 8192), or plan the unfused loss with "
+                               f"--plain-cross-entropy")
 
 
 DEFAULT_ASSUMPTIONS = Assumptions()
@@ -538,12 +548,27 @@ def layer_transient_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, reco
     return full + (full - kept) + attn_ws
 
 
-def logits_bytes(model: ModelSpec, layout: Layout, sh: RankShapes) -> Tuple[float, float]:
-    """Last stage: ``(kept, transient)``. Vocab-parallel cross entropy keeps the fp32
-    softmax (``4*n*V/t``); at the loss the bf16 logits and the fp32 gradient exist
-    too (``6*n*V/t``)."""
-    elems = sh.n * model.vocab_size / layout.tp
-    return 4 * elems, 6 * elems
+def logits_bytes(model: ModelSpec, layout: Layout, sh: RankShapes,
+                 a: Optional[Assumptions] = None) -> Tuple[float, float]:
+    """Last stage: ``(kept, transient)`` bytes of the output layer and the loss.
+
+    * megatron-core's vocab-parallel cross entropy (``a.loss_chunk_tokens`` None) keeps the
+      fp32 softmax (``4*n*V/t``); at the loss the bf16 logits and the fp32 gradient exist
+      too (``6*n*V/t``);
+    * ``--fused-linear-cross-entropy`` (megatron/training/fused_loss.py, gradients computed
+      in the forward) keeps the final norm's output and its gradient (``2 * 2*n*h``), a
+      float32 log-sum-exp per token and the float32 output-weight gradient
+      (``4*V/t*h``); one chunk's logits are transient (``c*V/t * (2 + 4 + 4)``, ``c`` the
+      chunk's tokens).
+    """
+    a = DEFAULT_ASSUMPTIONS if a is None else a
+    vocab = model.vocab_size / layout.tp
+    if a.loss_chunk_tokens is None:
+        elems = sh.n * vocab
+        return 4 * elems, 6 * elems
+    h = model.hidden_size
+    kept = 2 * sh.n * h * a.act_bytes + 4 * sh.n + 4 * vocab * h
+    return kept, min(a.loss_chunk_tokens, sh.n) * vocab * 10
 
 
 # ============================================================================ times
@@ -1007,7 +1032,7 @@ def _memory(w: Workload, layout: Layout, sh: RankShapes, a: Assumptions, m: int)
                                    layer_params, N, a)
         inflight = min(layout.pp, m) if first else 1
         acts = inflight * (sh.layers * kept + (embed_out if first else 0.0))
-        logit_kept, logit_tr = logits_bytes(model, layout, sh) if last else (0.0, 0.0)
+        logit_kept, logit_tr = logits_bytes(model, layout, sh, a) if last else (0.0, 0.0)
         mem = MemoryBreakdown(
             params=states.params / GIB,
             grads=states.grads / GIB,

@@ -14,6 +14,7 @@ from megatron.planner.capabilities import (
     Capabilities,
     installed_capabilities,
     layout_flags,
+    loss_flags,
     model_flags,
     runnable,
 )
@@ -113,6 +114,7 @@ def plan_flags(result: SearchResult, e: Estimate) -> List[str]:
         return []  # planned for another stack (capabilities=FULL_MEGATRON): no flags here
     return (model_flags(w.model, w.seq_length)
             + layout_flags(lay, a.selective_recompute_modules, a.tp_sequence_parallel)
+            + loss_flags(a.loss_chunk_tokens)
             + ["--micro-batch-size", str(w.micro_batch_size),
                "--global-batch-size", str(w.global_batch(lay, a))])
 

@@ -214,6 +214,28 @@ def test_auto_layout_plans_the_sequence_parallelism_the_user_asked_for(monkeypat
     assert seen == [False, True]
 
 
+def test_auto_layout_plans_the_loss_the_run_uses(monkeypatch):
+    """The planner's memory model counts the run's loss: the fused one over its chunks, or
+    megatron-core's full-sequence logits."""
+    import megatron.planner as planner
+
+    seen = []
+    real = planner.choose_layout
+
+    def spy(*a, **kw):
+        seen.append(kw["assumptions"].loss_chunk_tokens)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(planner, "choose_layout", spy)
+    resolve_auto_layout(_auto_args(65536), 16, 32000, "NVIDIA H200")
+    resolve_auto_layout(_auto_args(65536, ["--fused-linear-cross-entropy"]), 16, 32000,
+                        "NVIDIA H200")
+    resolve_auto_layout(_auto_args(65536, ["--fused-linear-cross-entropy",
+                                           "--linear-cross-entropy-chunk-tokens", "2048"]),
+                        16, 32000, "NVIDIA H200")
+    assert seen == [None, 8192, 2048]
+
+
 def test_auto_layout_without_a_preset_asks_for_hardware():
     from megatron.training.arguments import ArgumentsError
 

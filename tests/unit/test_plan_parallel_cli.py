@@ -138,3 +138,31 @@ def test_bench_links_writes_a_calibration_the_planner_reads(dist_run, tmp_path, 
     rc, text, _ = run_cli(capsys, "--model", "llama-0.85b", "--seq-length", "32768", "--gpus",
                           "2", "--hardware", "h200-measured", "--calibration", out, "--top", "2")
     assert rc == 0 and "(calibrated)" in text and "bench_links.py" in text
+
+
+def test_the_loss_the_plan_assumes(capsys):
+    """The plan counts (and its command runs) the fused output layer and loss; the unfused
+    loss keeps full-sequence float32 logits: Llama-3-8B at 256K on one GPU, 125 GiB of them."""
+    from dataclasses import replace
+
+    from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, logits_bytes, rank_shapes
+
+    model, lay, gib = load_model("llama3-8b"), Layout.of(1, 1, 1, 1, 1, 1, "full"), 2**30
+    n, h, v = 262144, model.hidden_size, model.vocab_size
+    sh = rank_shapes(model, lay, 1, n, DEFAULT_ASSUMPTIONS)
+    kept, transient = logits_bytes(model, lay, sh, DEFAULT_ASSUMPTIONS)
+    assert kept == 2 * n * h * 2 + 4 * n + 4 * v * h and transient == 8192 * v * 10
+    plain = replace(DEFAULT_ASSUMPTIONS, loss_chunk_tokens=None)
+    assert logits_bytes(model, lay, sh, plain) == (4 * n * v, 6 * n * v)
+    assert 4 * n * v / gib > 125 and kept / gib < 7
+
+    args = ["--model", "llama3-8b", "--seq-length", "131072", "--gpus", "8", "--json"]
+    rc, out, _ = run_cli(capsys, *args, "--ring-degree", "8")
+    rc_plain, out_plain, _ = run_cli(capsys, *args, "--ring-degree", "8", "--plain-cross-entropy")
+    assert rc == rc_plain == 0
+    fused, unfused = json.loads(out)["plans"][0], json.loads(out_plain)["plans"][0]
+    assert "--fused-linear-cross-entropy" in fused["pretrain_flags"]
+    assert "--fused-linear-cross-entropy" not in unfused["pretrain_flags"]
+    assert fused["memory_gib"] < unfused["memory_gib"]
+    rc, _, err = run_cli(capsys, *args[:-1], "--linear-cross-entropy-chunk-tokens", "0")
+    assert rc == 2 and "--linear-cross-entropy-chunk-tokens 0 must be >= 1" in err

@@ -36,8 +36,12 @@ def test_every_ranked_layout_passes_pretrain_validation(model, seq, gpus, per_no
         assert plan.zero_stage in (0, 1), plan.estimate.layout.short()
         flags = plan.pretrain_flags
         if plan.recompute == "selective" and not te:
-            assert flags[flags.index("--recompute-modules") + 1:][:2] == ["mlp",
-                                                                          "--micro-batch-size"]
+            after = flags[flags.index("--recompute-modules") + 1:]
+            modules = after[:next(i for i, f in enumerate(after) if f.startswith("--"))]
+            assert modules == ["mlp"], flags
+        # the loss the memory model assumed is in the flags (the fused one, 8192-token chunks)
+        assert flags[flags.index("--fused-linear-cross-entropy") + 1:][:2] == [
+            "--linear-cross-entropy-chunk-tokens", "8192"]
         vocab = ["--vocab-size", str(MODEL_PRESETS[model].vocab_size)]
         args = validate_args(parse_args(flags + RUN + vocab), gpus, cuda_available=True)
         assert (args.ulysses_degree, args.ring_degree, args.data_parallel_size) == (
