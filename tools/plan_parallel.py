@@ -76,9 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=_degree, default=None, metavar="N|auto")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--recompute", choices=["none", "selective", "full"])
-    p.add_argument("--linear-cross-entropy-chunk-tokens", type=int, default=8192, metavar="N",
+    p.add_argument("--linear-cross-entropy-chunk-tokens", type=int,
+                   default=DEFAULT_ASSUMPTIONS.loss_chunk_tokens, metavar="N",
                    help="plan the fused output layer and loss (--fused-linear-cross-entropy) "
-                        "over chunks of N tokens (default 8192; the plan's flags include it)")
+                        "over chunks of N tokens (default %(default)s; the plan's flags "
+                        "include it)")
     p.add_argument("--plain-cross-entropy", action="store_true",
                    help="plan megatron-core's unfused loss instead (full-sequence logits and "
                         "their float32 softmax)")

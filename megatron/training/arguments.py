@@ -834,9 +834,10 @@ def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: i
     tp_sp = bool(args.sequence_parallel) and args.tensor_model_parallel_size > 1
     # So is the gradient buffer's dtype (float32 unless --grad-reduce-in-bf16).
     grad_bytes = 2 if args.bf16 and args.grad_reduce_in_bf16 else 4
-    # And the loss: the fused output layer and loss over its chunks, or megatron-core's.
-    loss_chunk = ((args.linear_cross_entropy_chunk_tokens or DEFAULT_LOSS_CHUNK_TOKENS)
-                  if args.fused_linear_cross_entropy else None)
+    # And the loss: the fused output layer and loss over its chunks (validate_args has
+    # filled in the default chunk), or megatron-core's.
+    loss_chunk = (args.linear_cross_entropy_chunk_tokens if args.fused_linear_cross_entropy
+                  else None)
     assumptions = replace(DEFAULT_ASSUMPTIONS, tp_sequence_parallel=tp_sp,
                           main_grad_bytes=grad_bytes, grad_reduce_bytes=grad_bytes,
                           loss_chunk_tokens=loss_chunk)

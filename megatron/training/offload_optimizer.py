@@ -171,6 +171,11 @@ class StagedHybridDeviceOptimizer(HybridDeviceOptimizer):
     def _model_grad(self, param: torch.Tensor):
         return getattr(param, "decoupled_grad", param.grad)
 
+    def _cpu_params(self, index: int):
+        """The parameters (CPU masters) of CPU sub-optimizer ``index``, in staging order."""
+        for group in self.cpu_optimizers[index].param_groups:
+            yield from group["params"]
+
     def _stage(self, index: int) -> torch.cuda.Event:
         """D2H copy of CPU sub-optimizer ``index``'s gradients (as float32) into its staging
         slot, on the D2H stream, once the slot's previous H2D copy-back has been read; the CPU
@@ -181,16 +186,15 @@ class StagedHybridDeviceOptimizer(HybridDeviceOptimizer):
         with torch.cuda.stream(self._d2h_stream):
             if self._slot_read[slot_index] is not None:
                 self._d2h_stream.wait_event(self._slot_read[slot_index])
-            for group in self.cpu_optimizers[index].param_groups:
-                for cpu_param in group["params"]:
-                    grad = self._model_grad(self.cpu_copys_map_gpu_param[cpu_param])
-                    if grad is None:
-                        cpu_param.grad = None
-                        continue
-                    view = slot[offset:offset + cpu_param.numel()].view(cpu_param.shape)
-                    offset += cpu_param.numel()
-                    view.copy_(grad, non_blocking=True)
-                    cpu_param.grad = view
+            for cpu_param in self._cpu_params(index):
+                grad = self._model_grad(self.cpu_copys_map_gpu_param[cpu_param])
+                if grad is None:
+                    cpu_param.grad = None
+                    continue
+                view = slot[offset:offset + cpu_param.numel()].view(cpu_param.shape)
+                offset += cpu_param.numel()
+                view.copy_(grad, non_blocking=True)
+                cpu_param.grad = view
             return self._d2h_stream.record_event()
 
     def _copy_back(self, index: int) -> None:
@@ -200,14 +204,13 @@ class StagedHybridDeviceOptimizer(HybridDeviceOptimizer):
         slot_index = index % len(self.staging)
         slot, offset = self.staging[slot_index], 0
         with torch.cuda.stream(self._h2d_stream):
-            for group in self.cpu_optimizers[index].param_groups:
-                for cpu_param in group["params"]:
-                    gpu_param = self.cpu_copys_map_gpu_param[cpu_param]
-                    staged = slot.view(gpu_param.dtype)[offset:offset + cpu_param.numel()]
-                    offset += cpu_param.numel()
-                    staged = staged.view(cpu_param.shape)
-                    staged.copy_(cpu_param.detach())
-                    gpu_param.data.copy_(staged, non_blocking=True)
+            for cpu_param in self._cpu_params(index):
+                gpu_param = self.cpu_copys_map_gpu_param[cpu_param]
+                staged = slot.view(gpu_param.dtype)[offset:offset + cpu_param.numel()]
+                offset += cpu_param.numel()
+                staged = staged.view(cpu_param.shape)
+                staged.copy_(cpu_param.detach())
+                gpu_param.data.copy_(staged, non_blocking=True)
             self._slot_read[slot_index] = self._h2d_stream.record_event()
 
     def step(self, closure=None):
@@ -239,9 +242,8 @@ class StagedHybridDeviceOptimizer(HybridDeviceOptimizer):
             following = self._stage(i + 1) if i + 1 < len(self.cpu_optimizers) else None
             pending.synchronize()
             cpu_optimizer.step(closure)
-            for group in cpu_optimizer.param_groups:
-                for cpu_param in group["params"]:
-                    cpu_param.grad = None
+            for cpu_param in self._cpu_params(i):
+                cpu_param.grad = None
             self._copy_back(i)
             pending = following
         current.wait_stream(self._h2d_stream)
@@ -282,9 +284,9 @@ def install_staged_offload(optimizer, offload_fraction: float) -> int:
     """Replace the ``HybridDeviceOptimizer`` inside each ``DistributedOptimizer`` of
     ``optimizer`` (a megatron-core optimizer, chained or not, built with the fraction of
     :func:`build_fraction`) by a :class:`StagedHybridDeviceOptimizer` over the same
-    param groups with ``offload_fraction``; then collect the replaced ones (their float32
-    copies are in reference cycles) and return the cached GPU blocks they leave. Returns how
-    many were replaced."""
+    param groups with ``offload_fraction``, each after collecting the one it replaces (its
+    float32 copies are in reference cycles); then return the cached GPU blocks they leave.
+    Returns how many were replaced."""
     replaced = 0
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(sub, "optimizer", None)
@@ -300,7 +302,6 @@ def install_staged_offload(optimizer, offload_fraction: float) -> int:
         gc.collect()
         sub.optimizer = StagedHybridDeviceOptimizer(groups, **defaults)
         replaced += 1
-    gc.collect()
-    if torch.cuda.is_available():
+    if replaced and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return replaced
