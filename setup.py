@@ -25,7 +25,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.16",
-                 "transformers>=4.40"],  # the Hugging Face tokenizer tests
+                 "transformers>=4.40",  # the Hugging Face tokenizer tests
+                 # megatron.usp.qkv_rope's Triton kernels, run by the CPU tests in Triton's
+                 # interpreter
+                 "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "flash-attn": ["flash-attn>=2.6"],
         "te": ["transformer-engine[pytorch]>=2.0"],
         "hf": ["transformers>=4.40"],

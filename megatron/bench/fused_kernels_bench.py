@@ -74,7 +74,34 @@ def _megatron_rope_pair(q: Tensor, k: Tensor, freqs: Tensor) -> Tuple[Tensor, Te
             _apply_rotary_pos_emb_bshd(k, freqs, rotary_interleaved=False))
 
 
-def _impls(op: str, available: Sequence[str]) -> Dict[str, Callable]:
+def _megatron_split(mixed: Tensor, g: int, d: int):
+    """megatron-core's split of the QKV output (``SelfAttention.get_query_key_value_tensors``):
+    strided q, k, v views, q reshaped (a copy)."""
+    s, b, ng = mixed.shape[:3]
+    q, k, v = torch.split(mixed, [g * d, d, d], dim=3)
+    return q.reshape(s, b, ng * g, d), k, v
+
+
+def _split_then_rope(impl: str, g: int, d: int) -> Callable:
+    def fn(mixed: Tensor, freqs: Tensor):
+        q, k, v = _megatron_split(mixed, g, d)
+        q, k = fk.rope(q, k, freqs, impl)
+        return q, k, v.contiguous()          # the attention kernel's copy of v
+    return fn
+
+
+def _qkv_impls(available: Sequence[str], g: int, d: int) -> Dict[str, Callable]:
+    from megatron.usp.qkv_rope import qkv_split_rope
+
+    table = {f"split+{i}": _split_then_rope(i, g, d) for i in available}
+    table["usp"] = lambda mixed, freqs: qkv_split_rope(mixed, freqs, g, d)
+    return table
+
+
+def _impls(op: str, available: Sequence[str], shape=None) -> Dict[str, Callable]:
+    if op == "qkv_rope":
+        g = shape.num_attention_heads // shape.num_query_groups
+        return _qkv_impls(available, g, shape.kv_channels)
     table = {
         "rms_norm": {i: (lambda impl: lambda x, w: fk.rms_norm(x, w, 1e-5, impl))(i)
                      for i in available},
@@ -103,6 +130,16 @@ def _case(op: str, shape, tokens: int, device):
         x = torch.randn(tokens, 2 * f, device=device, dtype=bf16)
         # fwd: read 2F, write F; bwd: read 2F and dF, write 2F
         return [x], [], fk.swiglu_torch, 7 * tokens * f * 2
+    if op == "qkv_rope":
+        from megatron.usp.qkv_rope import qkv_split_rope_reference
+
+        per = a // g
+        mixed = torch.randn(tokens, 1, g, (per + 2) * d, device=device, dtype=bf16)
+        freqs = rope_freqs(tokens, d, device=device)
+        # fwd: read the QKV output, write q, k, v; bwd: read dq, dk, dv, write its gradient
+        return ([mixed], [freqs],
+                lambda m64, f64: qkv_split_rope_reference(m64, f64, per, d),
+                4 * mixed.numel() * 2)
     q = torch.randn(tokens, 1, a, d, device=device, dtype=bf16)
     k = torch.randn(tokens, 1, g, d, device=device, dtype=bf16)
     freqs = rope_freqs(tokens, d, device=device)
@@ -145,8 +182,8 @@ def run_op(op: str, impl: str, fn: Callable, shape, tokens: int, repeats: int) -
 
 def run(shape, tokens: int, repeats: int, impls: Sequence[str]) -> List[OpResult]:
     out = []
-    for op in ("rms_norm", "swiglu", "rope"):
-        for impl, fn in _impls(op, impls).items():
+    for op in ("rms_norm", "swiglu", "rope", "qkv_rope"):
+        for impl, fn in _impls(op, impls, shape).items():
             out.append(run_op(op, impl, fn, shape, tokens, repeats))
     return out
 

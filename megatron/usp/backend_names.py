@@ -61,12 +61,17 @@ LIGER_INSTALL = "pip install liger-kernel   (or pip install -e .[peers])"
 # docs/performance.md §6): PyTorch's own fused RMSNorm kernel (0.24 ms at 32K) beat Liger's
 # (0.74 ms) and Inductor's (0.38 ms), so RMSNorm stays PyTorch's under every choice; Liger's
 # SwiGLU (0.79 ms) and RoPE (0.76 ms) beat megatron-core's TorchScript SwiGLU (1.01 ms), its
-# unfused RoPE (2.54 ms) and Inductor's (1.05 / 0.90 ms).
+# unfused RoPE (2.54 ms) and Inductor's (1.05 / 0.90 ms). "usp" (megatron.usp.qkv_rope: the
+# QKV split and RoPE in one Triton kernel each way) is wired in but not yet the default: it
+# passed its CPU interpreter tests and awaits its GPU check and measurement.
 OP_IMPL: Dict[str, Dict[str, str]] = {
     "torch": {"rms_norm": "torch", "swiglu": "torch", "rope": "torch"},
     "compile": {"rms_norm": "torch", "swiglu": "compile", "rope": "compile"},
     "liger": {"rms_norm": "torch", "swiglu": "liger", "rope": "liger"},
 }
+# Every kernel implementation an op may be given (the values of OP_IMPL, plus the choices a
+# test may ask for directly); "usp" is this project's own Triton kernel.
+KERNEL_IMPLS: Tuple[str, ...] = ("torch", "compile", "liger", "usp")
 
 
 def op_impl(choice: str, op: str) -> str:

@@ -15,7 +15,8 @@ for RoPE):
     ``LigerFusedGateUpSiLUMulFunction`` (reads both halves of FC1's ``[.., 2F]`` output in
     place, recomputes ``silu`` in the backward instead of keeping it), and
     ``LigerRopeFunction`` (one kernel for q and k, cos/sin from the layer's own per-token
-    frequencies, so it follows the load-balanced layout's positions).
+    frequencies, so it follows the load-balanced layout's positions). ``usp`` (:mod:`megatron.usp.qkv_rope`, not yet
+    a default) splits megatron's QKV output and rotates q and k in one Triton pass.
 ``compile``
     ``torch.compile`` of the plain functions (Inductor fuses each into one or two Triton
     kernels); the choice when Liger is not installed on a GPU.
@@ -45,6 +46,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron.usp.backend_names import (  # noqa: F401  (re-exported: the choices live there)
     FUSED_KERNEL_CHOICES,
+    KERNEL_IMPLS,
     LIGER_INSTALL,
     OP_IMPL,
     FusedKernelsUnavailable,

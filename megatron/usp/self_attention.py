@@ -22,11 +22,9 @@ parallelism never see another call's positions.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from megatron.core.transformer.attention import SelfAttention
 
-from megatron.usp import fused_kernels
+from megatron.usp import fused_kernels, qkv_rope
 
 
 class USPSelfAttention(SelfAttention):
@@ -34,9 +32,9 @@ class USPSelfAttention(SelfAttention):
 
     def __init__(self, *args, rope_impl: str = "torch", **kwargs):
         super().__init__(*args, **kwargs)
-        if rope_impl not in fused_kernels.FUSED_KERNEL_CHOICES[1:]:
+        if rope_impl not in fused_kernels.KERNEL_IMPLS:
             raise ValueError(f"rope_impl {rope_impl!r}; use one of "
-                             f"{list(fused_kernels.FUSED_KERNEL_CHOICES[1:])}")
+                             f"{list(fused_kernels.KERNEL_IMPLS)}")
         self.rope_impl = rope_impl
         self._unsupported = fused_kernels.rope_supported(self.config)
         self._rope_freqs = None
@@ -67,17 +65,40 @@ class USPSelfAttention(SelfAttention):
         finally:
             self._rope_freqs = None
 
+    def _splits_with_rope(self, output_gate: bool) -> bool:
+        """Whether :func:`megatron.usp.qkv_rope.qkv_split_rope` can replace megatron-core's
+        split + RoPE: no output gate, no q/k norms, every TP rank holds whole query groups."""
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        def plain(norm) -> bool:
+            return norm is None or isinstance(norm, IdentityOp)
+
+        return (self.rope_impl == "usp" and not output_gate and not self.config.test_mode
+                and plain(self.q_layernorm) and plain(self.k_layernorm)
+                and self.config.num_query_groups >= self.world_size)
+
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     output_gate: bool = False, split_qkv: bool = True):
         """megatron-core's q, k, v ``[s, b, heads, d]``, then q and k rotated when this
-        call's forward took the frequencies."""
+        call's forward took the frequencies (``usp``: split and rotated in one kernel from
+        megatron-core's unsplit QKV output)."""
+        freqs = self._rope_freqs
+        if freqs is not None and split_qkv and self._splits_with_rope(output_gate):
+            mixed, _ = super().get_query_key_value_tensors(hidden_states, key_value_states,
+                                                           split_qkv=False)
+            per_group = (self.num_attention_heads_per_partition
+                         // self.num_query_groups_per_partition)
+            return qkv_rope.qkv_split_rope(mixed, freqs, per_group,
+                                           self.hidden_size_per_attention_head)
         out = super().get_query_key_value_tensors(hidden_states, key_value_states,
                                                   output_gate=output_gate, split_qkv=split_qkv)
-        freqs: Optional[object] = self._rope_freqs
         if freqs is None:
             return out
         if not split_qkv:
             raise RuntimeError("fused RoPE needs split q, k, v (fused_single_qkv_rope is off)")
         query, key = out[0], out[-2]
-        query, key = fused_kernels.rope(query, key, freqs, self.rope_impl)
+        # "usp" where the fused split does not apply (output gate, q/k norms, TP > groups):
+        # megatron-core's split, then the plain rotation
+        impl = "torch" if self.rope_impl == "usp" else self.rope_impl
+        query, key = fused_kernels.rope(query, key, freqs, impl)
         return (query,) + tuple(out[1:-2]) + (key, out[-1])

@@ -185,7 +185,7 @@ def _check_fused_modules(model, mode: str) -> None:
 
     for layer in model.decoder.layers:
         assert isinstance(layer.self_attention, USPSelfAttention)
-        assert layer.self_attention.rope_impl == "compile"
+        assert layer.self_attention.rope_impl == op_impl("compile", "rope")
         if mode == "fused":
             assert isinstance(layer.mlp.activation_func, SwiGLU)
             assert layer.input_layernorm.impl == op_impl("compile", "rms_norm")

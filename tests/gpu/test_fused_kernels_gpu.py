@@ -1,5 +1,5 @@
-"""GPU checks of ``--fused-kernels`` (RMSNorm, SwiGLU, RoPE): each implementation against a
-float64 reference on the same bf16 inputs, forward and input gradients, within twice the
+"""GPU checks of ``--fused-kernels`` (RMSNorm, SwiGLU, RoPE, the fused QKV split + RoPE): each
+implementation against a float64 reference on the same bf16 inputs, forward and input gradients, within twice the
 error of the plain PyTorch path in bf16 (plus 1e-3 of slack for bf16's rounding step), and
 a whole GPT forward/backward whose losses and gradients agree between ``torch`` and each
 fused implementation to bf16 training accuracy.
@@ -99,6 +99,47 @@ def test_rope_on_gpu(impl, batch):
     k = torch.randn(s, batch, 4, 128, generator=gen, device="cuda").bfloat16()
     _check(lambda q, k: fk.rope(q, k, freqs, impl), lambda q, k: fk.rope(q, k, freqs, "torch"),
            lambda q, k: fk._rope_pair_torch(q, k, freqs), [q, k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,heads,groups,rot", [(1, 16, 4, 128), (2, 16, 4, 128),
+                                                   (1, 8, 8, 64), (1, 32, 1, 128)])
+def test_qkv_split_rope_on_gpu(batch, heads, groups, rot):
+    """megatron.usp.qkv_rope's Triton kernel (split + RoPE of the QKV output) in bf16 against
+    megatron's split with the plain rotation, both against float64; load-balanced positions
+    (chunks 0 and 3 of 4), per-row positions for batch 2, partial rotation (rot < d), MHA
+    and MQA as well as GQA."""
+    from megatron.bench.fused_kernels_bench import rope_freqs
+    from megatron.usp.qkv_rope import qkv_split_rope, qkv_split_rope_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s, total, d = 2048, 4096, 128
+    table = rope_freqs(total, rot, device="cuda")
+    pos = torch.cat([torch.arange(0, 1024), torch.arange(3072, 4096)]).cuda()
+    freqs = table[pos]
+    if batch == 2:
+        other = torch.randperm(total, generator=torch.Generator().manual_seed(2))[:s].cuda()
+        freqs = torch.cat([freqs, table[other]], dim=1)
+    per = heads // groups
+    mixed = torch.randn(s, batch, groups, (per + 2) * d, generator=gen,
+                        device="cuda").bfloat16()
+
+    def plain(m):
+        q, k, v = torch.split(m, [per * d, d, d], dim=3)
+        q = q.reshape(s, batch, heads, d)
+        cos, sin = freqs.cos().to(m.dtype), freqs.sin().to(m.dtype)
+        rot_q = torch.cat((fk_rotate(q[..., :rot], cos, sin), q[..., rot:]), dim=-1)
+        rot_k = torch.cat((fk_rotate(k[..., :rot], cos, sin), k[..., rot:]), dim=-1)
+        return rot_q, rot_k, v
+
+    def fk_rotate(t, cos, sin):
+        a, b = torch.chunk(t, 2, dim=-1)
+        return t * cos + torch.cat((-b, a), dim=-1) * sin
+
+    out = qkv_split_rope(mixed, freqs, per, d)
+    assert all(t.is_contiguous() for t in out)
+    _check(lambda m: qkv_split_rope(m, freqs, per, d), plain,
+           lambda m: qkv_split_rope_reference(m, freqs.double(), per, d), [mixed])
 
 
 @pytest.mark.gpu
