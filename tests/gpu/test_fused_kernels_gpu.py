@@ -110,6 +110,7 @@ def test_qkv_split_rope_on_gpu(batch, heads, groups, rot):
     (chunks 0 and 3 of 4), per-row positions for batch 2, partial rotation (rot < d), MHA
     and MQA as well as GQA."""
     from megatron.bench.fused_kernels_bench import rope_freqs
+    from megatron.usp import fused_kernels as fk
     from megatron.usp.qkv_rope import qkv_split_rope, qkv_split_rope_reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -124,17 +125,10 @@ def test_qkv_split_rope_on_gpu(batch, heads, groups, rot):
     mixed = torch.randn(s, batch, groups, (per + 2) * d, generator=gen,
                         device="cuda").bfloat16()
 
-    def plain(m):
+    def plain(m):                        # megatron's split, then its unfused rotation
         q, k, v = torch.split(m, [per * d, d, d], dim=3)
         q = q.reshape(s, batch, heads, d)
-        cos, sin = freqs.cos().to(m.dtype), freqs.sin().to(m.dtype)
-        rot_q = torch.cat((fk_rotate(q[..., :rot], cos, sin), q[..., rot:]), dim=-1)
-        rot_k = torch.cat((fk_rotate(k[..., :rot], cos, sin), k[..., rot:]), dim=-1)
-        return rot_q, rot_k, v
-
-    def fk_rotate(t, cos, sin):
-        a, b = torch.chunk(t, 2, dim=-1)
-        return t * cos + torch.cat((-b, a), dim=-1) * sin
+        return fk.rope_torch(q, freqs), fk.rope_torch(k, freqs), v
 
     out = qkv_split_rope(mixed, freqs, per, d)
     assert all(t.is_contiguous() for t in out)
