@@ -11,8 +11,10 @@ One iteration (:func:`train_step`)::
         of loss tokens
     lm loss = (sum of loss sums) / (sum of loss tokens) over micro-batches and DP x CP,
         broadcast from the last pipeline stage: the same number on every rank
-    non-finite loss -> error naming the iteration, or (--skip-nan-steps) no update
-    optimizer.step(): grad-norm clipping, Adam, (ZeRO-1 parameter all-gather)
+    megatron-core's optimizer step in its pieces (guarded_optimizer_step): prepare_grads,
+        the grad norm (megatron.training.grad_clip), one host read of loss and norm,
+    non-finite loss or norm -> error naming the iteration, or (--skip-nan-steps) no update,
+        else grad-norm clipping, Adam, (ZeRO-1 parameter all-gather)
     LR scheduler step (in samples, as Megatron-LM)
 
 Around it: validation every ``--eval-interval`` over ``--eval-iters`` global batches,
@@ -41,6 +43,7 @@ import torch.distributed as dist
 
 from megatron.planner.hardware import peak_tflops_for_device
 from megatron.training import batch as batch_mod
+from megatron.training import grad_clip
 from megatron.training.checkpointing import (
     TrainState,
     load_checkpoint,
@@ -335,7 +338,8 @@ def train_step(args, rt: Runtime, step_fn: Callable, data_iterator, model, optim
     optimizer.zero_grad()
     losses = forward_backward(args, step_fn, data_iterator, model, forward_only=False)
     total = reduce_lm_loss(losses, rt.groups, rt.device)
-    loss = (total[0] / total[1]).item()
+    mean_loss = total[0] / total[1]
+    updated, loss, grad_norm = guarded_optimizer_step(optimizer, mean_loss, rt.device)
     if not math.isfinite(loss):
         if not args.skip_nan_steps:
             raise NonFiniteLossError(
@@ -343,7 +347,6 @@ def train_step(args, rt: Runtime, step_fn: Callable, data_iterator, model, optim
                 f"step (lower --lr, check the data, or pass --skip-nan-steps to skip such "
                 f"steps)")
         return loss, None, True
-    updated, grad_norm = guarded_optimizer_step(optimizer)
     if not math.isfinite(grad_norm):
         if not args.skip_nan_steps:
             raise NonFiniteLossError(nonfinite_grad_message(iteration, grad_norm, loss,
@@ -352,29 +355,46 @@ def train_step(args, rt: Runtime, step_fn: Callable, data_iterator, model, optim
     return loss, grad_norm, not updated
 
 
-def guarded_optimizer_step(optimizer):
-    """megatron-core's optimizer step, refused for a non-finite grad norm.
+def _has_loss_scaler(optimizer) -> bool:
+    return any(getattr(sub, "grad_scaler", None) is not None
+               for sub in grad_clip.sub_optimizers(optimizer))
+
+
+def guarded_optimizer_step(optimizer, mean_loss: torch.Tensor, device: torch.device):
+    """megatron-core's optimizer step, refused for a non-finite loss or grad norm.
 
     The steps of ``MegatronOptimizer.step`` (``prepare_grads``, the grad norm over the
     model- and data-parallel groups, clipping by that norm, ``step_with_ready_grads``),
-    with the norm checked before anything is applied: megatron-core applies a NaN step
-    unless a loss scaler found it. Returns (updated, grad norm); the norm is the same on
-    every rank (it is all-reduced), so every rank skips alike.
-    """
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    with the loss and the norm checked before anything is applied: megatron-core applies a
+    NaN step unless a loss scaler found it. The norm and clipping are
+    :mod:`megatron.training.grad_clip`'s (megatron-core's definition, without its per-tensor
+    host reads when apex / TransformerEngine are missing), and the loss and the norm reach
+    the host in one read, after the grads are prepared and the norm is queued, so the host
+    does that work while the device finishes the backward. With a loss scaler (fp16) the
+    loss is read first, as before: its ``prepare_grads`` updates the scale.
 
-    if optimizer.prepare_grads():  # a loss scaler found inf/nan (fp16 only)
-        return False, float("nan")
-    grad_norm = float(optimizer.get_grad_norm())
+    Returns (updated, loss, grad norm); the norm is the same on every rank (it is
+    all-reduced), so every rank skips alike; a non-finite loss returns before
+    ``prepare_grads`` under a loss scaler, and with a NaN norm otherwise.
+    """
+    if _has_loss_scaler(optimizer):
+        loss = mean_loss.item()
+        if not math.isfinite(loss):
+            return False, loss, float("nan")
+        if optimizer.prepare_grads():  # the loss scaler found inf/nan
+            return False, loss, float("nan")
+        norm = grad_clip.grad_norm(optimizer, device)
+        grad_norm = norm.item()
+    else:
+        optimizer.prepare_grads()      # no loss scaler: views / copies of the grads only
+        norm = grad_clip.grad_norm(optimizer, device)
+        loss, grad_norm = torch.stack([mean_loss.float(), norm.to(mean_loss.device)]).tolist()
+        if not math.isfinite(loss):
+            return False, loss, float("nan")
     if not math.isfinite(grad_norm):
-        return False, grad_norm
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        params = sub.get_parameters()
-        if params and sub.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(
-                params, sub.config.clip_grad, grad_norm,
-                sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-    return optimizer.step_with_ready_grads(), grad_norm
+        return False, loss, grad_norm
+    grad_clip.clip_grads(optimizer, grad_norm)
+    return optimizer.step_with_ready_grads(), loss, grad_norm
 
 
 def nonfinite_grad_message(iteration: int, grad_norm: float, loss: float,

@@ -42,13 +42,13 @@ which sends those requests to the CPU (see its docstring); nothing else is alter
 * ``optimizer.get_megatron_optimizer`` (``DistributedOptimizer`` and the mixed-precision
   optimizers check ``param.type()`` against CUDA type strings and put ``found_inf`` and
   the loss scale on ``"cuda"``).
-* ``step``, ``prepare_grads``, ``get_grad_norm``, ``step_with_ready_grads``,
-  ``state_dict``, ``load_state_dict`` and ``sharded_state_dict`` of every optimizer
-  class in ``optimizer.optimizer`` and ``optimizer.distrib_optimizer`` that defines them
-  (grad-norm and clipping buffers on ``"cuda"``, ``clip_grad_by_total_norm_fp32``'s
-  ``torch.cuda.FloatTensor`` assert, the distributed optimizer's gather buffers), and
-  ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` itself (the training loop's
-  guarded step calls it).
+* ``step``, ``prepare_grads``, ``step_with_ready_grads``, ``state_dict``,
+  ``load_state_dict`` and ``sharded_state_dict`` of every optimizer class in
+  ``optimizer.optimizer`` and ``optimizer.distrib_optimizer`` that defines them
+  (``step``'s grad-norm and clipping buffers on ``"cuda"`` and
+  ``clip_grad_by_total_norm_fp32``'s ``torch.cuda.FloatTensor`` assert, the distributed
+  optimizer's gather buffers). The training loop's own step computes the norm and clips
+  with :mod:`megatron.training.grad_clip`, which needs no shim.
 * ``dist_checkpointing.serialization.save`` and ``load`` (also re-bound in
   ``dist_checkpointing``): the writer's ``torch.cuda.synchronize()`` after staging, the
   save finalisation's failure flag on ``torch.cuda.current_device()``, the exchange
@@ -249,10 +249,10 @@ def _on_cpu(fn: Callable) -> Callable:
     return wrapper
 
 
-# ``prepare_grads``, ``get_grad_norm`` and ``step_with_ready_grads`` are the pieces of
-# ``step`` the training loop calls itself (megatron/training/training.py,
-# guarded_optimizer_step), to check the grad norm before anything is applied.
-_OPTIMIZER_METHODS = ("step", "prepare_grads", "get_grad_norm", "step_with_ready_grads",
+# ``prepare_grads`` and ``step_with_ready_grads`` are the pieces of ``step`` the training
+# loop calls itself (megatron/training/training.py, guarded_optimizer_step), to check the
+# loss and the grad norm before anything is applied.
+_OPTIMIZER_METHODS = ("step", "prepare_grads", "step_with_ready_grads",
                       "state_dict", "load_state_dict", "sharded_state_dict")
 
 
@@ -285,12 +285,6 @@ def _apply_training_loop_shims() -> None:
                 if meth in vars(cls):
                     setattr(cls, meth, _on_cpu(vars(cls)[meth]))
                     _APPLIED.append(f"{module.__name__.split('.', 2)[-1]}.{cls.__name__}.{meth}")
-
-    from megatron.core.optimizer import clip_grads
-
-    # Read through the module by the training loop's guarded optimizer step.
-    clip_grads.clip_grad_by_total_norm_fp32 = _on_cpu(clip_grads.clip_grad_by_total_norm_fp32)
-    _APPLIED.append("optimizer.clip_grads.clip_grad_by_total_norm_fp32")
 
     for name in ("save", "load"):
         wrapped = _on_cpu(getattr(serialization, name))
