@@ -5,12 +5,14 @@ forward and backward together (median of CUDA-event timed repeats), each impleme
 :mod:`megatron.usp.fused_kernels` on the model's shapes, and measures its error against a
 float64 reference computed from the same bf16 inputs:
 
-* ``rms_norm``: ``x [N, H]``, weight ``[H]``;
+* ``rms_norm``: ``x [N, H]``, weight ``[H]`` (trained: its gradient is timed and checked);
 * ``swiglu``: FC1's output ``[N, 2F]`` -> ``[N, F]``;
 * ``rope``: q ``[N, 1, a, d]`` and k ``[N, 1, g, d]`` (batch 1) with the float32 frequencies
   of positions ``0..N-1`` (RoPE base 10000), the shape megatron-core hands attention.
 
-Implementations: ``torch``, ``compile``, ``liger`` (when installed), and megatron-core's own
+Implementations: ``torch``, ``compile``, ``usp`` (this project's Triton kernels,
+:mod:`megatron.usp.lean_kernels` and :mod:`megatron.usp.qkv_rope`), ``liger`` (when
+installed), and megatron-core's own
 (``megatron``: its TorchScript ``bias_swiglu_impl`` for SwiGLU, ``apply_rotary_pos_emb`` for
 RoPE; for RMSNorm megatron-core's local spec is ``torch``). Errors are
 ``max |out - ref| / max |ref|`` over the forward output and the input gradient(s). The JSON
@@ -93,7 +95,7 @@ def _split_then_rope(impl: str, g: int, d: int) -> Callable:
 def _qkv_impls(available: Sequence[str], g: int, d: int) -> Dict[str, Callable]:
     from megatron.usp.qkv_rope import qkv_split_rope
 
-    table = {f"split+{i}": _split_then_rope(i, g, d) for i in available}
+    table = {f"split+{i}": _split_then_rope(i, g, d) for i in available if i != "usp"}
     table["usp"] = lambda mixed, freqs: qkv_split_rope(mixed, freqs, g, d)
     return table
 
@@ -106,8 +108,9 @@ def _impls(op: str, available: Sequence[str], shape=None) -> Dict[str, Callable]
         "rms_norm": {i: (lambda impl: lambda x, w: fk.rms_norm(x, w, 1e-5, impl))(i)
                      for i in available},
         "swiglu": {i: (lambda impl: lambda x: fk.swiglu(x, impl))(i) for i in available},
+        # RoPE's "usp" kernel is the fused QKV split (op qkv_rope), not a rotation of q, k
         "rope": {i: (lambda impl: lambda q, k, f: fk.rope(q, k, f, impl))(i)
-                 for i in available},
+                 for i in available if i != "usp"},
     }[op]
     if op == "swiglu":
         table["megatron"] = _megatron_swiglu
@@ -124,8 +127,9 @@ def _case(op: str, shape, tokens: int, device):
     if op == "rms_norm":
         x = torch.randn(tokens, h, device=device, dtype=bf16)
         w = (1 + 0.1 * torch.randn(h, device=device)).to(bf16)
-        # fwd: read x, write y; bwd: read x, dy, write dx
-        return [x], [w], lambda x64, w64: fk.rms_norm_torch(x64, w64, 1e-5), 5 * x.numel() * 2
+        # The weight is trained, so its gradient is part of the backward (a reduction over
+        # the tokens). fwd: read x, write y; bwd: read x, dy, write dx
+        return [x, w], [], lambda x64, w64: fk.rms_norm_torch(x64, w64, 1e-5), 5 * x.numel() * 2
     if op == "swiglu":
         x = torch.randn(tokens, 2 * f, device=device, dtype=bf16)
         # fwd: read 2F, write F; bwd: read 2F and dF, write 2F
@@ -200,7 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("the kernels are timed on a CUDA GPU; none is visible")
-    impls = ["torch", "compile"] + (["liger"] if fk.liger_importable() else [])
+    impls = ["torch", "compile", "usp"] + (["liger"] if fk.liger_importable() else [])
     results: List[OpResult] = []
     for tokens in (int(t) for t in ns.tokens.split(",")):
         results += run(MODELS[ns.model], tokens, ns.repeats, impls)

@@ -153,10 +153,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
                    help="local attention kernel of USP attention")
     g.add_argument("--fused-kernels", default="auto", choices=FUSED_KERNEL_CHOICES,
-                   help="kernels for RMSNorm, SwiGLU and RoPE: liger (Liger's Triton kernels, "
-                        "pip install liger-kernel), compile (torch.compile of the plain ops), "
-                        "torch (plain PyTorch / megatron-core's own), or auto (liger on CUDA "
-                        "when installed, else compile on CUDA, else torch)")
+                   help="kernels for RMSNorm, SwiGLU and RoPE: usp (this project's Triton "
+                        "kernels; plain PyTorch math on the CPU), liger (Liger's Triton "
+                        "kernels, pip install liger-kernel), compile (torch.compile of the "
+                        "plain ops), torch (plain PyTorch / megatron-core's own), or auto (usp "
+                        "on CUDA, else torch)")
     g.add_argument("--usp-overlap-chunks", type=_chunks, default="auto",
                    help="head chunks pipelining USP's all-to-alls with attention: 1 (off), a "
                         "divisor of the KV heads per Ulysses rank, or auto (2 when only one of "

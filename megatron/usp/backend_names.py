@@ -53,24 +53,25 @@ def backend_problem(name: str, device: str) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- --fused-kernels
-FUSED_KERNEL_CHOICES: Tuple[str, ...] = ("auto", "liger", "compile", "torch")
+FUSED_KERNEL_CHOICES: Tuple[str, ...] = ("auto", "usp", "liger", "compile", "torch")
 LIGER_INSTALL = "pip install liger-kernel   (or pip install -e .[peers])"
 
-# The implementation each choice uses per op, by measurement (tools/bench_fused_kernels.py,
-# one H200, the 0.85B model's shapes at 32K and 64K tokens, forward + backward; the table is in
-# docs/performance.md §6): PyTorch's own fused RMSNorm kernel (0.24 ms at 32K) beat Liger's
-# (0.74 ms) and Inductor's (0.38 ms), so RMSNorm stays PyTorch's under every choice; Liger's
-# SwiGLU (0.79 ms) and RoPE (0.76 ms) beat megatron-core's TorchScript SwiGLU (1.01 ms), its
-# unfused RoPE (2.54 ms) and Inductor's (1.05 / 0.90 ms). "usp" (megatron.usp.qkv_rope: the
-# QKV split and RoPE in one Triton kernel each way) is wired in but not yet the default: it
-# passed its CPU interpreter tests and awaits its GPU check and measurement.
+# The implementation each choice uses per op. "usp" is this project's Triton kernels
+# (megatron.usp.lean_kernels for RMSNorm and SwiGLU, written into given outputs so the lean
+# layers refill in place; megatron.usp.qkv_rope for RoPE with megatron's QKV split); on the
+# CPU the same functions run plain PyTorch math. The others are the libraries', by
+# measurement (tools/bench_fused_kernels.py, one H200, the 0.85B model's shapes at 32K and 64K
+# tokens, forward + backward; the table is in docs/performance.md §6): Liger's SwiGLU and
+# RoPE beat megatron-core's TorchScript SwiGLU, its unfused RoPE and Inductor's; PyTorch's own
+# RMSNorm kernel stays under liger and compile (faster than both, its weight gradient
+# included). "usp" beat "liger" end to end (§6.1), so "auto" is "usp" on CUDA.
 OP_IMPL: Dict[str, Dict[str, str]] = {
     "torch": {"rms_norm": "torch", "swiglu": "torch", "rope": "torch"},
     "compile": {"rms_norm": "torch", "swiglu": "compile", "rope": "compile"},
     "liger": {"rms_norm": "torch", "swiglu": "liger", "rope": "liger"},
+    "usp": {"rms_norm": "usp", "swiglu": "usp", "rope": "usp"},
 }
-# Every kernel implementation an op may be given (the values of OP_IMPL, plus the choices a
-# test may ask for directly); "usp" is this project's own Triton kernel.
+# Every kernel implementation an op may be given (the values of OP_IMPL).
 KERNEL_IMPLS: Tuple[str, ...] = ("torch", "compile", "liger", "usp")
 
 
@@ -81,6 +82,10 @@ def op_impl(choice: str, op: str) -> str:
 
 class FusedKernelsUnavailable(ValueError):
     """``--fused-kernels`` names an implementation that cannot run here."""
+
+
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def liger_importable() -> bool:
@@ -98,7 +103,12 @@ def resolve_fused_kernels(name: str, cuda: bool) -> str:
         raise FusedKernelsUnavailable(
             f"--fused-kernels {name!r} is not known; choose one of {list(FUSED_KERNEL_CHOICES)}")
     if name == "auto":
-        return ("liger" if liger_importable() else "compile") if cuda else "torch"
+        return ("usp" if triton_importable() else "torch") if cuda else "torch"
+    if name == "usp" and cuda and not triton_importable():
+        raise FusedKernelsUnavailable(
+            "--fused-kernels usp runs Triton kernels on the GPU and Triton is not importable "
+            "(pip install triton, which PyTorch's CUDA wheels bring); or use --fused-kernels "
+            "torch")
     if name in ("liger", "compile") and not cuda:
         raise FusedKernelsUnavailable(
             f"--fused-kernels {name} runs Triton kernels, which need a CUDA GPU; on the CPU use "

@@ -9,28 +9,37 @@ for RoPE):
     Plain PyTorch: ``F.rms_norm``; ``silu(gate) * up`` on the two halves of FC1's output;
     megatron-core's own unfused RoPE (``t * cos + rotate_half(t) * sin``). Runs anywhere; the
     CPU test suite's reference.
+``usp``
+    This project's Triton kernels: :mod:`megatron.usp.lean_kernels` (RMSNorm and SwiGLU, one
+    kernel each way, writing into given outputs, so the lean layers of
+    :mod:`megatron.usp.fused_linears` refill their dropped outputs in place) and
+    :mod:`megatron.usp.qkv_rope` (megatron's QKV split and RoPE on the layer's per-token
+    frequencies in one pass each way). On the CPU the same functions run plain PyTorch math,
+    so the path is the same everywhere. Measured against the others in
+    ``docs/performance.md`` §6.1 (one H200: 11.6 ms per 32K step faster than ``liger``).
 ``liger``
-    Liger's Triton kernels (``pip install liger-kernel``, CUDA only):
-    ``LigerRMSNormFunction`` (float32 statistics, Llama casting), the fused gate-up
+    Liger's Triton kernels (``pip install liger-kernel``, CUDA only): the fused gate-up
     ``LigerFusedGateUpSiLUMulFunction`` (reads both halves of FC1's ``[.., 2F]`` output in
-    place, recomputes ``silu`` in the backward instead of keeping it), and
+    place, recomputes ``silu`` in the backward instead of keeping it) and
     ``LigerRopeFunction`` (one kernel for q and k, cos/sin from the layer's own per-token
-    frequencies, so it follows the load-balanced layout's positions). ``usp`` (:mod:`megatron.usp.qkv_rope`, not yet
-    a default) splits megatron's QKV output and rotates q and k in one Triton pass.
+    frequencies, so it follows the load-balanced layout's positions); RMSNorm stays
+    PyTorch's (faster on H200 than ``LigerRMSNormFunction``, which :func:`rms_norm_liger`
+    still wraps).
 ``compile``
     ``torch.compile`` of the plain functions (Inductor fuses each into one or two Triton
-    kernels); the choice when Liger is not installed on a GPU.
+    kernels).
 ``auto``
-    ``liger`` on CUDA when liger-kernel is importable, else ``compile`` on CUDA, else
-    ``torch``. Which one won, op by op, on an H200 is measured by
-    ``tools/bench_fused_kernels.py`` (docs/performance.md).
+    ``usp`` on CUDA (Triton ships with PyTorch's CUDA wheels), else ``torch``. Which one won,
+    op by op, on an H200 is measured by ``tools/bench_fused_kernels.py`` and, end to end, by
+    ``tools/bench_e2e.py`` (docs/performance.md).
 
 The names, the per-op table and :func:`resolve_fused_kernels` live in the torch-free
 :mod:`megatron.usp.backend_names` (``--help`` and start-up checks import no torch).
 
-Every implementation computes the same function: the tests check ``compile`` and the
-plain path against float64 references on the CPU, and ``liger`` against ``torch`` in bf16 on
-a GPU within bf16's own error. :func:`resolve_fused_kernels` is pure (it only asks whether
+Every implementation computes the same function: the tests check ``compile``, ``usp`` (its
+plain path in float64, its Triton kernels under Triton's CPU interpreter in float32) and the
+plain path against float64 references on the CPU, and ``liger`` and ``usp`` against
+``torch`` in bf16 on a GPU within bf16's own error. :func:`resolve_fused_kernels` is pure (it only asks whether
 packages are importable) so that ``validate_args`` can refuse an impossible choice at
 start-up, naming the flag.
 """
@@ -44,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from megatron.usp import lean_kernels
 from megatron.usp.backend_names import (  # noqa: F401  (re-exported: the choices live there)
     FUSED_KERNEL_CHOICES,
     KERNEL_IMPLS,
@@ -147,6 +157,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, impl: str, offset: float = 0
     for megatron's zero-centred gamma)."""
     if impl == "liger":
         return rms_norm_liger(x, weight, eps, offset)
+    if impl == "usp":
+        return lean_kernels.rms_norm(x, weight, eps, offset)
     gamma = weight + offset if offset else weight
     if impl == "compile":
         return _compiled(rms_norm_torch)(x, gamma, eps)
@@ -156,6 +168,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, impl: str, offset: float = 0
 def swiglu(x: Tensor, impl: str) -> Tensor:
     if impl == "liger":
         return swiglu_liger(x)
+    if impl == "usp":
+        return lean_kernels.swiglu(x)
     if impl == "compile":
         return _compiled(swiglu_torch)(x)
     return swiglu_torch(x)
@@ -181,8 +195,8 @@ class SwiGLU(MegatronModule):
 
     def __init__(self, config, impl: str = "torch"):
         super().__init__(config=config)
-        if impl not in FUSED_KERNEL_CHOICES[1:]:
-            raise ValueError(f"SwiGLU impl {impl!r}; use one of {list(FUSED_KERNEL_CHOICES[1:])}")
+        if impl not in KERNEL_IMPLS:
+            raise ValueError(f"SwiGLU impl {impl!r}; use one of {list(KERNEL_IMPLS)}")
         self.impl = impl
 
     def forward(self, x: Tensor) -> Tensor:

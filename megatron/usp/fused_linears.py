@@ -20,6 +20,12 @@ norm / SwiGLU forward per layer in the backward).
 * :class:`SwiGLURowParallelLinear` fills ``linear_fc2`` and takes FC1's ``[.., 2F/tp]``
   output, with the MLP's activation slot set to :class:`PassThroughActivation`.
 
+With the ``usp`` kernels (:mod:`megatron.usp.lean_kernels`) the dropped output is rewritten in
+place from a gradient hook of the linear layer's output (no recompute graph, no copy-back) and
+the op's backward is its own kernel; with any other kernel megatron-core's
+``CheckpointWithoutOutput`` recomputes it (a graph, a new tensor, a copy into the dropped
+storage). Both free the same bytes.
+
 ``--recompute-granularity selective --recompute-modules layernorm`` (Megatron-LM's name, which
 megatron-core 0.16.1 implements only with TransformerEngine) and ``... swiglu`` select them
 (:func:`megatron.usp.layer_specs.get_usp_gpt_layer_spec`). Under a recompute that re-runs the
@@ -39,7 +45,7 @@ from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.usp import fused_kernels
+from megatron.usp import fused_kernels, lean_kernels
 from megatron.usp.norms import NORMALIZATIONS
 
 Tensor = torch.Tensor
@@ -97,6 +103,14 @@ class NormColumnParallelLinear(ColumnParallelLinear):
     def forward(self, input_: Tensor, weight=None, runtime_gather_output=None):
         if not torch.is_grad_enabled():
             return super().forward(self.norm(input_), weight, runtime_gather_output)
+        if self.norm_impl == "usp" and self.normalization == "RMSNorm":
+            normed, refill = lean_kernels.rms_norm(
+                input_, self.layer_norm_weight, self.eps,
+                1.0 if self.zero_centered_gamma else 0.0, refillable=True)
+            out, bias = super().forward(normed, weight, runtime_gather_output)
+            if _keeps_graph(out):
+                lean_kernels.drop_until_backward(normed, out, refill)
+            return out, bias
         ckpt = _checkpoint_without_output()
         normed = ckpt.checkpoint(self.norm, input_)
         out, bias = super().forward(normed, weight, runtime_gather_output)
@@ -136,6 +150,12 @@ class SwiGLURowParallelLinear(RowParallelLinear):
     def forward(self, input_: Tensor):
         if not torch.is_grad_enabled():
             return super().forward(self.activation(input_))
+        if self.swiglu_impl == "usp":
+            act, refill = lean_kernels.swiglu(input_, refillable=True)
+            out, bias = super().forward(act)
+            if _keeps_graph(out):
+                lean_kernels.drop_until_backward(act, out, refill)
+            return out, bias
         ckpt = _checkpoint_without_output()
         act = ckpt.checkpoint(self.activation, input_)
         out, bias = super().forward(act)

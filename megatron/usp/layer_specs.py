@@ -123,7 +123,7 @@ def get_usp_gpt_layer_spec(
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
         overlap_chunks, recompute_keep, document_kernel: as for
             :func:`usp_core_attention_spec`.
-        fused_kernels: the resolved ``--fused-kernels`` (``torch``, ``compile``, ``liger``)
+        fused_kernels: the resolved ``--fused-kernels`` (``torch``, ``compile``, ``liger``, ``usp``)
             for the norms, RoPE and, with ``fused_swiglu``, the MLP activation.
         fused_swiglu: put :class:`~megatron.usp.fused_kernels.SwiGLU` in the MLP's
             ``activation_func`` slot (the config must set ``use_te_activation_func``).

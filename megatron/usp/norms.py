@@ -28,7 +28,8 @@ Constructor: ``(config, hidden_size, eps)``, as megatron-core's ``build_module``
 ``config.memory_efficient_layer_norm`` choose apex kernels (same math) and are ignored.
 
 Kernel: ``impl`` (the layer spec passes ``--fused-kernels``' choice) selects the RMSNorm
-kernel of :func:`megatron.usp.fused_kernels.rms_norm` (``torch``, ``compile`` or ``liger``);
+kernel of :func:`megatron.usp.fused_kernels.rms_norm` (``torch``, ``compile``, ``liger`` or
+``usp``);
 the parameters and their names do not depend on it, so a checkpoint loads under any choice.
 LayerNorm always uses PyTorch's kernel (no model of this project's presets uses it).
 """
@@ -40,7 +41,7 @@ from typing import Type
 import torch
 import torch.nn.functional as F
 
-from megatron.usp.fused_kernels import FUSED_KERNEL_CHOICES, rms_norm
+from megatron.usp.fused_kernels import KERNEL_IMPLS, rms_norm
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 
@@ -58,8 +59,8 @@ class _Norm(torch.nn.Module):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, impl: str = "torch"):
         super().__init__()
-        if impl not in FUSED_KERNEL_CHOICES[1:]:
-            raise ValueError(f"norm impl {impl!r}; use one of {list(FUSED_KERNEL_CHOICES[1:])}")
+        if impl not in KERNEL_IMPLS:
+            raise ValueError(f"norm impl {impl!r}; use one of {list(KERNEL_IMPLS)}")
         self.impl = impl
         self.normalized_shape = (hidden_size,)
         self.eps = eps

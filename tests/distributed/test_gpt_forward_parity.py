@@ -31,7 +31,11 @@ Elementwise recompute (the layouts marked ``lean``, on top of ``fused``): the no
 QKV and FC1 run inside those linear layers and the SwiGLU inside FC2
 (:mod:`megatron.usp.fused_linears`), each recomputed in the backward; the reference weights
 load under the names the local spec's checkpoint map gives the norms
-(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``). The layouts marked
+``usp`` do the same with ``fused_kernels="usp"``: :mod:`megatron.usp.lean_kernels` (their
+plain-math path on the CPU) drops the norm and SwiGLU outputs and refills them in place from
+the linear layers' gradient hooks, and RoPE is the fused QKV split of
+:mod:`megatron.usp.qkv_rope`.
 
 Fused-kernel plumbing (the layouts marked ``fused``): the block spec is built with
 ``fused_kernels="compile"`` and ``config.use_te_activation_func``, so RoPE runs in
@@ -59,10 +63,13 @@ FLOAT32_LOSS_TOL = dict(atol=1e-9, rtol=1e-6)
 SEQ, BATCH, VOCAB, SEED = 64, 2, 96, 1234
 # world size -> [(TP, U, R, sequence parallel, fused-kernel plumbing)]
 LAYOUTS = {2: [(1, 1, 2, False, "plain"), (1, 2, 1, False, "plain"),
-               (1, 2, 1, False, "fused"), (1, 1, 2, False, "lean")],
+               (1, 2, 1, False, "fused"), (1, 1, 2, False, "lean"), (1, 2, 1, False, "usp")],
            4: [(1, 2, 2, False, "plain"), (2, 2, 1, True, "plain"), (2, 2, 1, True, "fused"),
-               (2, 2, 1, True, "lean")],
+               (2, 2, 1, True, "lean"), (2, 2, 1, True, "usp")],
            8: [(1, 4, 2, False, "plain"), (1, 2, 4, False, "plain")]}
+# mode -> (--fused-kernels choice, norms and SwiGLU inside the linear layers)
+MODES = {"plain": ("torch", False), "fused": ("compile", False), "lean": ("compile", True),
+         "usp": ("usp", True)}
 # The norms' parameter names inside the lean linear layers (the local spec's checkpoint map).
 LEAN_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
@@ -185,11 +192,14 @@ def _check_fused_modules(model, mode: str) -> None:
 
     for layer in model.decoder.layers:
         assert isinstance(layer.self_attention, USPSelfAttention)
-        assert layer.self_attention.rope_impl == op_impl("compile", "rope")
-        if mode == "fused":
+        choice, lean = MODES[mode]
+        assert layer.self_attention.rope_impl == op_impl(choice, "rope")
+        if not lean:
             assert isinstance(layer.mlp.activation_func, SwiGLU)
-            assert layer.input_layernorm.impl == op_impl("compile", "rms_norm")
+            assert layer.input_layernorm.impl == op_impl(choice, "rms_norm")
         else:
+            assert layer.self_attention.linear_qkv.norm_impl == op_impl(choice, "rms_norm")
+            assert layer.mlp.linear_fc2.swiglu_impl == op_impl(choice, "swiglu")
             assert isinstance(layer.input_layernorm, IdentityOp)
             assert isinstance(layer.self_attention.linear_qkv, NormColumnParallelLinear)
             assert isinstance(layer.mlp.linear_fc1, NormColumnParallelLinear)
@@ -206,12 +216,12 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: di
                                                   ulysses=ulysses, ring=ring))
     model_parallel_cuda_manual_seed(SEED)
     cp, cp_rank, tp_rank = ulysses * ring, groups.cp_rank, dist.get_rank(groups.tp)
-    fused, lean = mode in ("fused", "lean"), mode == "lean"
+    choice, lean = MODES[mode]
+    fused = mode != "plain"
     config = _config(cp, ulysses, ring, tp, sp, fused)
     if fused:
         fused_kernels._compiled = lambda fn: fn   # the plain functions, eagerly (CPU ranks)
-    spec = get_usp_gpt_block_spec(config, pp_rank=0,
-                                  fused_kernels="compile" if fused else "torch",
+    spec = get_usp_gpt_block_spec(config, pp_rank=0, fused_kernels=choice,
                                   lean_norms=lean, lean_swiglu=lean)
     model = _model(spec, config, groups.pg_collection)
     _check_norms(model, sp, lean)
@@ -280,16 +290,15 @@ def _checkpoint_keys(rank, world_size):
     model_parallel_cuda_manual_seed(SEED)
     fused_kernels._compiled = lambda fn: fn
     keys = {}
-    for mode in ("plain", "fused", "lean"):
+    for mode, (choice, lean) in MODES.items():
         config = _config(1, 1, 1, fused=mode != "plain")
-        spec = get_usp_gpt_block_spec(config, pp_rank=0, lean_norms=mode == "lean",
-                                      lean_swiglu=mode == "lean",
-                                      fused_kernels="torch" if mode == "plain" else "compile")
+        spec = get_usp_gpt_block_spec(config, pp_rank=0, lean_norms=lean, lean_swiglu=lean,
+                                      fused_kernels=choice)
         sd = _model(spec, config, groups.pg_collection).sharded_state_dict()
         # The checkpoint's own key of each tensor (ShardedTensor.key), not the module path.
         keys[mode] = {v.key: tuple(v.global_shape) for v in sd.values()
                       if hasattr(v, "global_shape")}
-    for mode in ("fused", "lean"):
+    for mode in ("fused", "lean", "usp"):
         assert keys["plain"] == keys[mode], (mode, set(keys["plain"]) ^ set(keys[mode]))
     assert any("linear_qkv.layer_norm_weight" in k for k in keys["lean"])
     destroy_usp_parallel()

@@ -1,6 +1,6 @@
 """Loss parity gate: DP=4 vs U2xR2 vs U1xR4 vs U4xR1 vs TP2xU2 (without and with Megatron
-sequence parallelism) train the same loss curve; so does U2xR2 accumulating 8 micro-batches
-per step instead of 2 (its first 10 steps).
+sequence parallelism, the latter also with ``--fused-kernels usp``) train the same loss curve;
+so does U2xR2 accumulating 8 micro-batches per step instead of 2 (its first 10 steps).
 
 A tiny Llama-style model (RMSNorm, SwiGLU, RoPE, GQA 4 query heads / 2 KV heads, untied
 output layer, no biases) on the built-in default corpus, CPU float32, 4 gloo ranks, the
@@ -74,6 +74,16 @@ LAYOUTS = {
                 "--sequence-parallel", "--micro-batch-size", "4",
                 "--recompute-granularity", "selective", "--recompute-modules", "layernorm",
                 "swiglu"],
+    # The same with this project's kernels (--fused-kernels usp, auto's choice on CUDA; their
+    # plain-math path on the CPU: the norm and SwiGLU outputs dropped and refilled in place,
+    # RoPE fused with the QKV split). Pipeline stages would initialise their layers from
+    # another point of the RNG stream, so PP is compared within its own layout
+    # (tests/distributed/test_fused_loss_training.py style: tests/distributed/
+    # test_usp_kernels_training.py).
+    "tp2u2sp_usp": ["--tensor-model-parallel-size", "2", "--ulysses-degree", "2",
+                    "--sequence-parallel", "--micro-batch-size", "4", "--fused-kernels", "usp",
+                    "--recompute-granularity", "selective", "--recompute-modules",
+                    "layernorm", "swiglu"],
 }
 
 # Layouts run for their first ACCUMULATION_STEPS steps only (--exit-interval; the schedule

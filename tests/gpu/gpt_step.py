@@ -26,8 +26,16 @@ def _config(fused_swiglu: bool):
         pipeline_dtype=torch.bfloat16)
 
 
-def one_gpt_step(impl: str) -> Tuple[float, Dict[str, torch.Tensor]]:
-    """(mean loss, {parameter name: gradient}) with fused kernels ``impl``, fixed seed."""
+def _plain_name(name: str) -> str:
+    """The separate norms' names of the lean layers' norm weights (the local spec's map)."""
+    return (name.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
+            .replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
+
+
+def one_gpt_step(impl: str, lean: bool = False) -> Tuple[float, Dict[str, torch.Tensor]]:
+    """(mean loss, {parameter name: gradient}) with fused kernels ``impl``, fixed seed;
+    ``lean``: the norm and SwiGLU outputs dropped and recomputed (``--recompute-modules
+    layernorm swiglu``), gradients under the plain layout's parameter names."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -42,8 +50,9 @@ def one_gpt_step(impl: str) -> Tuple[float, Dict[str, torch.Tensor]]:
     try:
         model_parallel_cuda_manual_seed(SEED)
         torch.manual_seed(SEED)
-        config = _config(impl != "torch")
-        spec = get_usp_gpt_block_spec(config, pp_rank=0, fused_kernels=impl)
+        config = _config(impl != "torch" or lean)
+        spec = get_usp_gpt_block_spec(config, pp_rank=0, fused_kernels=impl, lean_norms=lean,
+                                      lean_swiglu=lean)
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                          max_sequence_length=SEQ, position_embedding_type="rope",
                          share_embeddings_and_output_weights=False,
@@ -54,7 +63,8 @@ def one_gpt_step(impl: str) -> Tuple[float, Dict[str, torch.Tensor]]:
         position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ).cuda()
         loss = model(tokens, position_ids, None, labels=labels).float().mean()
         loss.backward()
-        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+        grads = {_plain_name(n): p.grad.detach().float().clone()
+                 for n, p in model.named_parameters()}
         return float(loss.detach()), grads
     finally:
         destroy_usp_parallel()

@@ -1,4 +1,5 @@
-"""GPU checks of ``--fused-kernels`` (RMSNorm, SwiGLU, RoPE, the fused QKV split + RoPE): each
+"""GPU checks of ``--fused-kernels`` (RMSNorm, SwiGLU, RoPE, the fused QKV split + RoPE, this
+project's ``usp`` kernels with their drop-and-refill path): each
 implementation against a float64 reference on the same bf16 inputs, forward and input gradients, within twice the
 error of the plain PyTorch path in bf16 (plus 1e-3 of slack for bf16's rounding step), and
 a whole GPT forward/backward whose losses and gradients agree between ``torch`` and each
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 IMPLS = ["compile", "liger"]
+NORM_GLU_IMPLS = IMPLS + ["usp"]      # RMSNorm and SwiGLU also have this project's kernels
 
 
 def _available(impl: str) -> bool:
@@ -50,7 +52,7 @@ def _check(fn_impl, fn_torch, fn_ref, inputs, extra=()):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", NORM_GLU_IMPLS)
 def test_rms_norm_on_gpu(impl):
     from megatron.usp import fused_kernels as fk
 
@@ -65,7 +67,7 @@ def test_rms_norm_on_gpu(impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", NORM_GLU_IMPLS)
 def test_swiglu_on_gpu(impl):
     from megatron.usp import fused_kernels as fk
 
@@ -147,6 +149,22 @@ def test_gpt_step_with_fused_kernels_on_gpu(impl, tmp_path):
         pytest.skip("liger-kernel is not installed")
     loss_t, grads_t = one_gpt_step("torch")
     loss_f, grads_f = one_gpt_step(impl)
+    assert abs(loss_f - loss_t) <= 1e-2 * abs(loss_t)
+    assert grads_t.keys() == grads_f.keys()
+    for name, g in grads_t.items():
+        assert _rel(grads_f[name], g) < 5e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [False, True])
+def test_gpt_step_with_usp_kernels_on_gpu(lean):
+    """``--fused-kernels usp`` (megatron.usp.lean_kernels, qkv_rope), the norm and SwiGLU
+    outputs kept or (``lean``) dropped after the linear layers and refilled in place before
+    their backward: loss and gradients vs ``torch`` as above."""
+    from tests.gpu.gpt_step import one_gpt_step
+
+    loss_t, grads_t = one_gpt_step("torch")
+    loss_f, grads_f = one_gpt_step("usp", lean=lean)
     assert abs(loss_f - loss_t) <= 1e-2 * abs(loss_t)
     assert grads_t.keys() == grads_f.keys()
     for name, g in grads_t.items():

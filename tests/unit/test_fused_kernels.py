@@ -12,22 +12,26 @@ from megatron.usp import backend_names
 from megatron.usp import fused_kernels as fk
 
 
-@pytest.mark.parametrize("name,cuda,liger,want", [
-    ("auto", False, True, "torch"), ("auto", True, True, "liger"),
-    ("auto", True, False, "compile"), ("torch", True, True, "torch"),
-    ("compile", True, False, "compile"), ("liger", True, True, "liger"),
+@pytest.mark.parametrize("name,cuda,liger,triton,want", [
+    ("auto", False, True, True, "torch"), ("auto", True, True, True, "usp"),
+    ("auto", True, True, False, "torch"), ("usp", True, False, True, "usp"),
+    ("usp", False, False, False, "usp"), ("torch", True, True, True, "torch"),
+    ("compile", True, False, True, "compile"), ("liger", True, True, True, "liger"),
 ])
-def test_resolve(monkeypatch, name, cuda, liger, want):
+def test_resolve(monkeypatch, name, cuda, liger, triton, want):
     monkeypatch.setattr(backend_names, "liger_importable", lambda: liger)
+    monkeypatch.setattr(backend_names, "triton_importable", lambda: triton)
     assert fk.resolve_fused_kernels(name, cuda) == want
 
 
 @pytest.mark.parametrize("name,cuda,liger,needle", [
     ("liger", False, True, "--fused-kernels torch"), ("compile", False, True, "CUDA GPU"),
     ("liger", True, False, "pip install liger-kernel"), ("fast", True, True, "choose one of"),
+    ("usp", True, True, "pip install triton"),
 ])
 def test_resolve_refuses(monkeypatch, name, cuda, liger, needle):
     monkeypatch.setattr(backend_names, "liger_importable", lambda: liger)
+    monkeypatch.setattr(backend_names, "triton_importable", lambda: False)
     with pytest.raises(fk.FusedKernelsUnavailable, match="--fused-kernels") as info:
         fk.resolve_fused_kernels(name, cuda)
     assert needle in str(info.value)

@@ -1,0 +1,84 @@
+"""``--fused-kernels usp`` trains the same loss curve as ``--fused-kernels torch`` on pipeline
+layouts, with the norms and SwiGLU dropped and recomputed (``--recompute-modules layernorm
+swiglu``) both ways.
+
+The tiny model and data of tests/distributed/test_training_parity.py (CPU float32, 4 gloo
+ranks, the built-in corpus, global batch 8 x 64 tokens, same seed), 12 steps through
+``pretrain(args)``, each layout once per choice. With ``torch`` the lean layers recompute
+through megatron-core's ``CheckpointWithoutOutput`` and RoPE is megatron's split + rotation;
+with ``usp`` they are :mod:`megatron.usp.lean_kernels` (their plain-math path on the CPU:
+outputs dropped after the linear layer and refilled in place from its gradient hook) and
+:mod:`megatron.usp.qkv_rope`. Layouts: two pipeline stages x U2, and two pipeline stages x
+TP2 with Megatron sequence parallelism (the layout-parity gate covers U x R and TP without
+PP; pipeline stages initialise their layers from another point of the RNG stream, so they
+are compared with themselves here).
+
+Tolerance: per-step training and validation losses equal to 1e-5 relative (the layout gate's
+bound): both compute the same float32 functions with different rounding (the RMSNorm's
+statistics, SwiGLU rounded once instead of twice). Spies check that ``usp`` really went
+through the refill and the fused split on every rank, and ``torch`` did not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.test_fused_loss_training import MODEL, STEPS, TRAINING
+
+TOLERANCE = 1e-5
+LEAN = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "swiglu",
+        "--untie-embeddings-and-output-weights"]
+LAYOUTS = {
+    "pp2u2": ["--pipeline-model-parallel-size", "2", "--ulysses-degree", "2",
+              "--micro-batch-size", "2"],
+    "pp2tp2sp": ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel", "--micro-batch-size", "2"],
+}
+
+
+def _train_both_ways(rank, world_size, out):
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import pretrain
+    from megatron.usp import lean_kernels, qkv_rope
+
+    calls = {"refill": 0, "qkv": 0}
+    real_drop, real_split = lean_kernels.drop_until_backward, qkv_rope.qkv_split_rope
+
+    def drop(*args, **kwargs):
+        calls["refill"] += 1
+        return real_drop(*args, **kwargs)
+
+    def split(*args, **kwargs):
+        calls["qkv"] += 1
+        return real_split(*args, **kwargs)
+
+    lean_kernels.drop_until_backward, qkv_rope.qkv_split_rope = drop, split
+    for name, layout in LAYOUTS.items():
+        for choice in ("torch", "usp"):
+            calls.update(refill=0, qkv=0)
+            result = pretrain(parse_args(MODEL + TRAINING + LEAN + layout
+                                         + ["--fused-kernels", choice]))
+            assert result.iteration == STEPS, (name, choice, result.iteration)
+            used = calls["refill"] > 0 and calls["qkv"] > 0
+            assert used is (choice == "usp"), (name, choice, calls)
+            if rank == 0:
+                out[(name, choice)] = (dict(result.losses), dict(result.valid_losses))
+    if rank == 0:
+        _check(out)
+
+
+def _check(runs):
+    for name in LAYOUTS:
+        (plain, plain_valid), (usp, usp_valid) = runs[(name, "torch")], runs[(name, "usp")]
+        assert sorted(plain) == sorted(usp) == list(range(1, STEPS + 1)), name
+        for it in plain:
+            rel = abs(usp[it] - plain[it]) / abs(plain[it])
+            assert rel <= TOLERANCE, (name, it, usp[it], plain[it], rel)
+        rel = abs(usp_valid[STEPS] - plain_valid[STEPS]) / abs(plain_valid[STEPS])
+        assert rel <= TOLERANCE, f"{name} validation: {rel:.2e}"
+        assert plain[STEPS] < plain[1] - 0.3, (name, plain[1], plain[STEPS])   # it trains
+
+
+@pytest.mark.slow
+def test_usp_kernels_train_the_same_curve(dist_run):
+    dist_run(_train_both_ways, 4, {}, timeout=600)
