@@ -8,6 +8,9 @@ every failing rank's traceback. A run that outlives ``timeout`` seconds is kille
 reported as a hang, so a collective mismatch fails a test instead of stalling CI.
 
 ``fn`` must be a module-level function (it is looked up by reference after fork).
+
+``run_under_triton_interpreter(code)`` runs a Triton kernel test script in a fresh process
+under Triton's CPU interpreter (the environment variable must be set before Triton loads).
 """
 
 from __future__ import annotations
@@ -15,11 +18,24 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 DEFAULT_TIMEOUT_S = 240.0
+
+
+def run_under_triton_interpreter(code: str, timeout: float = 300.0) -> str:
+    """Run ``code`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (Triton kernels on the
+    CPU) and the repository importable; assert it exits 0 and return its stdout."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def free_port() -> int:

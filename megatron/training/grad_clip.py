@@ -67,16 +67,22 @@ def grad_norm(optimizer, device: torch.device) -> Tensor:
     rank of those groups must call it."""
     from megatron.core.utils import get_data_parallel_group_if_dtensor
 
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    # Sub-optimizers reducing over the same groups share one all-reduce (the sum of their
+    # squares); the insertion order is the sub-optimizers' order, the same on every rank.
+    by_groups: Dict[Tuple, Tensor] = {}
     for sub in sub_optimizers(optimizer):
         grads = sub.get_main_grads_for_grad_norm()
         fsdp_group = None
         for g in grads:
             fsdp_group = get_data_parallel_group_if_dtensor(g, fsdp_group)
         squares = sum_of_squares([_local(g) for g in grads], device)
+        key = (fsdp_group, sub.get_grad_stats_parallel_group())
+        by_groups[key] = by_groups[key] + squares if key in by_groups else squares
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (fsdp_group, stats_group), squares in by_groups.items():
         if fsdp_group is not None:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=fsdp_group)
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=sub.get_grad_stats_parallel_group())
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=stats_group)
         total += squares
     return total.sqrt()
 

@@ -16,7 +16,8 @@ for RoPE):
     :mod:`megatron.usp.qkv_rope` (megatron's QKV split and RoPE on the layer's per-token
     frequencies in one pass each way). On the CPU the same functions run plain PyTorch math,
     so the path is the same everywhere. Measured against the others in
-    ``docs/performance.md`` §6.1 (one H200: 11.6 ms per 32K step faster than ``liger``).
+    ``docs/performance.md`` §6.1 (one H200: 11.6 ms per 32K step faster than ``liger``, same
+    run: ``docs/perf/issue14/s10_2026-12-03/call3/e2e_lean*.json``).
 ``liger``
     Liger's Triton kernels (``pip install liger-kernel``, CUDA only): the fused gate-up
     ``LigerFusedGateUpSiLUMulFunction`` (reads both halves of FC1's ``[.., 2F]`` output in

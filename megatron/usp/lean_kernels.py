@@ -50,14 +50,14 @@ Refill = Callable[[], None]
 
 
 # --------------------------------------------------------------------------- plain math
-def _wide(t: Tensor) -> Tensor:
-    """``t`` in float32, or float64 when it is (the float64 test references)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def stats_dtype(x: Tensor) -> torch.dtype:
-    """The dtype of RMSNorm's kept ``rstd`` for input ``x``: float32 (float64 for float64)."""
+    """The dtype the math runs in, and of RMSNorm's kept ``rstd``, for input ``x``: float32
+    (float64 for float64, the test references)."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+def _wide(t: Tensor) -> Tensor:
+    return t.to(stats_dtype(t))
 
 
 def rms_norm_forward_math(x2: Tensor, w: Tensor, eps: float, offset: float, y2: Tensor,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_fused_loss_training import MODEL, STEPS, TRAINING
+from tests.distributed.test_fused_loss_training import MODEL, STEPS, TRAINING, assert_same_curve
 
 TOLERANCE = 1e-5
 LEAN = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "swiglu",
@@ -69,14 +69,7 @@ def _train_both_ways(rank, world_size, out):
 
 def _check(runs):
     for name in LAYOUTS:
-        (plain, plain_valid), (usp, usp_valid) = runs[(name, "torch")], runs[(name, "usp")]
-        assert sorted(plain) == sorted(usp) == list(range(1, STEPS + 1)), name
-        for it in plain:
-            rel = abs(usp[it] - plain[it]) / abs(plain[it])
-            assert rel <= TOLERANCE, (name, it, usp[it], plain[it], rel)
-        rel = abs(usp_valid[STEPS] - plain_valid[STEPS]) / abs(plain_valid[STEPS])
-        assert rel <= TOLERANCE, f"{name} validation: {rel:.2e}"
-        assert plain[STEPS] < plain[1] - 0.3, (name, plain[1], plain[STEPS])   # it trains
+        assert_same_curve(name, runs[(name, "torch")], runs[(name, "usp")], TOLERANCE)
 
 
 @pytest.mark.slow

@@ -28,8 +28,11 @@ def _config(fused_swiglu: bool):
 
 def _plain_name(name: str) -> str:
     """The separate norms' names of the lean layers' norm weights (the local spec's map)."""
-    return (name.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
-            .replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
+    from tests.distributed.test_gpt_forward_parity import LEAN_NAMES
+
+    for plain, lean in LEAN_NAMES.items():
+        name = name.replace(lean, plain)
+    return name
 
 
 def one_gpt_step(impl: str, lean: bool = False) -> Tuple[float, Dict[str, torch.Tensor]]:

@@ -7,12 +7,8 @@ tests/gpu/test_fused_kernels_gpu.py."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +16,6 @@ import torch.nn.functional as F
 
 from megatron.usp import lean_kernels as lk
 
-REPO = Path(__file__).resolve().parents[2]
 TOL = dict(atol=1e-12, rtol=1e-12)
 
 
@@ -162,8 +157,6 @@ _INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "kernels ok" in out.stdout
+    from tests.harness import run_under_triton_interpreter
+
+    assert "kernels ok" in run_under_triton_interpreter(_INTERPRETED)

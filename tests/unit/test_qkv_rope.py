@@ -6,18 +6,12 @@ forward and backward. The bf16 GPU check is tests/gpu/test_fused_kernels_gpu.py.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron.usp import qkv_rope
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _freqs(s: int, r: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -103,8 +97,6 @@ _INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "kernels ok" in out.stdout
+    from tests.harness import run_under_triton_interpreter
+
+    assert "kernels ok" in run_under_triton_interpreter(_INTERPRETED)
