@@ -25,9 +25,10 @@ positions for RoPE and the plan for attention.
 
 The loss function returns megatron-core's three-value form ``(loss_sum, num_tokens,
 {"lm loss": [loss_sum, num_tokens]})`` with ``calculate_per_token_loss=True``: the schedule
-back-propagates the *sum* over this rank's loss tokens and adds up the token counts;
-``finalize_model_grads`` divides the gradients by the global count, and the training loop
-divides the summed losses the same way. Hence the reported loss is the mean over every
+back-propagates the *sum* over this rank's loss tokens and adds up the token counts; the
+optimizer step divides the gradients by the global count (``training.guarded_optimizer_step``,
+in place of ``finalize_model_grads``), and the training loop divides the summed losses the
+same way. Hence the reported loss is the mean over every
 loss-masked token of the global batch, for every layout.
 """
 

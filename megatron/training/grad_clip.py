@@ -21,12 +21,28 @@ their squared L2 norms summed in float32, all-reduced (SUM) over the sub-optimiz
 grads), summed over the sub-optimizers and square-rooted (``ChainedOptimizer``'s rule);
 clipping multiplies every main grad of ``get_parameters()`` by
 ``max_norm / (norm + 1e-6)`` when that is below 1.
+
+The division by the global number of loss tokens (megatron-core's ``finalize_model_grads``
+with ``calculate_per_token_loss``) moves here as well, so that the step can do all of it in
+PyTorch's fused Adam kernel. That kernel takes a ``grad_scale`` tensor it divides each
+gradient by as it reads it, and a ``found_inf`` tensor on which it leaves parameters, moments
+and step count untouched (the arguments ``torch.amp.GradScaler`` hands it as optimizer
+attributes). With ``grad_scale = num_tokens / clip_coefficient`` and ``found_inf`` = "loss or
+norm not finite", the step needs no host read before it: :func:`scaled_in_adam`. That saves
+a pass over the grads for the division (megatron-core's ``scale_gradients``) and one for the
+clip, and the host sync in ``finalize_model_grads`` (``if num_tokens > 0``), after which the
+GPU waited for the host to queue the rest of the step: ~2.5 + 1.9 ms and the waits per 32K
+step of the 0.85B model on one H200 (docs/performance.md 6.1). Where a sub-optimizer steps
+with anything else (SGD, a loss scaler, the CPU-offload optimizer, Megatron-FSDP's DTensors,
+TransformerEngine's precision-aware Adam), :func:`fused_adams` says so and the training loop
+divides and clips the grads in megatron-core's order before the step.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -110,3 +126,57 @@ def clip_grads(optimizer, norm: float) -> None:
         if coeff < 1.0:
             for group in _by_device_and_dtype(main_grads(sub)).values():
                 torch._foreach_mul_(group, coeff)
+
+
+def fused_adams(optimizer) -> Optional[List[torch.optim.Optimizer]]:
+    """The PyTorch Adam(W) of each sub-optimizer when all of them run its fused kernel on
+    plain tensors with no loss scaler (then :func:`scaled_in_adam` applies); else None."""
+    from torch.distributed.tensor import DTensor
+
+    adams = []
+    for sub in sub_optimizers(optimizer):
+        opt = getattr(sub, "optimizer", None)
+        if (getattr(sub, "grad_scaler", None) is not None
+                or not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
+                or sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                or not all(group.get("fused") for group in opt.param_groups)
+                or any(isinstance(p, DTensor)
+                       for group in opt.param_groups for p in group["params"])):
+            return None
+        adams.append(opt)
+    return adams
+
+
+def step_divisors(optimizer, num_tokens: Tensor, norm: Tensor) -> List[Tensor]:
+    """Per sub-optimizer, the 0-dim tensor its grads are divided by: ``num_tokens`` over the
+    clip coefficient ``min(1, clip_grad / (norm + 1e-6))`` (``num_tokens`` alone without
+    clipping). ``norm`` is the norm of the already divided grads."""
+    out = []
+    for sub in sub_optimizers(optimizer):
+        max_norm = sub.config.clip_grad
+        if max_norm > 0.0:
+            coeff = torch.clamp(max_norm / (norm + 1.0e-6), max=1.0)
+            out.append(num_tokens / coeff)
+        else:
+            out.append(num_tokens.clone())
+    return out
+
+
+@contextmanager
+def scaled_in_adam(optimizer, adams: List[torch.optim.Optimizer], num_tokens: Tensor,
+                   norm: Tensor, ok: Tensor) -> Iterator[None]:
+    """Inside the block each fused Adam of :func:`fused_adams` divides its grads by
+    :func:`step_divisors` and skips its update unless ``ok`` (a 0-dim bool tensor: the loss
+    and the norm are finite). All device tensors: nothing is read on the host."""
+    found_inf = (~ok).to(torch.float32)
+    try:
+        for opt, divisor in zip(adams, step_divisors(optimizer, num_tokens, norm)):
+            # A NaN divisor is never used (found_inf skips the update); 1 keeps it harmless.
+            opt.grad_scale = torch.where(ok, divisor, torch.ones_like(divisor)).float()
+            opt.found_inf = found_inf
+        yield
+    finally:
+        for opt in adams:
+            for name in ("grad_scale", "found_inf"):
+                if hasattr(opt, name):
+                    delattr(opt, name)

@@ -17,9 +17,11 @@ gradients are partial per TP rank and are summed over TP by ``finalize_model_gra
 finds them by their ``sequence_parallel`` attribute.
 
 Loss scaling contract: ``calculate_per_token_loss=True``. Each rank back-propagates the *sum*
-of its tokens' losses; DDP sums gradients over DP x CP and ``finalize_model_grads`` divides
-by the number of loss tokens of the whole global batch. The gradient is therefore that of
-the mean loss over every loss-masked token of the global batch, whatever the layout.
+of its tokens' losses; DDP sums gradients over DP x CP and the optimizer step divides them
+by the number of loss tokens of the whole global batch (``finalize_model_grads``' division,
+done inside the fused Adam kernel: ``training.guarded_optimizer_step``). The gradient is
+therefore that of the mean loss over every loss-masked token of the global batch, whatever
+the layout.
 """
 
 from __future__ import annotations

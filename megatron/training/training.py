@@ -7,14 +7,16 @@ One iteration (:func:`train_step`)::
         for each of the G / (micro * DP) micro-batches (gradient accumulation):
             forward_step -> per-token losses -> backward of the sum over loss tokens
         finalize_model_grads: DP x CP all-reduce (or reduce-scatter with the distributed
-        optimizer), embedding / sequence-parallel reductions, divide by the global number
-        of loss tokens
+        optimizer), embedding / sequence-parallel reductions; the grads stay sums over
+        the global batch's loss tokens
     lm loss = (sum of loss sums) / (sum of loss tokens) over micro-batches and DP x CP,
         broadcast from the last pipeline stage: the same number on every rank
     megatron-core's optimizer step in its pieces (guarded_optimizer_step): prepare_grads,
-        the grad norm (megatron.training.grad_clip), one host read of loss and norm,
-    non-finite loss or norm -> error naming the iteration, or (--skip-nan-steps) no update,
-        else grad-norm clipping, Adam, (ZeRO-1 parameter all-gather)
+        the grad norm (megatron.training.grad_clip), the division by the loss tokens and
+        grad-norm clipping, Adam, (ZeRO-1 parameter all-gather); a non-finite loss or norm
+        changes nothing and raises an error naming the iteration, or (--skip-nan-steps)
+        skips the update. With PyTorch's fused Adam (the default) division, clipping and
+        the skip run inside its kernel and the host reads loss and norm once, after the step
     LR scheduler step (in samples, as Megatron-LM)
 
 Around it: validation every ``--eval-interval`` over ``--eval-iters`` global batches,
@@ -197,23 +199,29 @@ def precision_aware_without_te(config) -> None:
 
 
 def use_fused_adam(optimizer) -> int:
-    """Run the Adam steps inside megatron-core's optimizer with PyTorch's fused CUDA kernel.
+    """Run the Adam steps inside megatron-core's optimizer with PyTorch's fused kernel.
 
     Without TransformerEngine or apex, megatron-core 0.16.1 steps its main parameters with
     ``torch.optim.AdamW`` in its default (``foreach``) implementation, several kernels per
     parameter chunk; TE's / apex's ``FusedAdam``, which it uses when installed, is one kernel.
-    PyTorch's own ``fused`` implementation of the same update is that kernel: this sets the
-    optimizer's documented ``fused`` option on every param group whose parameters are all
-    floating-point CUDA tensors (the same math; on an H200 the 0.85B model's step went from
-    ~26 to ~8 ms, docs/performance.md). Returns how many torch optimizers were switched.
+    PyTorch's own ``fused`` implementation of the same update is that kernel (on an H200 the
+    0.85B model's step went from ~26 to ~8 ms, docs/performance.md), and it takes the
+    division and clipping of the grads and the skip of a non-finite step as arguments
+    (:func:`guarded_optimizer_step`). This sets the optimizer's documented ``fused`` option on
+    every param group whose parameters are all floating-point tensors of one device type that
+    PyTorch's fused Adam supports (CUDA, and the CPU, so that CPU runs take the same path).
+    Returns how many torch optimizers were switched.
     """
+    supported = {"cuda", "cpu"}
     switched = 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_opt = getattr(inner, "optimizer", None)
         if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         params = [p for g in torch_opt.param_groups for p in g["params"]]
-        if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
+        kinds = {p.device.type for p in params}
+        if (not params or len(kinds) != 1 or not kinds <= supported
+                or not all(p.is_floating_point() for p in params)):
             continue
         for group in torch_opt.param_groups:
             group["foreach"], group["fused"] = False, True
@@ -237,14 +245,25 @@ def build_scheduler(args, optimizer):
         lr_wsd_decay_style=args.lr_wsd_decay_style)
 
 
+def finalize_grads_without_token_division(model, num_tokens=None, **kwargs) -> None:
+    """megatron-core's ``finalize_model_grads`` (the DP x CP reduction, the embedding and
+    sequence-parallel sums) without its division by the global number of loss tokens: the
+    grads stay sums over the global batch's tokens, and :func:`guarded_optimizer_step`
+    divides them by :func:`reduce_lm_loss`'s count (the same global count:
+    the schedule's ``num_tokens`` are the loss function's, broadcast from the last pipeline
+    stage and summed over DP x CP), in the fused Adam kernel where it can."""
+    from megatron.core.distributed import finalize_model_grads
+
+    del num_tokens
+    finalize_model_grads(model, None, **kwargs)
+
+
 def _wire_grad_sync(model) -> None:
     """Hand megatron-core's schedules the DDP hooks (gradient accumulation without
     reduction until the last micro-batch, then the DP x CP reduction)."""
-    from megatron.core.distributed import finalize_model_grads
-
     config = model[0].config
     config.no_sync_func = model[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_grads_without_token_division
     if model[0].ddp_config.overlap_grad_reduce:
         config.grad_sync_func = model[0].start_grad_sync
 
@@ -338,8 +357,7 @@ def train_step(args, rt: Runtime, step_fn: Callable, data_iterator, model, optim
     optimizer.zero_grad()
     losses = forward_backward(args, step_fn, data_iterator, model, forward_only=False)
     total = reduce_lm_loss(losses, rt.groups, rt.device)
-    mean_loss = total[0] / total[1]
-    updated, loss, grad_norm = guarded_optimizer_step(optimizer, mean_loss, rt.device)
+    updated, loss, grad_norm = guarded_optimizer_step(optimizer, model, total, rt.device)
     if not math.isfinite(loss):
         if not args.skip_nan_steps:
             raise NonFiniteLossError(
@@ -360,23 +378,45 @@ def _has_loss_scaler(optimizer) -> bool:
                for sub in grad_clip.sub_optimizers(optimizer))
 
 
-def guarded_optimizer_step(optimizer, mean_loss: torch.Tensor, device: torch.device):
+def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.device):
     """megatron-core's optimizer step, refused for a non-finite loss or grad norm.
 
-    The steps of ``MegatronOptimizer.step`` (``prepare_grads``, the grad norm over the
-    model- and data-parallel groups, clipping by that norm, ``step_with_ready_grads``),
-    with the loss and the norm checked before anything is applied: megatron-core applies a
-    NaN step unless a loss scaler found it. The norm and clipping are
-    :mod:`megatron.training.grad_clip`'s (megatron-core's definition, without its per-tensor
-    host reads when apex / TransformerEngine are missing), and the loss and the norm reach
-    the host in one read, after the grads are prepared and the norm is queued, so the host
-    does that work while the device finishes the backward. With a loss scaler (fp16) the
-    loss is read first, as before: its ``prepare_grads`` updates the scale.
+    ``total`` is :func:`reduce_lm_loss`'s [loss sum, loss tokens] of the global batch; the
+    grads are still the sums over its tokens (:func:`finalize_grads_without_token_division`).
+    The steps of ``MegatronOptimizer.step`` (``prepare_grads``, the grad norm over the model-
+    and data-parallel groups, clipping by that norm, ``step_with_ready_grads``), with the
+    division by the number of loss tokens that megatron-core's ``finalize_model_grads`` does,
+    and with the loss and the norm checked so that a non-finite one changes no weight
+    (megatron-core applies a NaN step unless a loss scaler found it). The norm and clipping
+    are :mod:`megatron.training.grad_clip`'s (megatron-core's definition, without its
+    per-tensor host reads when apex / TransformerEngine are missing).
+
+    When every sub-optimizer steps with PyTorch's fused Adam (``grad_clip.fused_adams``:
+    the default), the division, the clip and the skip all happen inside that kernel
+    (``grad_clip.scaled_in_adam``) and the loss and the norm are read on the host once, after
+    the step is queued. Otherwise the grads are divided first (megatron-core's
+    ``scale_gradients``, its order), the loss and the norm read in one transfer, and the
+    clip and step follow; with a loss scaler (fp16) the loss is read first, as before (its
+    ``prepare_grads`` updates the scale).
 
     Returns (updated, loss, grad norm); the norm is the same on every rank (it is
-    all-reduced), so every rank skips alike; a non-finite loss returns before
-    ``prepare_grads`` under a loss scaler, and with a NaN norm otherwise.
+    all-reduced), so every rank skips alike; a non-finite loss comes back with a NaN norm.
     """
+    mean_loss = total[0] / total[1]
+    num_tokens = total[1].float().clamp_min(1.0)   # no loss token: no gradient, loss NaN
+    adams = grad_clip.fused_adams(optimizer)
+    if adams is not None:
+        optimizer.prepare_grads()      # no loss scaler: views / copies of the grads only
+        norm = grad_clip.grad_norm(optimizer, device) / num_tokens.to(device)
+        ok = torch.isfinite(norm) & torch.isfinite(mean_loss.to(device))
+        with grad_clip.scaled_in_adam(optimizer, adams, num_tokens.to(device), norm, ok):
+            optimizer.step_with_ready_grads()
+        loss, grad_norm = torch.stack([mean_loss.float(), norm.to(mean_loss.device)]).tolist()
+        if not math.isfinite(loss):
+            return False, loss, float("nan")
+        return math.isfinite(grad_norm), loss, grad_norm
+    for chunk in model:
+        chunk.scale_gradients(1.0 / num_tokens)
     if _has_loss_scaler(optimizer):
         loss = mean_loss.item()
         if not math.isfinite(loss):
@@ -386,7 +426,7 @@ def guarded_optimizer_step(optimizer, mean_loss: torch.Tensor, device: torch.dev
         norm = grad_clip.grad_norm(optimizer, device)
         grad_norm = norm.item()
     else:
-        optimizer.prepare_grads()      # no loss scaler: views / copies of the grads only
+        optimizer.prepare_grads()
         norm = grad_clip.grad_norm(optimizer, device)
         loss, grad_norm = torch.stack([mean_loss.float(), norm.to(mean_loss.device)]).tolist()
         if not math.isfinite(loss):

@@ -201,4 +201,59 @@ def test_fused_adam_switch_on_gpu():
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     cpu = torch.optim.AdamW([torch.zeros(3, requires_grad=True)])
-    assert use_fused_adam(Wrapped(cpu)) == 0
+    assert use_fused_adam(Wrapped(cpu)) == 1                 # the CPU has the fused kernel too
+    mixed = torch.optim.AdamW([torch.zeros(3, requires_grad=True),
+                               torch.zeros(3, device="cuda", requires_grad=True)])
+    assert use_fused_adam(Wrapped(mixed)) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_step_scaled_in_fused_adam_on_gpu(clip):
+    """``grad_clip.scaled_in_adam`` on CUDA: the fused kernel's division by num_tokens / clip
+    coefficient equals dividing and clipping first, then the default AdamW (to float32
+    rounding); with ``ok`` false nothing changes, moments and step included."""
+    from types import SimpleNamespace
+
+    from megatron.training import grad_clip
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(1000, 300), (300,)]
+    start = [torch.randn(s, generator=gen, device="cuda") for s in shapes]
+    n = torch.tensor(37.0, device="cuda")
+    config = SimpleNamespace(clip_grad=clip, use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    runs = {}
+    for fused in (True, False):
+        ps = [p.clone().requires_grad_() for p in start]
+        opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-3, fused=fused,
+                                foreach=False if fused else None)
+        sub = SimpleNamespace(optimizer=opt, config=config, grad_scaler=None)
+        g2 = torch.Generator(device="cuda").manual_seed(1)
+        for step in range(3):
+            raw = [(step + 1) * 40 * torch.randn(s, generator=g2, device="cuda") for s in shapes]
+            norm = torch.stack([(g / n).norm() for g in raw]).norm()
+            if fused:
+                for p, g in zip(ps, raw):
+                    p.grad = g.clone()
+                with grad_clip.scaled_in_adam(sub, [opt], n, norm, torch.isfinite(norm)):
+                    opt.step()
+            else:
+                coeff = min(1.0, clip / (norm.item() + 1e-6)) if clip > 0 else 1.0
+                for p, g in zip(ps, raw):
+                    p.grad = g / n * coeff
+                opt.step()
+        runs[fused] = (ps, opt)
+    for a, b, p0 in zip(runs[True][0], runs[False][0], start):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        assert (a.detach() - p0).abs().max() > 1e-3
+    ps, opt = runs[True]
+    before = [p.detach().clone() for p in ps]
+    state = {k: v.clone() for k, v in opt.state[ps[0]].items()}
+    for p in ps:
+        p.grad = torch.full_like(p, float("nan"))
+    bad = torch.tensor(float("nan"), device="cuda")
+    with grad_clip.scaled_in_adam(SimpleNamespace(optimizer=opt, config=config), [opt], n,
+                                  bad, torch.isfinite(bad)):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert all(torch.equal(v, state[k]) for k, v in opt.state[ps[0]].items())

@@ -105,3 +105,120 @@ def test_mixed_dtypes_and_no_grads():
     empty = _Sub([], 1.0)
     empty.get_main_grads_for_grad_norm = lambda: []
     assert grad_clip.grad_norm(empty, torch.device("cpu")).item() == 0.0
+
+
+def _adam(params, fused):
+    # eps near the grads' size: Adam is otherwise blind to a constant factor on the grads,
+    # and the test to a wrong division.
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=0.3, fused=fused,
+                             foreach=False if fused else None)
+
+
+@pytest.mark.parametrize("chained", [False, True])
+@pytest.mark.parametrize("clip", [0.0, 1.0, 1e6])
+def test_step_scaled_in_fused_adam_equals_divide_clip_then_adam(chained, clip):
+    """The division by the token count and the clip inside the fused kernel give what
+    megatron-core's order gives: grads divided (``scale_gradients``), clipped by the norm of
+    the divided grads, then the default (foreach) AdamW."""
+    num_tokens = 37.0
+    seeds = [0, 1] if chained else [0]
+    ours = [_Sub(_params(s, scale=40.0), clip) for s in seeds]
+    ref = [_Sub(_params(s, scale=40.0), clip) for s in seeds]
+    for sub in ours:
+        sub.optimizer = _adam(sub.params, fused=True)
+    for sub in ref:
+        sub.optimizer = _adam(sub.params, fused=False)
+    pick = (lambda subs: SimpleNamespace(chained_optimizers=subs)) if chained else \
+        (lambda subs: subs[0])
+    ours_opt, ref_opt = pick(ours), pick(ref)
+    assert grad_clip.fused_adams(ours_opt) == [s.optimizer for s in ours]
+    assert grad_clip.fused_adams(ref_opt) is None                   # foreach: not fused
+    start = [[p.detach().clone() for p in sub.params] for sub in ours]
+    cpu = torch.device("cpu")
+    for step in range(3):
+        for a, b in zip(ours, ref):                                  # fresh equal grads
+            fresh = _params(7 + step, n=len(a.params), scale=(step + 1.0) * 40.0)
+            for p, q, f in zip(a.params, b.params, fresh):
+                p.grad, q.grad = f.grad.clone(), f.grad.clone()
+        # reference: megatron-core's order
+        for sub in ref:
+            for p in sub.params:
+                p.grad.mul_(1.0 / num_tokens)
+        want_norm = grad_clip.grad_norm(ref_opt, cpu)
+        grad_clip.clip_grads(ref_opt, want_norm.item())
+        for sub in ref:
+            sub.optimizer.step()
+        # ours: the raw sums, divided in the kernel
+        n = torch.tensor(num_tokens)
+        norm = grad_clip.grad_norm(ours_opt, cpu) / n
+        assert abs(norm.item() - want_norm.item()) <= 1e-6 * want_norm.item()
+        with grad_clip.scaled_in_adam(ours_opt, grad_clip.fused_adams(ours_opt), n, norm,
+                                      torch.isfinite(norm)):
+            for sub in ours:
+                sub.optimizer.step()
+        assert not any(hasattr(s.optimizer, "grad_scale") for s in ours)
+    for a, b, first in zip(ours, ref, start):
+        for p, q, p0 in zip(a.params, b.params, first):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=1e-7)
+            assert (p.detach() - p0).abs().max() > 1e-3              # not a trivial update
+
+
+def test_non_finite_step_changes_nothing_in_the_fused_kernel():
+    sub = _Sub(_params(0), 1.0)
+    sub.optimizer = _adam(sub.params, fused=True)
+    sub.optimizer.step()                                             # a normal first step
+    before = [p.detach().clone() for p in sub.params]
+    state = {k: v.clone() for k, v in sub.optimizer.state[sub.params[0]].items()}
+    sub.params[1].grad[0, 0] = float("nan")
+    n = torch.tensor(8.0)
+    norm = grad_clip.grad_norm(sub, torch.device("cpu")) / n
+    assert not torch.isfinite(norm)
+    with pytest.raises(RuntimeError, match="inside"):
+        with grad_clip.scaled_in_adam(sub, [sub.optimizer], n, norm, torch.isfinite(norm)):
+            assert sub.optimizer.found_inf.item() == 1.0
+            assert torch.isfinite(sub.optimizer.grad_scale)
+            sub.optimizer.step()
+            raise RuntimeError("inside")
+    assert not hasattr(sub.optimizer, "grad_scale") and not hasattr(sub.optimizer, "found_inf")
+    for p, b in zip(sub.params, before):
+        assert torch.equal(p.detach(), b)
+    for k, v in sub.optimizer.state[sub.params[0]].items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_fused_adams_only_where_the_kernel_takes_the_scaling():
+    def sub_with(opt, **extra):
+        sub = _Sub(_params(0), 1.0)
+        sub.optimizer = opt(sub.params)
+        for k, v in extra.items():
+            setattr(sub, k, v)
+        return sub
+
+    fused = sub_with(lambda ps: _adam(ps, True))
+    assert grad_clip.fused_adams(fused) == [fused.optimizer]
+    assert grad_clip.fused_adams(sub_with(lambda ps: _adam(ps, False))) is None
+    assert grad_clip.fused_adams(sub_with(lambda ps: torch.optim.SGD(ps, lr=0.1))) is None
+    assert grad_clip.fused_adams(sub_with(lambda ps: _adam(ps, True), grad_scaler=object())) \
+        is None
+    aware = sub_with(lambda ps: _adam(ps, True))
+    aware.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    assert grad_clip.fused_adams(aware) is None
+    other = sub_with(lambda ps: _adam(ps, True))
+    other.optimizer = SimpleNamespace(param_groups=[])              # e.g. the offload's HDO
+    assert grad_clip.fused_adams(SimpleNamespace(chained_optimizers=[fused, other])) is None
+
+
+def test_use_fused_adam_switches_cpu_and_cuda_adams_only():
+    from megatron.training.training import use_fused_adam
+
+    def wrapped(opt):
+        return SimpleNamespace(optimizer=opt)
+
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    assert use_fused_adam(wrapped(adam)) == 1
+    assert all(g["fused"] and not g["foreach"] for g in adam.param_groups)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    chained = SimpleNamespace(chained_optimizers=[wrapped(sgd), wrapped(
+        torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))]))])
+    assert use_fused_adam(chained) == 1
+    assert "fused" not in sgd.param_groups[0] or not sgd.param_groups[0]["fused"]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# PREPARED in session 10 (2026-12-03), NOT YET RUN: the first call of the next session (ONE H200),
-# for issue 14. Session 10's calls 2-4 did not bring back the GPU test log of the usp kernels
+# Prepared in session 10, RUN in session 11 (2026-12-03) as its device call 1 (ONE H200), for
+# issue 14; results in docs/perf/issue14/s11_2026-12-03/call1/ ((a) 19 passed; (b) ran past its
+# 300 s cap after 12 passed: call 2 ran it file by file; (c) ran past its 190 s: 512K needs ~225 s). Session 10's calls 2-4 did not bring back the GPU test log of the usp kernels
 # (a call returns at most 8 files; all of tests/gpu needs > 300 s). Files written: run.log,
 # gpu_fused.log, gpu_rest.log, e2e_512k.json, e2e_512k.md (5 of the 8 allowed).
 #   (a) tests/gpu/test_fused_kernels_gpu.py (bf16 checks of --fused-kernels usp, the GPT step with
