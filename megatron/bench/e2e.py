@@ -6,7 +6,8 @@ For each sequence length and U x R split, :func:`run_training` launches
 training loop writes (``--metrics-file``, JSONL, :mod:`megatron.training.metrics`), drops the
 first ``--warmup`` iterations and reports, over the rest:
 
-* ``iter_ms``: mean iteration time (the loop's ``step_time_s``);
+* ``iter_ms``: mean iteration time (the loop's ``step_time_s``), and ``iter_ms_each`` the
+  measured iterations one by one (their spread says how far one run's mean can be trusted);
 * ``tokens_per_s = global_batch * S / iter_time``;
 * ``tflops_per_gpu = model FLOPs per iteration / iter_time / GPUs`` and
   ``mfu = tflops_per_gpu / peak``, the peak being ``--peak-tflops`` or else the one the
@@ -231,6 +232,7 @@ class E2EResult:
     note: Optional[str] = None
     iterations_measured: int = 0
     iter_ms: Optional[float] = None
+    iter_ms_each: Optional[List[float]] = None   # the measured iterations, in order
     tokens_per_s: Optional[float] = None
     tflops_per_gpu: Optional[float] = None
     mfu: Optional[float] = None
@@ -500,6 +502,7 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     res.iterations_measured = len(times)
     seconds = sum(times) / len(times)
     res.iter_ms = 1e3 * seconds
+    res.iter_ms_each = [1e3 * t for t in times]
     res.tokens_per_s = gbs * spec.seq_len / seconds
     res.tokens_per_s_per_gpu = res.tokens_per_s / cfg.nproc_per_node
     res.tflops_per_gpu = tflops_per_gpu(res.flops_per_iteration, seconds, cfg.nproc_per_node)
@@ -546,6 +549,9 @@ def peer_result(peer: str, seq_len: int, recompute: str, data: dict, log_path: s
                 "peak_mem_gib", "flops_per_iteration", "peak_tflops", "last_loss"):
         if data.get(key) is not None:
             setattr(res, key, data[key])
+    steps = data.get("step_times_s") or []
+    if res.iterations_measured and len(steps) >= res.iterations_measured:
+        res.iter_ms_each = [1e3 * t for t in steps[len(steps) - res.iterations_measured:]]
     res.tokens_per_s_per_gpu = res.tokens_per_s
     return res
 
@@ -691,7 +697,10 @@ def progress_line(r: E2EResult) -> str:
     mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
     mem = "n/a" if r.peak_mem_gib is None else f"{r.peak_mem_gib:.1f} GiB"
     host = "n/a" if r.peak_host_gib is None else f"{r.peak_host_gib:.1f} GiB"
-    line = (f"{head}: {r.iter_ms:.1f} ms/iter, {r.tokens_per_s:,.0f} tokens/s, "
+    spread = ""
+    if r.iter_ms_each and len(r.iter_ms_each) > 1:
+        spread = f" ({min(r.iter_ms_each):.1f}-{max(r.iter_ms_each):.1f})"
+    line = (f"{head}: {r.iter_ms:.1f}{spread} ms/iter, {r.tokens_per_s:,.0f} tokens/s, "
             f"{r.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {mfu}, peak {mem}, host peak {host}")
     if r.ceiling_share is not None:
         line += (f", {100 * r.ceiling_share:.1f}% of the ceiling "

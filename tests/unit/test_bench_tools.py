@@ -297,6 +297,7 @@ def test_summarize_excludes_warmup_and_counts_megatron_flops():
     outcome = e2e.RunOutcome("ok", 0, recs, "l", ["python"])
     r = e2e.summarize(cfg, spec, outcome)
     assert r.iterations_measured == 3 and r.iter_ms == pytest.approx(110.0)
+    assert r.iter_ms_each == pytest.approx([100.0, 100.0, 130.0])
     assert r.tokens_per_s == pytest.approx(32768 / 0.110)
     # 0.85B model at 32K: per token 6 * 786,956,288 matmul params + 6*S*L*(heads*dim)
     # = 4,721,737,728 + 6,442,450,944 FLOPs (the anchors' Hugging Face formula, which also
@@ -444,6 +445,14 @@ def test_peers_follow_each_length_and_retry_after_oom():
     assert e2e.peer_recompute_order("full") == ["full"]
 
 
+def test_peer_rows_keep_the_measured_iterations():
+    data = {"status": "ok", "iter_ms": 150.0, "iterations_measured": 2,
+            "step_times_s": [3.0, 0.1, 0.2]}
+    row = e2e.peer_result("hf-liger", 32768, "none", data, "l", "cmd")
+    assert row.iter_ms_each == pytest.approx([100.0, 200.0])
+    assert e2e.peer_result("hf", 1, "none", {"status": "oom"}, "l", "c").iter_ms_each is None
+
+
 def test_a_missing_peer_is_reported_not_retried():
     run, _ = _fake_runner(lambda s: None)
     peer_run, calls = _peer_runner(lambda p, s, r: "missing" if p == "hf-liger" else None)
@@ -490,6 +499,7 @@ def test_e2e_markdown_and_progress():
     assert "MFU against 989 TFLOP/s" in md
     assert "1x2: 512K" in md
     assert "MFU" in e2e.progress_line(ok) and "oom" in e2e.progress_line(oom)
+    assert "100.0 (100.0-100.0) ms/iter" in e2e.progress_line(ok)   # mean (min-max)
 
 
 def _alive(pid):
