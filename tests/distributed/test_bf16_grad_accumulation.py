@@ -30,7 +30,8 @@ LAYOUTS = {"dp4": [], "u2": ["--ulysses-degree", "2"]}
 
 
 def _step_gradient(layout, grad_reduce_in_bf16: bool):
-    """{name: float64 gradient} of one step's global batch, from DDP's buffer."""
+    """{name: float64 gradient} of one step's global batch, from DDP's buffer (the sum over
+    the loss tokens: the division by their count happens in the optimizer step)."""
     import torch
 
     from megatron.training import batch as batch_mod
