@@ -158,7 +158,7 @@ def step_divisors(optimizer, num_tokens: Tensor, norm: Tensor) -> List[Tensor]:
             coeff = torch.clamp(max_norm / (norm + 1.0e-6), max=1.0)
             out.append(num_tokens / coeff)
         else:
-            out.append(num_tokens.clone())
+            out.append(num_tokens)
     return out
 
 
@@ -172,7 +172,7 @@ def scaled_in_adam(optimizer, adams: List[torch.optim.Optimizer], num_tokens: Te
     try:
         for opt, divisor in zip(adams, step_divisors(optimizer, num_tokens, norm)):
             # A NaN divisor is never used (found_inf skips the update); 1 keeps it harmless.
-            opt.grad_scale = torch.where(ok, divisor, torch.ones_like(divisor)).float()
+            opt.grad_scale = torch.where(ok, divisor, torch.ones_like(divisor))
             opt.found_inf = found_inf
         yield
     finally:

@@ -378,11 +378,17 @@ def _has_loss_scaler(optimizer) -> bool:
                for sub in grad_clip.sub_optimizers(optimizer))
 
 
+def _read_loss_and_norm(mean_loss: torch.Tensor, norm: torch.Tensor):
+    """(loss, grad norm) as Python floats, in one device-to-host read."""
+    return torch.stack([mean_loss.float(), norm.to(mean_loss.device)]).tolist()
+
+
 def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.device):
     """megatron-core's optimizer step, refused for a non-finite loss or grad norm.
 
-    ``total`` is :func:`reduce_lm_loss`'s [loss sum, loss tokens] of the global batch; the
-    grads are still the sums over its tokens (:func:`finalize_grads_without_token_division`).
+    ``total`` is :func:`reduce_lm_loss`'s [loss sum, loss tokens] of the global batch, on
+    ``device`` (where the norm is computed too); the grads are still the sums over its tokens
+    (:func:`finalize_grads_without_token_division`).
     The steps of ``MegatronOptimizer.step`` (``prepare_grads``, the grad norm over the model-
     and data-parallel groups, clipping by that norm, ``step_with_ready_grads``), with the
     division by the number of loss tokens that megatron-core's ``finalize_model_grads`` does,
@@ -407,11 +413,11 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
     adams = grad_clip.fused_adams(optimizer)
     if adams is not None:
         optimizer.prepare_grads()      # no loss scaler: views / copies of the grads only
-        norm = grad_clip.grad_norm(optimizer, device) / num_tokens.to(device)
-        ok = torch.isfinite(norm) & torch.isfinite(mean_loss.to(device))
-        with grad_clip.scaled_in_adam(optimizer, adams, num_tokens.to(device), norm, ok):
+        norm = grad_clip.grad_norm(optimizer, device) / num_tokens
+        ok = torch.isfinite(norm) & torch.isfinite(mean_loss)
+        with grad_clip.scaled_in_adam(optimizer, adams, num_tokens, norm, ok):
             optimizer.step_with_ready_grads()
-        loss, grad_norm = torch.stack([mean_loss.float(), norm.to(mean_loss.device)]).tolist()
+        loss, grad_norm = _read_loss_and_norm(mean_loss, norm)
         if not math.isfinite(loss):
             return False, loss, float("nan")
         return math.isfinite(grad_norm), loss, grad_norm
@@ -428,7 +434,7 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
     else:
         optimizer.prepare_grads()
         norm = grad_clip.grad_norm(optimizer, device)
-        loss, grad_norm = torch.stack([mean_loss.float(), norm.to(mean_loss.device)]).tolist()
+        loss, grad_norm = _read_loss_and_norm(mean_loss, norm)
         if not math.isfinite(loss):
             return False, loss, float("nan")
     if not math.isfinite(grad_norm):
