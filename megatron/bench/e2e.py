@@ -59,6 +59,12 @@ is compared with the peer's ``none``). The report gives each peer's tokens/s, MF
 memory and the ratio of this project's per-GPU tokens/s to the peer's. A peer whose package
 is missing is reported as ``missing`` with the install line (``pip install -e .[peers]``).
 
+Rounds (``--rounds N``): each length's runs and its peers' are repeated N times, alternating
+(ours, peers, ours, peers, ...), so that a drift of the machine over minutes (clocks, heat)
+lands on both sides; each row records its round, ratios are taken within a round, and the
+report adds, per length, the ratio of the mean tokens/s over the rounds with the range of the
+per-round ratios (run-to-run noise of one run's mean is ~1-3 % on the H200 at 32K).
+
 Ceiling (``--ceiling``, default on CUDA): :mod:`megatron.bench.ceiling` times the step's
 matmuls and attention alone for each length, in a process of its own before the training
 runs; one-GPU rows then show the ceiling MFU and the share of it reached.
@@ -175,6 +181,7 @@ class E2EConfig:
     markdown: Optional[str] = None
     peers: List[str] = field(default_factory=list)
     ceiling: str = "auto"                # auto (on CUDA) | on | off
+    rounds: int = 1                      # each length's runs and peers, repeated, alternating
 
     @property
     def shape(self) -> ModelPreset:
@@ -200,10 +207,17 @@ class RunSpec:
     ring: int
     recompute: str            # none | full
     iters: int
+    round: int = 1            # --rounds: which repetition of this length
 
     @property
     def name(self) -> str:
-        return f"S{self.seq_len}_U{self.ulysses}xR{self.ring}_{self.recompute}"
+        return (f"S{self.seq_len}_U{self.ulysses}xR{self.ring}_{self.recompute}"
+                f"{round_suffix(self.round)}")
+
+
+def round_suffix(round_: int) -> str:
+    """File-name suffix of a run's log: none for the first round, ``_r2`` ... after it."""
+    return "" if round_ == 1 else f"_r{round_}"
 
 
 @dataclass
@@ -248,6 +262,7 @@ class E2EResult:
     tokens_per_s_per_gpu: Optional[float] = None
     ceiling_mfu: Optional[float] = None  # one-GPU rows, with --ceiling
     ceiling_share: Optional[float] = None
+    round: int = 1                       # --rounds: which repetition of this length
 
 
 # --------------------------------------------------------------------------- the command
@@ -485,7 +500,8 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     gbs = global_batch_size(cfg, spec)
     res = E2EResult(spec.seq_len, spec.ulysses, spec.ring, spec.recompute, cfg.nproc_per_node,
                     gbs, outcome.status, outcome.note, log_path=outcome.log_path,
-                    command=" ".join(shlex.quote(c) for c in outcome.command))
+                    command=" ".join(shlex.quote(c) for c in outcome.command),
+                    round=spec.round)
     res.flops_per_iteration = training_flops_per_iteration(cfg.shape.flops_shape(spec.seq_len),
                                                            gbs)
     steps = train_steps(outcome.records)
@@ -512,11 +528,12 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
 
 
 # --------------------------------------------------------------------------- peers
-def run_peer(cfg: E2EConfig, peer: str, seq_len: int, recompute: str) -> E2EResult:
+def run_peer(cfg: E2EConfig, peer: str, seq_len: int, recompute: str,
+             round_: int = 1) -> E2EResult:
     """Train ``peer`` (:mod:`megatron.bench.hf_peer`) at ``seq_len`` in a process of its own."""
     log_dir = Path(cfg.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    name = f"S{seq_len}_{peer}_{recompute}"
+    name = f"S{seq_len}_{peer}_{recompute}{round_suffix(round_)}"
     out, log_path = log_dir / f"{name}.json", log_dir / f"{name}.log"
     if out.exists():
         out.unlink()
@@ -537,14 +554,15 @@ def run_peer(cfg: E2EConfig, peer: str, seq_len: int, recompute: str) -> E2EResu
         tail = " / ".join(t.strip()[:160] for t in text.splitlines()[-3:] if t.strip())
         data = {"status": status, "note": f"exit {rc}: {tail}"}
     return peer_result(peer, seq_len, recompute, data, str(log_path),
-                       " ".join(shlex.quote(c) for c in cmd))
+                       " ".join(shlex.quote(c) for c in cmd), round_)
 
 
 def peer_result(peer: str, seq_len: int, recompute: str, data: dict, log_path: str,
-                command: str) -> E2EResult:
+                command: str, round_: int = 1) -> E2EResult:
     """A report row from a peer's JSON (:class:`megatron.bench.hf_peer.PeerResult` keys)."""
     res = E2EResult(seq_len, 1, 1, recompute, 1, 1, data.get("status", "error"),
-                    data.get("note"), log_path=log_path, command=command, stack=peer)
+                    data.get("note"), log_path=log_path, command=command, stack=peer,
+                    round=round_)
     for key in ("iterations_measured", "iter_ms", "tokens_per_s", "tflops_per_gpu", "mfu",
                 "peak_mem_gib", "flops_per_iteration", "peak_tflops", "last_loss"):
         if data.get(key) is not None:
@@ -566,19 +584,52 @@ def peer_recompute_order(recompute: str) -> List[str]:
 
 
 def peer_ratios(results: Sequence[E2EResult]) -> List[dict]:
-    """For each peer row that trained, this project's rows of the same length that trained:
-    per-GPU tokens/s and peak memory of ours over the peer's."""
+    """For each peer row that trained, this project's rows of the same length and round that
+    trained: per-GPU tokens/s and peak memory of ours over the peer's."""
     out = []
     for peer in (r for r in results if r.stack != "megatron-usp" and r.status == "ok"):
         for ours in (r for r in results if r.stack == "megatron-usp" and r.status == "ok"
-                     and r.seq_len == peer.seq_len):
+                     and r.seq_len == peer.seq_len and r.round == peer.round):
             out.append({
                 "seq_len": ours.seq_len, "split": f"{ours.ulysses}x{ours.ring}",
                 "recompute": ours.recompute, "peer": peer.stack,
-                "peer_recompute": peer.recompute,
+                "peer_recompute": peer.recompute, "round": ours.round,
                 "tokens_per_s_ratio": ours.tokens_per_s_per_gpu / peer.tokens_per_s_per_gpu,
                 "peak_mem_ratio": (ours.peak_mem_gib / peer.peak_mem_gib
                                    if ours.peak_mem_gib and peer.peak_mem_gib else None)})
+    return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def pooled_ratios(results: Sequence[E2EResult]) -> List[dict]:
+    """Over the rounds (``--rounds``): for each length, split and recompute of ours against
+    each peer (and its recompute), the ratio of the mean per-GPU tokens/s over the rounds in
+    which both trained, the range of the per-round ratios, and our share of the ceiling at
+    our mean iteration time. One entry per pair, also for a single round."""
+    groups: Dict[tuple, List[Tuple[E2EResult, E2EResult]]] = {}
+    for peer in (r for r in results if r.stack != "megatron-usp" and r.status == "ok"):
+        for ours in (r for r in results if r.stack == "megatron-usp" and r.status == "ok"
+                     and r.seq_len == peer.seq_len and r.round == peer.round):
+            key = (ours.seq_len, ours.ulysses, ours.ring, ours.recompute, peer.stack,
+                   peer.recompute)
+            groups.setdefault(key, []).append((ours, peer))
+    out = []
+    for (seq_len, u, r, recompute, peer, peer_recompute), pairs in groups.items():
+        each = [o.tokens_per_s_per_gpu / p.tokens_per_s_per_gpu for o, p in pairs]
+        ours_ms = _mean([o.iter_ms for o, _ in pairs])
+        shares = [o.ceiling_share * o.iter_ms for o, _ in pairs if o.ceiling_share]
+        out.append({
+            "seq_len": seq_len, "split": f"{u}x{r}", "recompute": recompute, "peer": peer,
+            "peer_recompute": peer_recompute, "rounds": len(pairs),
+            "ours_iter_ms": ours_ms, "peer_iter_ms": _mean([p.iter_ms for _, p in pairs]),
+            "tokens_per_s_ratio": (_mean([o.tokens_per_s_per_gpu for o, _ in pairs])
+                                   / _mean([p.tokens_per_s_per_gpu for _, p in pairs])),
+            "ratio_min": min(each), "ratio_max": max(each),
+            # the ceiling is timed once per length: the same ceiling_ms on every round's row
+            "ceiling_share": _mean(shares) / ours_ms if shares else None})
     return out
 
 
@@ -616,7 +667,7 @@ def ceiling_enabled(cfg: E2EConfig) -> bool:
 
 # --------------------------------------------------------------------------- sweeps
 Runner = Callable[[E2EConfig, RunSpec], RunOutcome]
-PeerRunner = Callable[[E2EConfig, str, int, str], E2EResult]
+PeerRunner = Callable[[E2EConfig, str, int, str, int], E2EResult]
 
 
 def throughput_sweep(cfg: E2EConfig, runner: Runner = run_training,
@@ -644,19 +695,20 @@ def throughput_sweep(cfg: E2EConfig, runner: Runner = run_training,
         return record(summarize(cfg, spec, runner(cfg, spec)))
 
     for seq_len in cfg.seq_lens:
-        for u, r in cfg.splits:
-            first = cfg.recompute
-            if first == "auto":
-                first = "full" if (u, r) in needs_full else "none"
-            res = run(RunSpec(seq_len, u, r, first, cfg.iters))
-            if res.status == "oom" and cfg.recompute == "auto" and first == "none":
-                needs_full.add((u, r))
-                run(RunSpec(seq_len, u, r, "full", cfg.iters))
-        for peer in cfg.peers:
-            for recompute in peer_recompute_order(cfg.recompute):
-                res = record(peer_runner(cfg, peer, seq_len, recompute))
-                if res.status != "oom":
-                    break
+        for round_ in range(1, cfg.rounds + 1):
+            for u, r in cfg.splits:
+                first = cfg.recompute
+                if first == "auto":
+                    first = "full" if (u, r) in needs_full else "none"
+                res = run(RunSpec(seq_len, u, r, first, cfg.iters, round_))
+                if res.status == "oom" and cfg.recompute == "auto" and first == "none":
+                    needs_full.add((u, r))
+                    run(RunSpec(seq_len, u, r, "full", cfg.iters, round_))
+            for peer in cfg.peers:
+                for recompute in peer_recompute_order(cfg.recompute):
+                    res = record(peer_runner(cfg, peer, seq_len, recompute, round_))
+                    if res.status != "oom":
+                        break
     return results
 
 
@@ -691,7 +743,9 @@ def _who(r: E2EResult) -> str:
 
 
 def progress_line(r: E2EResult) -> str:
-    head = f"{PROGRESS_PREFIX} S={r.seq_len} {_who(r)} recompute={r.recompute:<4} {r.status}"
+    where = f" round {r.round}" if r.round > 1 else ""
+    head = (f"{PROGRESS_PREFIX} S={r.seq_len} {_who(r)}{where} recompute={r.recompute:<4} "
+            f"{r.status}")
     if r.status != "ok":
         return f"{head}: {r.note or ''} (log {r.log_path})"
     mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
@@ -710,10 +764,21 @@ def progress_line(r: E2EResult) -> str:
 
 def ratio_line(ratio: dict) -> str:
     mem = ratio["peak_mem_ratio"]
+    where = f" round {ratio['round']}" if ratio.get("round", 1) > 1 else ""
     return (f"{PROGRESS_PREFIX} S={ratio['seq_len']} U x R {ratio['split']} "
-            f"({ratio['recompute']}) vs {ratio['peer']} ({ratio['peer_recompute']}): "
+            f"({ratio['recompute']}) vs {ratio['peer']} ({ratio['peer_recompute']}){where}: "
             f"{ratio['tokens_per_s_ratio']:.3f}x tokens/s per GPU, "
             f"{'n/a' if mem is None else f'{mem:.2f}x'} peak memory")
+
+
+def pooled_line(p: dict) -> str:
+    share = ("" if p["ceiling_share"] is None
+             else f", ours at {100 * p['ceiling_share']:.1f}% of the ceiling")
+    return (f"{PROGRESS_PREFIX} S={p['seq_len']} U x R {p['split']} ({p['recompute']}) vs "
+            f"{p['peer']} ({p['peer_recompute']}) over {p['rounds']} round(s): "
+            f"{p['tokens_per_s_ratio']:.3f}x tokens/s per GPU (rounds "
+            f"{p['ratio_min']:.3f}-{p['ratio_max']:.3f}x; {p['ours_iter_ms']:.1f} vs "
+            f"{p['peer_iter_ms']:.1f} ms/iter){share}")
 
 
 def _peaks(results: List[E2EResult]) -> str:
@@ -739,16 +804,36 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
              report.fmt(r.peak_mem_gib), report.fmt(r.peak_host_gib),
              report.fmt(r.ceiling_mfu, pct=True), report.fmt(r.ceiling_share, pct=True)]
             for r in results]
+    rounds = cfg.rounds > 1
+    if rounds:
+        headers.insert(1, "round")
+        for row, r in zip(rows, results):
+            row.insert(1, str(r.round))
     text = title + report.metadata_markdown(meta) + "\n" + report.markdown_table(headers, rows)
     ratios = peer_ratios(results)
     if ratios:
-        text += "\n" + report.markdown_table(
-            ["S", "U x R", "recompute", "peer", "peer recompute", "tokens/s per GPU vs peer",
-             "peak memory vs peer"],
-            [[seq_label(x["seq_len"]), x["split"], x["recompute"], x["peer"],
-              x["peer_recompute"], f"{x['tokens_per_s_ratio']:.3f}x",
-              "n/a" if x["peak_mem_ratio"] is None else f"{x['peak_mem_ratio']:.2f}x"]
-             for x in ratios])
+        ratio_rows = [[seq_label(x["seq_len"]), x["split"], x["recompute"], x["peer"],
+                       x["peer_recompute"], f"{x['tokens_per_s_ratio']:.3f}x",
+                       "n/a" if x["peak_mem_ratio"] is None else f"{x['peak_mem_ratio']:.2f}x"]
+                      for x in ratios]
+        ratio_headers = ["S", "U x R", "recompute", "peer", "peer recompute",
+                         "tokens/s per GPU vs peer", "peak memory vs peer"]
+        if rounds:
+            ratio_headers.insert(1, "round")
+            for row, x in zip(ratio_rows, ratios):
+                row.insert(1, str(x["round"]))
+        text += "\n" + report.markdown_table(ratio_headers, ratio_rows)
+    if rounds and ratios:
+        text += ("\nOver the rounds (the ratio of the mean tokens/s; the range of the "
+                 "per-round ratios):\n\n" + report.markdown_table(
+                     ["S", "U x R", "recompute", "peer", "rounds", "ms/iter ours / peer",
+                      "tokens/s per GPU vs peer", "per-round range", "our share of ceiling"],
+                     [[seq_label(x["seq_len"]), x["split"], x["recompute"], x["peer"],
+                       str(x["rounds"]), f"{x['ours_iter_ms']:.1f} / {x['peer_iter_ms']:.1f}",
+                       f"{x['tokens_per_s_ratio']:.3f}x",
+                       f"{x['ratio_min']:.3f}-{x['ratio_max']:.3f}x",
+                       report.fmt(x["ceiling_share"], pct=True)]
+                      for x in pooled_ratios(results)]))
     if longest is not None:
         text += "\nLongest sequence that trained: " + ", ".join(
             f"{k}: {seq_label(v) if v else 'none'}" for k, v in longest.items()) + "\n"
@@ -797,6 +882,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated peers trained on one GPU after each length's runs: "
                         "hf (Hugging Face transformers), hf-liger (with Liger's kernels), or "
                         "none; install them with pip install -e .[peers]")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat each length's runs and its peers this many times, alternating "
+                        "(ours, peers, ours, ...); ratios per round and over the rounds")
     p.add_argument("--ceiling", default="auto", choices=["auto", "on", "off"],
                    help="time the step's matmuls and attention alone first (the zero-overhead "
                         "ceiling); auto: on CUDA")
@@ -831,7 +919,7 @@ def config_from_args(ns: argparse.Namespace) -> E2EConfig:
         max_seq=stop, timeout_s=ns.timeout, log_dir=ns.log_dir,
         pretrain_script=ns.pretrain_script, extra_args=shlex.split(ns.extra_args),
         seed=ns.seed, out=ns.out, markdown=ns.markdown, peers=parse_peers(ns.peers),
-        ceiling=ns.ceiling)
+        ceiling=ns.ceiling, rounds=ns.rounds)
 
 
 def validate_config(cfg: E2EConfig) -> None:
@@ -852,6 +940,12 @@ def validate_config(cfg: E2EConfig) -> None:
             raise BenchConfigError(
                 f"--splits {u}x{r}: U*R = {u * r} must divide --nproc-per-node "
                 f"{cfg.nproc_per_node}; try --splits {cfg.nproc_per_node}x1")
+    if cfg.rounds < 1:
+        raise BenchConfigError(f"--rounds {cfg.rounds}: at least 1 (try --rounds 2 to "
+                               f"alternate two runs of each stack)")
+    if cfg.rounds > 1 and cfg.find_max_seq:
+        raise BenchConfigError("--rounds repeats throughput runs; it cannot run with "
+                               "--find-max-seq (drop one of them)")
     if cfg.peers and cfg.find_max_seq:
         raise BenchConfigError("--peers compares throughput; it cannot run with "
                                "--find-max-seq (drop one of them)")
@@ -905,6 +999,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         payload["peer_ratios"] = peer_ratios(done)
         for ratio in payload["peer_ratios"]:
             print(ratio_line(ratio), flush=True)
+        payload["pooled_ratios"] = pooled_ratios(done)
+        if cfg.rounds > 1:
+            for pooled in payload["pooled_ratios"]:
+                print(pooled_line(pooled), flush=True)
     meta["device"] = report.device_description(_device(cfg))
     _write(cfg, payload, meta, done, longest)
     return 0

@@ -399,17 +399,19 @@ def test_e2e_bad_input_names_the_flag(tmp_path):
         e2e.config_from_args(e2e.build_parser().parse_args(["--max-seq", "lots"]))
 
 
-def _peer_runner(fails):
-    """A peer runner: ``fails(peer, seq_len, recompute)`` gives a status, else a 200 ms run."""
+def _peer_runner(fails, ms=lambda round_: 200.0):
+    """A peer runner: ``fails(peer, seq_len, recompute)`` gives a status, else a run of
+    ``ms(round)`` milliseconds per iteration."""
     calls = []
 
-    def run(cfg, peer, seq_len, recompute):
+    def run(cfg, peer, seq_len, recompute, round_=1):
         calls.append((peer, seq_len, recompute))
         status = fails(peer, seq_len, recompute)
+        t = ms(round_)
         data = ({"status": status, "note": status} if status else
-                {"status": "ok", "iter_ms": 200.0, "tokens_per_s": seq_len / 0.2,
+                {"status": "ok", "iter_ms": t, "tokens_per_s": seq_len / (t / 1e3),
                  "peak_mem_gib": 20.0, "mfu": 0.3, "iterations_measured": 2})
-        return e2e.peer_result(peer, seq_len, recompute, data, "l", "cmd")
+        return e2e.peer_result(peer, seq_len, recompute, data, "l", "cmd", round_)
 
     return run, calls
 
@@ -443,6 +445,73 @@ def test_peers_follow_each_length_and_retry_after_oom():
             f"{ours.peak_mem_gib / 20.0:.2f}x |") in md
     assert e2e.peer_recompute_order("selective") == ["none"]
     assert e2e.peer_recompute_order("full") == ["full"]
+
+
+def test_rounds_alternate_the_stacks_and_pool_the_ratios(tmp_path):
+    calls = []
+
+    def run(cfg, spec):      # ours: 100 ms per iteration in round 1, 120 ms in round 2
+        calls.append(("ours", spec.seq_len, spec.round, spec.name))
+        t = 100.0 if spec.round == 1 else 120.0
+        return e2e.RunOutcome("ok", 0, _records([t] * spec.iters), "l", [])
+
+    peer_run, peer_calls = _peer_runner(lambda p, s, r: None,
+                                        ms=lambda round_: 200.0 if round_ == 1 else 180.0)
+
+    def peer(cfg, name, seq_len, recompute, round_=1):
+        calls.append((name, seq_len, round_))
+        return peer_run(cfg, name, seq_len, recompute, round_)
+
+    cfg = _e2e_cfg(seq_lens=[32768, 65536], splits=[(1, 1)], nproc_per_node=1,
+                   peers=["hf-liger"], rounds=2, recompute="lean")
+    results = e2e.throughput_sweep(cfg, runner=run, peer_runner=peer,
+                                   ceilings={32768: {"ceiling_ms": 50.0, "ceiling_mfu": 0.5}})
+    # per length: ours, peer, ours, peer; each of our runs has a log of its own
+    assert [c[:3] for c in calls] == [
+        ("ours", 32768, 1), ("hf-liger", 32768, 1), ("ours", 32768, 2), ("hf-liger", 32768, 2),
+        ("ours", 65536, 1), ("hf-liger", 65536, 1), ("ours", 65536, 2), ("hf-liger", 65536, 2)]
+    assert [c[3] for c in calls if c[0] == "ours"][:2] == ["S32768_U1xR1_lean",
+                                                            "S32768_U1xR1_lean_r2"]
+    assert [r.round for r in results[:4]] == [1, 1, 2, 2]
+    ratios = e2e.peer_ratios(results)    # within a round only: 2 per length, not 4
+    assert [(x["seq_len"], x["round"]) for x in ratios] == [(32768, 1), (32768, 2),
+                                                           (65536, 1), (65536, 2)]
+    assert [x["tokens_per_s_ratio"] for x in ratios[:2]] == pytest.approx([2.0, 1.5])
+    pooled = e2e.pooled_ratios(results)
+    assert [(x["seq_len"], x["rounds"]) for x in pooled] == [(32768, 2), (65536, 2)]
+    first = pooled[0]
+    # the mean tokens/s over the rounds: (1/0.1 + 1/0.12) / (1/0.2 + 1/0.18)
+    assert first["tokens_per_s_ratio"] == pytest.approx((10 + 1 / 0.12) / (5 + 1 / 0.18))
+    assert (first["ratio_min"], first["ratio_max"]) == pytest.approx((1.5, 2.0))
+    assert first["ours_iter_ms"] == pytest.approx(110.0)
+    assert first["peer_iter_ms"] == pytest.approx(190.0)
+    assert first["ceiling_share"] == pytest.approx(50.0 / 110.0)
+    assert pooled[1]["ceiling_share"] is None                     # no ceiling at 64K
+    line = e2e.pooled_line(first)
+    assert "over 2 round(s): 1.737x" in line and "1.500-2.000x" in line
+    assert "45.5% of the ceiling" in line
+    assert " round 2 " in e2e.progress_line(results[2])
+    assert " round " not in e2e.progress_line(results[0])
+    meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 1)
+    md = e2e.results_markdown(meta, cfg, results)
+    assert "| 32K | 2 | megatron-usp | 1x1 | lean | ok |" in md
+    assert "| 32K | 2 | 1x1 | lean | hf-liger | none | 1.500x |" in md
+    assert "| 32K | 1x1 | lean | hf-liger | 2 | 110.0 / 190.0 | 1.737x | 1.500-2.000x |" in md
+    # one round: the report keeps its columns, and the pooled entry equals the one ratio
+    one = e2e.throughput_sweep(_e2e_cfg(seq_lens=[32768], splits=[(1, 1)], nproc_per_node=1,
+                                        peers=["hf-liger"]), runner=run, peer_runner=peer)
+    assert e2e.pooled_ratios(one)[0]["tokens_per_s_ratio"] == pytest.approx(2.0)
+    assert "| round |" not in e2e.results_markdown(meta, _e2e_cfg(), one)
+
+
+def test_rounds_flag():
+    script = REPO / "pretrain_gpt.py"
+    ns = e2e.build_parser().parse_args(["--rounds", "3", "--seq-lens", "32k"])
+    assert e2e.config_from_args(ns).rounds == 3
+    for kw, needle in [(dict(rounds=0), "--rounds 0"),
+                       (dict(rounds=2, find_max_seq=True), "--find-max-seq")]:
+        with pytest.raises(cli.BenchConfigError, match=needle):
+            e2e.validate_config(_e2e_cfg(pretrain_script=str(script), **kw))
 
 
 def test_peer_rows_keep_the_measured_iterations():
