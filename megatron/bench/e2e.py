@@ -583,20 +583,27 @@ def peer_recompute_order(recompute: str) -> List[str]:
     return [recompute]
 
 
+def _compared_pairs(results: Sequence[E2EResult]) -> List[Tuple[E2EResult, E2EResult]]:
+    """(ours, peer) for each peer row that trained and each of this project's rows of the
+    same length and round that trained, peers in report order."""
+    return [(ours, peer)
+            for peer in results if peer.stack != "megatron-usp" and peer.status == "ok"
+            for ours in results if ours.stack == "megatron-usp" and ours.status == "ok"
+            and ours.seq_len == peer.seq_len and ours.round == peer.round]
+
+
 def peer_ratios(results: Sequence[E2EResult]) -> List[dict]:
     """For each peer row that trained, this project's rows of the same length and round that
     trained: per-GPU tokens/s and peak memory of ours over the peer's."""
     out = []
-    for peer in (r for r in results if r.stack != "megatron-usp" and r.status == "ok"):
-        for ours in (r for r in results if r.stack == "megatron-usp" and r.status == "ok"
-                     and r.seq_len == peer.seq_len and r.round == peer.round):
-            out.append({
-                "seq_len": ours.seq_len, "split": f"{ours.ulysses}x{ours.ring}",
-                "recompute": ours.recompute, "peer": peer.stack,
-                "peer_recompute": peer.recompute, "round": ours.round,
-                "tokens_per_s_ratio": ours.tokens_per_s_per_gpu / peer.tokens_per_s_per_gpu,
-                "peak_mem_ratio": (ours.peak_mem_gib / peer.peak_mem_gib
-                                   if ours.peak_mem_gib and peer.peak_mem_gib else None)})
+    for ours, peer in _compared_pairs(results):
+        out.append({
+            "seq_len": ours.seq_len, "split": f"{ours.ulysses}x{ours.ring}",
+            "recompute": ours.recompute, "peer": peer.stack,
+            "peer_recompute": peer.recompute, "round": ours.round,
+            "tokens_per_s_ratio": ours.tokens_per_s_per_gpu / peer.tokens_per_s_per_gpu,
+            "peak_mem_ratio": (ours.peak_mem_gib / peer.peak_mem_gib
+                               if ours.peak_mem_gib and peer.peak_mem_gib else None)})
     return out
 
 
@@ -610,12 +617,10 @@ def pooled_ratios(results: Sequence[E2EResult]) -> List[dict]:
     which both trained, the range of the per-round ratios, and our share of the ceiling at
     our mean iteration time. One entry per pair, also for a single round."""
     groups: Dict[tuple, List[Tuple[E2EResult, E2EResult]]] = {}
-    for peer in (r for r in results if r.stack != "megatron-usp" and r.status == "ok"):
-        for ours in (r for r in results if r.stack == "megatron-usp" and r.status == "ok"
-                     and r.seq_len == peer.seq_len and r.round == peer.round):
-            key = (ours.seq_len, ours.ulysses, ours.ring, ours.recompute, peer.stack,
-                   peer.recompute)
-            groups.setdefault(key, []).append((ours, peer))
+    for ours, peer in _compared_pairs(results):
+        key = (ours.seq_len, ours.ulysses, ours.ring, ours.recompute, peer.stack,
+               peer.recompute)
+        groups.setdefault(key, []).append((ours, peer))
     out = []
     for (seq_len, u, r, recompute, peer, peer_recompute), pairs in groups.items():
         each = [o.tokens_per_s_per_gpu / p.tokens_per_s_per_gpu for o, p in pairs]
@@ -786,6 +791,14 @@ def _peaks(results: List[E2EResult]) -> str:
     return ", ".join(f"{p:g}" for p in peaks) or "n/a"
 
 
+def _insert_round_column(headers: List[str], rows: List[List[str]],
+                         rounds: Sequence[int]) -> None:
+    """A "round" column after the first one (tables of a ``--rounds`` run)."""
+    headers.insert(1, "round")
+    for row, round_ in zip(rows, rounds):
+        row.insert(1, str(round_))
+
+
 def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
                      longest: Optional[Dict[str, Optional[int]]] = None) -> str:
     s = cfg.shape
@@ -806,9 +819,7 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
             for r in results]
     rounds = cfg.rounds > 1
     if rounds:
-        headers.insert(1, "round")
-        for row, r in zip(rows, results):
-            row.insert(1, str(r.round))
+        _insert_round_column(headers, rows, [r.round for r in results])
     text = title + report.metadata_markdown(meta) + "\n" + report.markdown_table(headers, rows)
     ratios = peer_ratios(results)
     if ratios:
@@ -819,9 +830,7 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
         ratio_headers = ["S", "U x R", "recompute", "peer", "peer recompute",
                          "tokens/s per GPU vs peer", "peak memory vs peer"]
         if rounds:
-            ratio_headers.insert(1, "round")
-            for row, x in zip(ratio_rows, ratios):
-                row.insert(1, str(x["round"]))
+            _insert_round_column(ratio_headers, ratio_rows, [x["round"] for x in ratios])
         text += "\n" + report.markdown_table(ratio_headers, ratio_rows)
     if rounds and ratios:
         text += ("\nOver the rounds (the ratio of the mean tokens/s; the range of the "

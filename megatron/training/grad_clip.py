@@ -32,7 +32,8 @@ norm not finite", the step needs no host read before it: :func:`scaled_in_adam`.
 a pass over the grads for the division (megatron-core's ``scale_gradients``) and one for the
 clip, and the host sync in ``finalize_model_grads`` (``if num_tokens > 0``), after which the
 GPU waited for the host to queue the rest of the step: ~2.5 + 1.9 ms and the waits per 32K
-step of the 0.85B model on one H200 (docs/performance.md 6.1). Where a sub-optimizer steps
+step of the 0.85B model on one H200 in the profile (docs/performance.md 6.2), though an
+alternating end-to-end A/B did not show it faster (6.3). Where a sub-optimizer steps
 with anything else (SGD, a loss scaler, the CPU-offload optimizer, Megatron-FSDP's DTensors,
 TransformerEngine's precision-aware Adam), :func:`fused_adams` says so and the training loop
 divides and clips the grads in megatron-core's order before the step.
