@@ -158,6 +158,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                         "kernels, pip install liger-kernel), compile (torch.compile of the "
                         "plain ops), torch (plain PyTorch / megatron-core's own), or auto (usp "
                         "on CUDA, else torch)")
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="the weight-gradient GEMMs of QKV, the projection, FC1 and FC2 add into "
+                        "the float32 gradient buffer (Megatron-LM's default, there through apex; "
+                        "here with PyTorch): no bf16 weight gradient, one pass over the buffer "
+                        "less. --no-gradient-accumulation-fusion: megatron-core's separate "
+                        "addition")
     g.add_argument("--usp-overlap-chunks", type=_chunks, default="auto",
                    help="head chunks pipelining USP's all-to-alls with attention: 1 (off), a "
                         "divisor of the KV heads per Ulysses rank, or auto (2 when only one of "

@@ -68,6 +68,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch.autograd.function import once_differentiable
 
+from megatron.usp.linear_wgrad import accumulate_wgrad
+
 DEFAULT_CHUNK_TOKENS = 8192
 
 
@@ -186,11 +188,11 @@ def _fused(fn, on_cuda: bool):
     return _COMPILED[fn]
 
 
-def forward_chunk_with_grads(hidden, weight, labels, row_weight, vocab, tp_group):
-    """One chunk's (loss [n], lse [n], grad_hidden [n, H], grad_weight [V/tp, H]), the
-    gradients of ``sum(loss * row_weight)`` (grad_hidden this rank's partial sum over its
-    vocabulary rows; grad_weight in the logits' dtype). Same all-reduces as
-    :func:`forward_chunk`."""
+def forward_chunk_with_grads(hidden, weight, labels, row_weight, vocab, tp_group, grad_weight):
+    """One chunk's (loss [n], lse [n], grad_hidden [n, H]) and its weight gradient added into
+    ``grad_weight [V/tp, H]`` (float32, summed in the GEMM), the gradients of
+    ``sum(loss * row_weight)`` (grad_hidden this rank's partial sum over its vocabulary
+    rows). Same all-reduces as :func:`forward_chunk`."""
     cuda = hidden.is_cuda
     logits = torch.matmul(hidden, weight.t())                    # [n, V/tp] weight dtype
     local, owned = _local_targets(labels, vocab)
@@ -205,8 +207,8 @@ def forward_chunk_with_grads(hidden, weight, labels, row_weight, vocab, tp_group
     grad_logits = _fused(_logit_grad, cuda)(logits, lse, local, owned,
                                              row_weight.to(lse.dtype))
     del logits
-    return (lse - target, lse, torch.matmul(grad_logits, weight),
-            torch.matmul(grad_logits.t(), hidden))
+    accumulate_wgrad(grad_weight, grad_logits, hidden)
+    return lse - target, lse, torch.matmul(grad_logits, weight)
 
 
 def linear_cross_entropy_forward_with_grads(hidden, weight, labels, row_weights,
@@ -220,10 +222,9 @@ def linear_cross_entropy_forward_with_grads(hidden, weight, labels, row_weights,
     grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
     vocab = vocab_range(weight, tp_group)
     for start, end in chunk_bounds(num_tokens, chunk_tokens):
-        loss[start:end], lse[start:end], grad_hidden[start:end], gw = forward_chunk_with_grads(
+        loss[start:end], lse[start:end], grad_hidden[start:end] = forward_chunk_with_grads(
             hidden[start:end], weight, labels[start:end], row_weights[start:end], vocab,
-            tp_group)
-        grad_weight.add_(gw)
+            tp_group, grad_weight)
     return loss, lse, grad_hidden, grad_weight
 
 
@@ -266,8 +267,8 @@ def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor,
     """(grad_hidden [N, H] in the hidden dtype, grad_weight [V/tp, H] in the weight dtype).
 
     ``grad_hidden`` is this TP rank's partial sum over its vocabulary rows; the weight
-    gradient is accumulated in float32 over the chunks and cast once. Either is None when
-    not needed.
+    gradient is accumulated in float32 over the chunks (inside each chunk's GEMM) and cast
+    once. Either is None when not needed.
     """
     vocab = vocab_range(weight, tp_group)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -280,7 +281,7 @@ def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor,
         if need_hidden:
             grad_hidden[start:end] = torch.matmul(grad_logits, weight)
         if need_weight:
-            grad_weight.add_(torch.matmul(grad_logits.t(), h_chunk))
+            accumulate_wgrad(grad_weight, grad_logits, h_chunk)
     if need_weight:
         grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight

@@ -153,7 +153,8 @@ def build_gpt_model(args, config, groups: USPGroups):
                                   mlp_tile_tokens=getattr(args, "mlp_tile_tokens", None),
                                   recompute_keep=keep, mlp_tp_group=groups.tp,
                                   document_kernel=getattr(args, "document_attention_kernel",
-                                                          "auto"))
+                                                          "auto"),
+                                  fuse_wgrad=getattr(args, "gradient_accumulation_fusion", False))
     model_class, loss_kwargs = USPGPTModel, {}
     if getattr(args, "fused_linear_cross_entropy", False):
         from megatron.training.fused_loss_model import FusedLossGPTModel
@@ -240,9 +241,10 @@ def grad_buffer_dtype(args) -> torch.dtype:
 
     float32 (4 bytes per parameter), as Megatron-LM forces under ``--bf16``, unless
     ``--bf16 --grad-reduce-in-bf16`` (2 bytes; every accumulation and reduction step then
-    rounds to bf16). Each micro-batch's weight gradient still leaves autograd in the
-    parameter dtype and is added to the buffer (no gradient-accumulation fusion without
-    apex / TransformerEngine); see docs/numerics.md.
+    rounds to bf16). With ``--gradient-accumulation-fusion`` (the default) the linear
+    layers of the transformer layers add their weight gradients into it inside the GEMM
+    (:mod:`megatron.usp.linear_wgrad`); the other weights' gradients leave autograd in the
+    parameter dtype and DDP adds them; see docs/numerics.md.
     """
     if args.bf16 and getattr(args, "grad_reduce_in_bf16", False):
         return torch.bfloat16

@@ -45,7 +45,7 @@ from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.usp import fused_kernels, lean_kernels
+from megatron.usp import fused_kernels, lean_kernels, linear_wgrad
 from megatron.usp.norms import NORMALIZATIONS
 
 Tensor = torch.Tensor
@@ -67,11 +67,48 @@ def _norm_param(config, size: int, fill: float) -> torch.nn.Parameter:
     return param
 
 
-class NormColumnParallelLinear(ColumnParallelLinear):
+class _WgradIntoMainGrad:
+    """``_forward_impl`` of megatron-core's parallel linear layers (the method through which
+    they run their autograd function) replaced by :func:`megatron.usp.linear_wgrad.linear`
+    when ``fuse_wgrad`` (``--gradient-accumulation-fusion``) is set: the weight gradient
+    is added into ``main_grad`` by the GEMM. Frozen weights and a deferred embedding weight
+    gradient (``grad_output_buffer``) keep megatron-core's path."""
+
+    fuse_wgrad = False
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if (not self.fuse_wgrad or args or not weight.requires_grad
+                or kwargs.get("grad_output_buffer") is not None):
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return linear_wgrad.linear(input, weight, kwargs.get("bias"),
+                                   kwargs.get("allreduce_dgrad", False),
+                                   kwargs.get("sequence_parallel", False),
+                                   kwargs.get("tp_group"))
+
+
+class USPColumnParallelLinear(_WgradIntoMainGrad, ColumnParallelLinear):
+    """megatron-core's ``ColumnParallelLinear`` plus ``fuse_wgrad`` (:class:`_WgradIntoMainGrad`)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, fuse_wgrad: bool = False,
+                 **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.fuse_wgrad = fuse_wgrad
+
+
+class USPRowParallelLinear(_WgradIntoMainGrad, RowParallelLinear):
+    """megatron-core's ``RowParallelLinear`` plus ``fuse_wgrad`` (:class:`_WgradIntoMainGrad`)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, fuse_wgrad: bool = False,
+                 **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.fuse_wgrad = fuse_wgrad
+
+
+class NormColumnParallelLinear(USPColumnParallelLinear):
     """``ColumnParallelLinear`` applied to ``norm(x)``; keeps ``x``, not ``norm(x)``.
 
-    Same constructor as ``ColumnParallelLinear`` plus ``norm_impl`` (the RMSNorm kernel of
-    :func:`megatron.usp.fused_kernels.rms_norm`). Normalisation and epsilon from the config
+    Same constructor as :class:`USPColumnParallelLinear` plus ``norm_impl`` (the RMSNorm
+    kernel of :func:`megatron.usp.fused_kernels.rms_norm`). Normalisation and epsilon from the config
     (``normalization``, ``layernorm_epsilon``, ``layernorm_zero_centered_gamma``).
     Input ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism); output as the parent's.
     """
@@ -131,31 +168,39 @@ class PassThroughActivation(MegatronModule):
         return x
 
 
-class SwiGLURowParallelLinear(RowParallelLinear):
+class SwiGLURowParallelLinear(USPRowParallelLinear):
     """``RowParallelLinear`` (FC2) applied to ``SwiGLU(x)``; keeps FC1's output ``x``.
 
-    Same constructor as ``RowParallelLinear`` plus ``swiglu_impl``
+    Same constructor as :class:`USPRowParallelLinear` plus ``swiglu_impl``
     (:func:`megatron.usp.fused_kernels.swiglu`). Input ``[s, b, 2F/tp]`` (gate and up
     columns of this TP rank's features, as FC1 writes them); output as the parent's.
+    With the ``usp`` kernels the SwiGLU runs inside FC2's autograd function
+    (:func:`megatron.usp.linear_wgrad.swiglu_linear`), whose backward rebuilds the output
+    in the SwiGLU's own backward pass; with the others megatron-core's recompute does.
     """
 
     def __init__(self, input_size: int, output_size: int, *, config, swiglu_impl: str = "torch",
                  **kwargs):
         super().__init__(input_size, output_size, config=config, **kwargs)
+        if not self.input_is_parallel:
+            raise ValueError("SwiGLURowParallelLinear takes FC1's TP-parallel output: "
+                             "input_is_parallel must be True")
         self.swiglu_impl = swiglu_impl
 
     def activation(self, x: Tensor) -> Tensor:
         return fused_kernels.swiglu(x, self.swiglu_impl)
 
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if self.swiglu_impl != "usp" or not weight.requires_grad:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        # Row-parallel: no communication inside (megatron-core passes no bias either).
+        return linear_wgrad.swiglu_linear(input, weight, fuse_wgrad=self.fuse_wgrad)
+
     def forward(self, input_: Tensor):
+        if self.swiglu_impl == "usp" and self.weight.requires_grad:
+            return super().forward(input_)      # the SwiGLU runs in _forward_impl
         if not torch.is_grad_enabled():
             return super().forward(self.activation(input_))
-        if self.swiglu_impl == "usp":
-            act, refill = lean_kernels.swiglu(input_, refillable=True)
-            out, bias = super().forward(act)
-            if _keeps_graph(out):
-                lean_kernels.drop_until_backward(act, out, refill)
-            return out, bias
         ckpt = _checkpoint_without_output()
         act = ckpt.checkpoint(self.activation, input_)
         out, bias = super().forward(act)

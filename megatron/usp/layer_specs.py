@@ -27,6 +27,10 @@ layernorm`` / ``swiglu``): the norms before QKV and FC1 move into those linear l
 ``IdentityOp``), the SwiGLU into FC2 (:class:`~megatron.usp.fused_linears.SwiGLURowParallelLinear`,
 the activation slot passes FC1's output through); each recomputes its elementwise op in the backward.
 
+Weight gradients into ``main_grad`` (``fuse_wgrad``, ``--gradient-accumulation-fusion``): the
+four linear layers of each layer become this project's subclasses of megatron-core's
+(:func:`with_wgrad_fusion`, :mod:`megatron.usp.linear_wgrad`).
+
 Which to use: :func:`get_usp_gpt_block_spec` for ``GPTModel(transformer_layer_spec=...)``.
 Given only a layer spec, megatron-core's ``TransformerBlock`` builds its final norm from its
 module-level default (``WrappedTorchNorm`` without TransformerEngine or apex), which refuses
@@ -39,6 +43,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -54,6 +59,8 @@ from megatron.usp.fused_linears import (
     NormColumnParallelLinear,
     PassThroughActivation,
     SwiGLURowParallelLinear,
+    USPColumnParallelLinear,
+    USPRowParallelLinear,
 )
 from megatron.usp.kept_attention import RecomputeKeep
 from megatron.usp.kernels import BACKEND_NAMES
@@ -90,6 +97,23 @@ def usp_core_attention_spec(attention_backend: str = "auto",
     return ModuleSpec(module=USPAttention, params=params)
 
 
+_WGRAD_FUSED = {ColumnParallelLinear: USPColumnParallelLinear,
+                RowParallelLinear: USPRowParallelLinear}
+
+
+def with_wgrad_fusion(linear) -> ModuleSpec:
+    """The spec of a linear-layer slot (a class or a ``ModuleSpec``) with the weight gradient
+    added into ``main_grad`` by the GEMM (``fuse_wgrad``, :mod:`megatron.usp.linear_wgrad`):
+    megatron-core's parallel linears become this project's subclasses of them."""
+    module, params = ((linear.module, dict(linear.params or {}))
+                      if isinstance(linear, ModuleSpec) else (linear, {}))
+    module = _WGRAD_FUSED.get(module, module)
+    if not (isinstance(module, type) and issubclass(module, tuple(_WGRAD_FUSED.values()))):
+        raise TypeError(f"--gradient-accumulation-fusion: the linear layer {module!r} of the "
+                        f"layer spec is not one of megatron-core's parallel linear layers")
+    return ModuleSpec(module=module, params={**params, "fuse_wgrad": True})
+
+
 def norm_spec(normalization: str, fused_kernels: str = "torch") -> ModuleSpec:
     """``ModuleSpec`` of the :mod:`megatron.usp.norms` class for ``normalization``."""
     return ModuleSpec(module=norm_class(normalization), params={"impl": fused_kernels})
@@ -108,6 +132,7 @@ def get_usp_gpt_layer_spec(
     recompute_keep: Optional[RecomputeKeep] = None,
     mlp_tp_group=None,
     document_kernel: str = "auto",
+    fuse_wgrad: bool = False,
 ) -> ModuleSpec:
     """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
     norms of :mod:`megatron.usp.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
@@ -134,6 +159,8 @@ def get_usp_gpt_layer_spec(
         mlp_tp_group: the TP group of the tiled MLP's linears. ``TransformerLayer`` passes
             ``pg_collection.tp`` only to megatron-core's own ``MLP`` class (for others it logs
             "Unknown MLP type ... default kwargs"), so the tiled MLP gets it from its spec.
+        fuse_wgrad: ``--gradient-accumulation-fusion``: QKV, the projection, FC1 and FC2 add
+            their weight gradients into ``main_grad`` (:func:`with_wgrad_fusion`).
     """
     if fused_kernels not in FUSED_KERNEL_CHOICES[1:]:
         raise ValueError(f"fused_kernels {fused_kernels!r}: pass a resolved choice, one of "
@@ -176,6 +203,13 @@ def get_usp_gpt_layer_spec(
     else:
         spec.submodules = dataclasses.replace(layer, input_layernorm=norm,
                                               pre_mlp_layernorm=norm)
+    if fuse_wgrad:
+        attn.submodules = dataclasses.replace(
+            attn.submodules, linear_qkv=with_wgrad_fusion(attn.submodules.linear_qkv),
+            linear_proj=with_wgrad_fusion(attn.submodules.linear_proj))
+        mlp.submodules = dataclasses.replace(
+            mlp.submodules, linear_fc1=with_wgrad_fusion(mlp.submodules.linear_fc1),
+            linear_fc2=with_wgrad_fusion(mlp.submodules.linear_fc2))
     if mlp_tile_tokens is not None:
         mlp = spec.submodules.mlp
         spec.submodules.mlp = dataclasses.replace(
@@ -197,6 +231,7 @@ def get_usp_gpt_block_spec(
     recompute_keep: Optional[RecomputeKeep] = None,
     mlp_tp_group=None,
     document_kernel: str = "auto",
+    fuse_wgrad: bool = False,
 ) -> TransformerBlockSubmodules:
     """Decoder-block spec of one pipeline stage: its layers and the final norm, both USP's.
 
@@ -211,8 +246,8 @@ def get_usp_gpt_block_spec(
             ``vp_stage`` it decides how many layers this stage builds.
         attention_backend: as for :func:`get_usp_gpt_layer_spec`.
         vp_stage: virtual pipeline stage, or None.
-        overlap_chunks, mlp_tile_tokens, recompute_keep, mlp_tp_group, document_kernel: as for
-            :func:`get_usp_gpt_layer_spec`.
+        overlap_chunks, mlp_tile_tokens, recompute_keep, mlp_tp_group, document_kernel,
+            fuse_wgrad: as for :func:`get_usp_gpt_layer_spec`.
         fused_kernels: as for :func:`get_usp_gpt_layer_spec`; the MLP activation is the fused
             SwiGLU exactly when ``config.use_te_activation_func`` is set (and not
             ``lean_swiglu``).
@@ -229,7 +264,7 @@ def get_usp_gpt_block_spec(
                                    lean_norms=lean_norms, lean_swiglu=lean_swiglu,
                                    mlp_tile_tokens=mlp_tile_tokens,
                                    recompute_keep=recompute_keep, mlp_tp_group=mlp_tp_group,
-                                   document_kernel=document_kernel)
+                                   document_kernel=document_kernel, fuse_wgrad=fuse_wgrad)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=norm_spec(config.normalization,

@@ -152,7 +152,9 @@ def _triton_kernels():
         tl.store(y + row * f + cols, out.to(y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def glu_bwd(dy, x, dx, f, BLOCK: tl.constexpr):
+    def glu_bwd(dy, x, dx, f, BLOCK: tl.constexpr, REFILL: tl.constexpr):
+        # REFILL: also write the forward's output silu(gate) * up over dy, element by
+        # element after reading it (each element is read and written by the same program).
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < f
@@ -163,6 +165,8 @@ def _triton_kernels():
         dgate = d * up * sig * (1.0 + gate * (1.0 - sig))
         tl.store(dx + row * 2 * f + cols, dgate.to(dx.dtype.element_ty), mask=m)
         tl.store(dx + row * 2 * f + f + cols, (d * gate * sig).to(dx.dtype.element_ty), mask=m)
+        if REFILL:
+            tl.store(dy + row * f + cols, (gate * sig * up).to(dy.dtype.element_ty), mask=m)
 
     return rms_fwd, rms_bwd, glu_fwd, glu_bwd, triton.next_power_of_2
 
@@ -223,15 +227,28 @@ def _glu_forward(x2: Tensor, y2: Tensor) -> None:
     fwd[(rows, (f + _GLU_BLOCK - 1) // _GLU_BLOCK)](x2, y2, f, BLOCK=_GLU_BLOCK, num_warps=4)
 
 
-def _glu_backward(dy2: Tensor, x2: Tensor) -> Tensor:
+def _glu_backward(dy2: Tensor, x2: Tensor, refill: bool = False) -> Tensor:
     if not triton_usable(x2):
-        return swiglu_backward_math(dy2, x2)
+        dx = swiglu_backward_math(dy2, x2)
+        if refill:
+            swiglu_forward_math(x2, dy2)
+        return dx
     bwd = _triton_kernels()[3]
     rows, f = dy2.shape
     dx = torch.empty_like(x2)
     bwd[(rows, (f + _GLU_BLOCK - 1) // _GLU_BLOCK)](dy2, x2, dx, f, BLOCK=_GLU_BLOCK,
-                                                    num_warps=4)
+                                                    REFILL=refill, num_warps=4)
     return dx
+
+
+def swiglu_backward_refill(dy2: Tensor, x2: Tensor) -> Tensor:
+    """SwiGLU's backward that also recomputes its forward, for a consumer whose weight
+    gradient needs the output only after the output's gradient exists (FC2's backward:
+    :mod:`megatron.usp.linear_wgrad`). Reads ``x2 [rows, 2F]`` and ``dy2 [rows, F]`` once;
+    returns ``dx [rows, 2F]`` and overwrites ``dy2`` with ``silu(gate) * up`` (the forward's
+    bits). Both contiguous, of one dtype. Against a refill before the backward, one read of
+    ``x2`` less: ``4 * F`` bytes per row in bf16."""
+    return _glu_backward(dy2, x2, refill=True)
 
 
 # --------------------------------------------------------------------------- autograd

@@ -35,10 +35,14 @@ def _plain_name(name: str) -> str:
     return name
 
 
-def one_gpt_step(impl: str, lean: bool = False) -> Tuple[float, Dict[str, torch.Tensor]]:
+def one_gpt_step(impl: str, lean: bool = False,
+                 fuse_wgrad: bool = False) -> Tuple[float, Dict[str, torch.Tensor]]:
     """(mean loss, {parameter name: gradient}) with fused kernels ``impl``, fixed seed;
     ``lean``: the norm and SwiGLU outputs dropped and recomputed (``--recompute-modules
-    layernorm swiglu``), gradients under the plain layout's parameter names."""
+    layernorm swiglu``), gradients under the plain layout's parameter names;
+    ``fuse_wgrad``: the linear layers add their weight gradients into float32 ``main_grad``
+    buffers given as megatron-core's DDP gives them (``--gradient-accumulation-fusion``);
+    those parameters' gradients are read from there."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -55,18 +59,23 @@ def one_gpt_step(impl: str, lean: bool = False) -> Tuple[float, Dict[str, torch.
         torch.manual_seed(SEED)
         config = _config(impl != "torch" or lean)
         spec = get_usp_gpt_block_spec(config, pp_rank=0, fused_kernels=impl, lean_norms=lean,
-                                      lean_swiglu=lean)
+                                      lean_swiglu=lean, fuse_wgrad=fuse_wgrad)
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                          max_sequence_length=SEQ, position_embedding_type="rope",
                          share_embeddings_and_output_weights=False,
                          pg_collection=groups.pg_collection).cuda()
+        if fuse_wgrad:
+            for p in model.parameters():
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                p.grad_added_to_main_grad = False
         gen = torch.Generator().manual_seed(SEED)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).cuda()
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).cuda()
         position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ).cuda()
         loss = model(tokens, position_ids, None, labels=labels).float().mean()
         loss.backward()
-        grads = {_plain_name(n): p.grad.detach().float().clone()
+        grads = {_plain_name(n): (p.main_grad if getattr(p, "grad_added_to_main_grad", False)
+                                  else p.grad).detach().float().clone()
                  for n, p in model.named_parameters()}
         return float(loss.detach()), grads
     finally:

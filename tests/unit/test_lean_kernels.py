@@ -151,6 +151,11 @@ _INTERPRETED = textwrap.dedent("""
         y.detach().zero_()
         refill()
         assert torch.equal(y.detach(), kept), "glu refill"
+        # the backward that rewrites its forward over the gradient (FC2's backward)
+        buf = dy.clone()
+        dx = lk.swiglu_backward_refill(buf, x.detach())
+        close(dx, lk.swiglu_backward_math(dy.double(), x.detach().double()), "glu dx, refill")
+        assert torch.equal(buf, kept), "glu refill in the backward"
     print("kernels ok")
 """)
 
