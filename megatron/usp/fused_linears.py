@@ -20,11 +20,13 @@ norm / SwiGLU forward per layer in the backward).
 * :class:`SwiGLURowParallelLinear` fills ``linear_fc2`` and takes FC1's ``[.., 2F/tp]``
   output, with the MLP's activation slot set to :class:`PassThroughActivation`.
 
-With the ``usp`` kernels (:mod:`megatron.usp.lean_kernels`) the dropped output is rewritten in
-place from a gradient hook of the linear layer's output (no recompute graph, no copy-back) and
-the op's backward is its own kernel; with any other kernel megatron-core's
-``CheckpointWithoutOutput`` recomputes it (a graph, a new tensor, a copy into the dropped
-storage). Both free the same bytes.
+With the ``usp`` kernels (:mod:`megatron.usp.lean_kernels`) the dropped norm output is
+rewritten in place from a gradient hook of the linear layer's output (no recompute graph, no
+copy-back) and the op's backward is its own kernel; the SwiGLU runs inside FC2's autograd
+function (:func:`megatron.usp.linear_wgrad.swiglu_linear`), whose backward rebuilds its output
+in the SwiGLU's backward kernel. With any other kernel megatron-core's
+``CheckpointWithoutOutput`` recomputes them (a graph, a new tensor, a copy into the dropped
+storage). All free the same bytes.
 
 ``--recompute-granularity selective --recompute-modules layernorm`` (Megatron-LM's name, which
 megatron-core 0.16.1 implements only with TransformerEngine) and ``... swiglu`` select them
@@ -70,11 +72,13 @@ def _norm_param(config, size: int, fill: float) -> torch.nn.Parameter:
 class _WgradIntoMainGrad:
     """``_forward_impl`` of megatron-core's parallel linear layers (the method through which
     they run their autograd function) replaced by :func:`megatron.usp.linear_wgrad.linear`
-    when ``fuse_wgrad`` (``--gradient-accumulation-fusion``) is set: the weight gradient
-    is added into ``main_grad`` by the GEMM. Frozen weights and a deferred embedding weight
-    gradient (``grad_output_buffer``) keep megatron-core's path."""
+    when ``fuse_wgrad`` (``--gradient-accumulation-fusion``, a constructor argument) is set:
+    the weight gradient is added into ``main_grad`` by the GEMM. Frozen weights and a
+    deferred embedding weight gradient (``grad_output_buffer``) keep megatron-core's path."""
 
-    fuse_wgrad = False
+    def __init__(self, *args, fuse_wgrad: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fuse_wgrad = fuse_wgrad
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if (not self.fuse_wgrad or args or not weight.requires_grad
@@ -89,19 +93,9 @@ class _WgradIntoMainGrad:
 class USPColumnParallelLinear(_WgradIntoMainGrad, ColumnParallelLinear):
     """megatron-core's ``ColumnParallelLinear`` plus ``fuse_wgrad`` (:class:`_WgradIntoMainGrad`)."""
 
-    def __init__(self, input_size: int, output_size: int, *, config, fuse_wgrad: bool = False,
-                 **kwargs):
-        super().__init__(input_size, output_size, config=config, **kwargs)
-        self.fuse_wgrad = fuse_wgrad
-
 
 class USPRowParallelLinear(_WgradIntoMainGrad, RowParallelLinear):
     """megatron-core's ``RowParallelLinear`` plus ``fuse_wgrad`` (:class:`_WgradIntoMainGrad`)."""
-
-    def __init__(self, input_size: int, output_size: int, *, config, fuse_wgrad: bool = False,
-                 **kwargs):
-        super().__init__(input_size, output_size, config=config, **kwargs)
-        self.fuse_wgrad = fuse_wgrad
 
 
 class NormColumnParallelLinear(USPColumnParallelLinear):

@@ -18,12 +18,15 @@ PyTorch's allocate theirs), so these are ours:
   and per-program float32 partial sums of the weight gradient (summed by one small
   reduction), instead of re-reading both for the weight gradient.
 * :func:`swiglu`: ``silu(gate) * up`` of FC1's ``[.., 2F]`` output (megatron's order, gate
-  first), ``silu`` recomputed in the backward instead of kept.
-* ``refillable=True`` returns the output with a *refill* callable that rewrites it in place
-  (the RMSNorm from the kept ``rstd``: no reduction); :func:`drop_until_backward` frees the
-  output's storage and calls the refill from a gradient hook of the consumer's output, so
-  the consumer's saved input is whole again when its backward runs. Nothing is copied and
-  no graph is built; the backward of the op itself is the kernel above.
+  first), ``silu`` recomputed in the backward instead of kept;
+  :func:`swiglu_backward_refill` is its backward that also rewrites the forward's output,
+  for FC2, whose own backward (:mod:`megatron.usp.linear_wgrad`) needs that output only
+  after the output's gradient exists.
+* ``rms_norm(..., refillable=True)`` returns the output with a *refill* callable that
+  rewrites it in place from the kept ``rstd`` (no reduction); :func:`drop_until_backward`
+  frees the output's storage and calls the refill from a gradient hook of the consumer's
+  output, so the consumer's saved input is whole again when its backward runs. Nothing is
+  copied and no graph is built; the backward of the op itself is the kernel above.
 
 Math: float32 inside (float64 for float64 inputs, the tests), one rounding to the output dtype (for bf16 that is at most one bf16
 ulp from PyTorch's ``F.rms_norm`` and from megatron's ``silu(gate) * up``, which rounds
@@ -317,23 +320,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
     return y, refill
 
 
-def swiglu(x: Tensor, refillable: bool = False):
-    """``[..., 2F] -> [..., F]``: ``silu(x[..., :F]) * x[..., F:]`` (megatron's GLU order).
-    With ``refillable``, ``(y, refill)`` as for :func:`rms_norm`."""
+def swiglu(x: Tensor) -> Tensor:
+    """``[..., 2F] -> [..., F]``: ``silu(x[..., :F]) * x[..., F:]`` (megatron's GLU order)."""
     if x.shape[-1] % 2:
         raise ValueError(f"SwiGLU input {tuple(x.shape)}: the last dimension must be even "
                          f"(gate and up halves)")
-    x = x.contiguous()
-    y = _SwiGLU.apply(x)
-    if not refillable:
-        return y
-    x2 = x.detach().view(-1, x.shape[-1])
-
-    def refill() -> None:
-        with torch.no_grad():
-            _glu_forward(x2, _alias(y).view(x2.shape[0], -1))
-
-    return y, refill
+    return _SwiGLU.apply(x.contiguous())
 
 
 def drop_until_backward(out: Tensor, hook_tensor: Tensor, refill: Refill) -> None:
