@@ -384,7 +384,9 @@ def _prime_distributed_optimizer_state(optimizer) -> None:
     uses ``torch.optim.Adam(W)`` and its ``state_dict()`` reads the common ``step`` from
     the per-parameter state, which is empty before the first step (it asserts). The zero
     moments written here are overwritten by the load, the step by
-    :func:`_restore_adam_steps`. With Apex or TransformerEngine nothing is done.
+    :func:`_restore_adam_steps`. With Apex or TransformerEngine nothing is done. An
+    optimizer from ``training.build_optimizer`` already has its state
+    (``training.allocate_adam_state``) and is skipped; this serves one built otherwise.
     """
     from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

@@ -164,6 +164,7 @@ def build_optimizer(args, model):
 
         install_staged_offload(optimizer, args.optimizer_offload_fraction)
     use_fused_adam(optimizer)
+    allocate_adam_state(optimizer)
     return optimizer
 
 
@@ -228,6 +229,50 @@ def use_fused_adam(optimizer) -> int:
         torch_opt.defaults.update(foreach=False, fused=True)
         switched += 1
     return switched
+
+
+def allocate_adam_state(optimizer) -> int:
+    """Give every PyTorch Adam(W) inside megatron-core's optimizer its state now: zero
+    moments and a zero step count, what Adam creates at its first step.
+
+    Left to Adam, the float32 moments (8 bytes per parameter: 6.4 GiB for the 0.85B model of
+    ``tools/bench_e2e.py``) appear in the first step's optimizer step, after that step's
+    forward and backward have reached their peak; from the second step on they are there
+    during both. So a run whose first step fits could run out of memory in its second (at
+    512K on one H200 the peak went from 102.5 to 108.9 GiB, docs/performance.md 6.5), and
+    a one-step memory measurement missed them. Allocated here, the first step already holds
+    the memory of every later one, and start-up's memory report ("after building the
+    optimizer") includes it. Put through ``Optimizer.load_state_dict``, so PyTorch places
+    each tensor where that optimizer keeps it (a fused or capturable Adam's step on the
+    parameter's device, float32); the update is bitwise the one from lazily made state
+    (``tests/unit/test_adam_state.py``). Optimizers that already have state, parameters
+    that are DTensors (Megatron-FSDP) and other optimizers (SGD, the CPU-offload
+    optimizer, which makes its own) are left alone. Returns how many were given state.
+    """
+    from torch.distributed.tensor import DTensor
+
+    given = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", None)
+        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)) or torch_opt.state:
+            continue
+        params = [p for g in torch_opt.param_groups for p in g["params"]]
+        if not params or any(isinstance(p, DTensor) for p in params):
+            continue
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state_dict = torch_opt.state_dict()
+        for group, saved_group in zip(torch_opt.param_groups, state_dict["param_groups"]):
+            for p, pid in zip(group["params"], saved_group["params"]):
+                moments = {"step": torch.tensor(0.0, dtype=scalar),
+                           "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                           "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                if group.get("amsgrad"):
+                    moments["max_exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format)
+                state_dict["state"][pid] = moments
+        torch_opt.load_state_dict(state_dict)
+        given += 1
+    return given
 
 
 def build_scheduler(args, optimizer):
