@@ -799,6 +799,11 @@ def _insert_round_column(headers: List[str], rows: List[List[str]],
         row.insert(1, str(round_))
 
 
+COLD_FIRST_STEP = ("--warmup 0: the first iteration is timed, and it includes compiling the "
+                   "Triton / Inductor kernels and the first allocations (6-11 s of a 512K "
+                   "step on one H200, docs/performance.md 6.5): a lower bound on speed.")
+
+
 def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
                      longest: Optional[Dict[str, Optional[int]]] = None) -> str:
     s = cfg.shape
@@ -807,6 +812,8 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
              f"{s.ffn_hidden_size}, vocab {s.vocab_size}), {cfg.nproc_per_node} processes, "
              f"mean of iterations {cfg.warmup + 1}..{cfg.iters}; MFU against "
              f"{_peaks(results)} TFLOP/s\n\n")
+    if cfg.warmup == 0:
+        title += COLD_FIRST_STEP + "\n\n"
     headers = ["S", "stack", "U x R", "recompute", "status", "ms/iter", "tokens/s/GPU",
                "TFLOP/s/GPU", "MFU", "peak GiB/GPU", "host peak GiB", "ceiling MFU",
                "share of ceiling"]
@@ -863,7 +870,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", default="2x1,1x2", help="U x R splits, e.g. 2x1,1x2")
     p.add_argument("--nproc-per-node", type=int, default=2, help="processes (GPUs) per run")
     p.add_argument("--iters", type=int, default=10, help="training iterations per run")
-    p.add_argument("--warmup", type=int, default=3, help="first iterations left out")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="first iterations left out (with 0 the timed first one includes the "
+                        "kernels' compilation)")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--recompute", default="auto", choices=list(RECOMPUTE_CHOICES))
     p.add_argument("--attention-backend", default="auto", choices=list(BACKEND_NAMES),
@@ -979,6 +988,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         validate_config(cfg)
     except BenchConfigError as exc:
         parser.error(str(exc))
+    if cfg.warmup == 0:
+        print(f"{PROGRESS_PREFIX} note: {COLD_FIRST_STEP}", flush=True)
     # The device is described after the runs: this process must not take GPU memory (a CUDA
     # context) while they train.
     meta = report.run_metadata(["tools/bench_e2e.py"] + args_list, None, cfg.nproc_per_node)

@@ -443,6 +443,9 @@ def test_peers_follow_each_length_and_retry_after_oom():
     md = e2e.results_markdown(meta, cfg, results)
     assert (f"| 32K | 1x1 | none | hf-liger | none | 2.000x | "
             f"{ours.peak_mem_gib / 20.0:.2f}x |") in md
+    assert e2e.COLD_FIRST_STEP not in md                            # --warmup 2
+    cold = e2e.results_markdown(meta, _e2e_cfg(iters=1, warmup=0), results)
+    assert e2e.COLD_FIRST_STEP in cold and "mean of iterations 1..1" in cold
     assert e2e.peer_recompute_order("selective") == ["none"]
     assert e2e.peer_recompute_order("full") == ["full"]
 
