@@ -1,7 +1,8 @@
 """``training.allocate_adam_state``: Adam's state made when the optimizer is built trains
 bitwise like the state Adam makes at its first step, is updated in place (the memory held
 from the first step on is the memory of every later one), and is placed and typed as
-PyTorch places it; optimizers it must leave alone keep no new state."""
+PyTorch places it; optimizers it must leave alone keep no new state; ``build_optimizer`` gives it to the
+plain and the distributed optimizer before ``pretrain``'s first step."""
 
 from __future__ import annotations
 
@@ -77,3 +78,64 @@ def test_left_alone_where_state_exists_or_the_optimizer_is_no_adam():
     assert len(fresh.state) == 3 and not sgd.state
     for p in stepped_params:
         assert all(torch.equal(stepped.state[p][k], v) for k, v in before[p].items())
+
+
+# A 2-layer model trained one step by ``pretrain``: what ``build_optimizer`` hands the loop.
+PRETRAIN_ARGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--swiglu",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--disable-bias-linear", "--mock-data", "--vocab-size", "255",
+    "--global-batch-size", "1", "--micro-batch-size", "1", "--train-iters", "1",
+    "--lr", "1e-3", "--eval-iters", "0", "--num-workers", "0", "--device", "cpu",
+]
+
+
+def _built_state(rank, world_size, out_path):
+    import json
+
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+
+    seen = []
+    build = training.build_optimizer
+
+    def recording_build(args, model):
+        optimizer = build(args, model)
+        for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner = sub.optimizer
+            params = [p for g in inner.param_groups for p in g["params"]]
+            seen.append({
+                "params": len(params),
+                "with_state": sum(1 for p in params if inner.state[p]),
+                "zero": all(float(inner.state[p]["exp_avg"].abs().sum()) == 0.0
+                            and float(inner.state[p]["step"]) == 0.0
+                            for p in params if inner.state[p])})
+        return optimizer
+
+    training.build_optimizer = recording_build
+    try:
+        results = {}
+        for name, extra in (("plain", []), ("distributed", ["--use-distributed-optimizer"])):
+            seen.clear()
+            result = training.pretrain(parse_args(PRETRAIN_ARGS + extra))
+            results[name] = {"seen": list(seen), "iteration": result.iteration}
+    finally:
+        training.build_optimizer = build
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+def test_build_optimizer_gives_the_state_before_the_first_step(tmp_path):
+    import json
+
+    from tests.harness import run_on_ranks
+
+    out = tmp_path / "state.json"
+    run_on_ranks(_built_state, 1, str(out), timeout=300)
+    got = json.loads(out.read_text())
+    for name in ("plain", "distributed"):
+        assert got[name]["iteration"] == 1, got
+        assert got[name]["seen"], got
+        for sub in got[name]["seen"]:
+            assert sub["params"] > 0 and sub["with_state"] == sub["params"] and sub["zero"], got
