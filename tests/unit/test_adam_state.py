@@ -1,8 +1,8 @@
 """``training.allocate_adam_state``: Adam's state made when the optimizer is built trains
 bitwise like the state Adam makes at its first step, is updated in place (the memory held
 from the first step on is the memory of every later one), and is placed and typed as
-PyTorch places it; optimizers it must leave alone keep no new state; ``build_optimizer`` gives it to the
-plain and the distributed optimizer before ``pretrain``'s first step."""
+PyTorch places it; optimizers it must leave alone keep no new state; ``build_optimizer``
+gives it to the plain and the distributed optimizer before ``pretrain``'s first step."""
 
 from __future__ import annotations
 
