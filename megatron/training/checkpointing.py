@@ -461,6 +461,22 @@ def adam_step_tensor(step: float, group: Dict[str, Any], param: torch.Tensor) ->
     return torch.tensor(step, dtype=torch.float32, device=param.device if on_device else "cpu")
 
 
+def zero_adam_state(opt: torch.optim.Optimizer) -> None:
+    """Give every parameter of the PyTorch Adam(W) ``opt`` that has no state yet the state
+    Adam makes at its first step: a zero ``step`` (placed by :func:`adam_step_tensor`) and
+    zero moments (``max_exp_avg_sq`` too under ``amsgrad``)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state[p]
+            if state:
+                continue
+            state["step"] = adam_step_tensor(0.0, group, p)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 # Flags that shape the model's tensors: a checkpoint loads only into the same values.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "kv_heads", "kv_channels", "swiglu", "normalization",

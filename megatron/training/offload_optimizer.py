@@ -119,22 +119,11 @@ class StagedHybridDeviceOptimizer(HybridDeviceOptimizer):
     def _allocate_adam_states(self) -> None:
         """Adam's zero moments and step for every parameter now, as ``torch.optim.Adam(W)``
         would create them at its first step (same dtypes, devices and step placement)."""
-        from megatron.training.checkpointing import adam_step_tensor
+        from megatron.training.checkpointing import zero_adam_state
 
         for opt in self.sub_optimizers:
-            if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-                continue
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    state = opt.state[p]
-                    if state:
-                        continue
-                    state["step"] = adam_step_tensor(0.0, group, p)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if group.get("amsgrad"):
-                        state["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format)
+            if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                zero_adam_state(opt)
         self._sync_sub_optimizers_state_to_hdo()
 
     def _move_new_state_to_right_device(self):

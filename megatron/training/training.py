@@ -53,6 +53,7 @@ from megatron.training.checkpointing import (
     save_checkpoint,
     set_rng_state,
     start_writer_manager,
+    zero_adam_state,
 )
 from megatron.training.initialize import Runtime, initialize, shutdown
 from megatron.training.memory_snapshot import MemoryHistory
@@ -242,9 +243,9 @@ def allocate_adam_state(optimizer) -> int:
     512K on one H200 the peak went from 102.5 to 108.9 GiB, docs/performance.md 6.5), and
     a one-step memory measurement missed them. Allocated here, the first step already holds
     the memory of every later one, and start-up's memory report ("after building the
-    optimizer") includes it. Put through ``Optimizer.load_state_dict``, so PyTorch places
-    each tensor where that optimizer keeps it (a fused or capturable Adam's step on the
-    parameter's device, float32); the update is bitwise the one from lazily made state
+    optimizer") includes it. The state is :func:`checkpointing.zero_adam_state`'s (the
+    staged CPU-offload optimizer's too: a fused or capturable Adam's step on the parameter's
+    device, float32); the update is bitwise the one from lazily made state
     (``tests/unit/test_adam_state.py``). Optimizers that already have state, parameters
     that are DTensors (Megatron-FSDP) and other optimizers (SGD, the CPU-offload
     optimizer, which makes its own) are left alone. Returns how many were given state.
@@ -252,25 +253,14 @@ def allocate_adam_state(optimizer) -> int:
     from torch.distributed.tensor import DTensor
 
     given = 0
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in grad_clip.sub_optimizers(optimizer):
         torch_opt = getattr(inner, "optimizer", None)
         if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)) or torch_opt.state:
             continue
         params = [p for g in torch_opt.param_groups for p in g["params"]]
         if not params or any(isinstance(p, DTensor) for p in params):
             continue
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        state_dict = torch_opt.state_dict()
-        for group, saved_group in zip(torch_opt.param_groups, state_dict["param_groups"]):
-            for p, pid in zip(group["params"], saved_group["params"]):
-                moments = {"step": torch.tensor(0.0, dtype=scalar),
-                           "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                           "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-                if group.get("amsgrad"):
-                    moments["max_exp_avg_sq"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format)
-                state_dict["state"][pid] = moments
-        torch_opt.load_state_dict(state_dict)
+        zero_adam_state(torch_opt)
         given += 1
     return given
 
