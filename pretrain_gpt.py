@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 pretrain_gpt.py --ulysses-degree 2 --ring-degree 2 ...
 
 Flags: ``python pretrain_gpt.py --help`` (Megatron-LM's names, grouped). Launch scripts in
-``examples/``. The work happens in :func:`megatron.training.training.pretrain`.
+``examples/``. The work happens in :func:`megatron.training.loop.pretrain`.
 
 Exit status: 0 when training ends (or stops on SIGTERM after saving), 2 for bad input
 (flags, layout, data, ``--save``, ``--load``), with one ``error:`` line from rank 0 instead
@@ -20,19 +20,19 @@ import sys
 def main(argv=None) -> int:
     # Only the argument module before parsing: `--help` and usage errors need neither torch
     # nor megatron-core (whose import takes seconds).
-    from megatron.training.arguments import launch_rank, parse_args
+    from megatron.training.cli.arguments import launch_rank, parse_args
 
     args = parse_args(argv)
     failed = preflight(args)
     if failed is not None:
         return failed
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from megatron.training.console import install_console_filters
+    from megatron.training.observe.console import install_console_filters
     from megatron.training.process_guard import start_guard
 
     install_console_filters(launch_rank())
     start_guard()
-    from megatron.training.training import RUN_ERRORS, pretrain
+    from megatron.training.loop import RUN_ERRORS, pretrain
 
     try:
         pretrain(args)
@@ -47,14 +47,14 @@ def preflight(args):
     ``pretrain`` repeats them (``validate_args`` is idempotent)."""
     import os
 
-    from megatron.training.arguments import ArgumentsError, USPConfigError, validate_args
-    from megatron.training.output_paths import check_output_paths
+    from megatron.training.cli.arguments import ArgumentsError, USPConfigError, validate_args
+    from megatron.training.cli.output_paths import check_output_paths
 
     try:
         validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
         check_output_paths(args)
     except (ArgumentsError, USPConfigError) as exc:
-        from megatron.training.arguments import launch_rank
+        from megatron.training.cli.arguments import launch_rank
 
         if launch_rank() == 0:
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
@@ -64,9 +64,9 @@ def preflight(args):
 
 def report_error(exc: BaseException) -> int:
     """Print ``exc`` in one line (rank 0, or the rank where it arose) and return its exit
-    status (:func:`megatron.training.training.exit_status`)."""
-    from megatron.training.arguments import launch_rank
-    from megatron.training.training import exit_status, reported_here
+    status (:func:`megatron.training.loop.exit_status`)."""
+    from megatron.training.cli.arguments import launch_rank
+    from megatron.training.loop import exit_status, reported_here
 
     if reported_here(exc, launch_rank()):
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)

@@ -12,7 +12,8 @@ setup(
     version="0.1.0",
     description="Megatron-style GPT pretraining with Unified Sequence Parallelism (Ulysses x Ring)",
     python_requires=">=3.10",
-    packages=find_namespace_packages(include=["megatron.usp*", "megatron.planner*", "megatron.training*",
+    packages=find_namespace_packages(include=["megatron.usp*", "megatron.layers*", "megatron.memory*",
+                                               "megatron.planner*", "megatron.training*",
                                                "megatron.bench*"]),
     install_requires=[
         "megatron-core==0.16.1",
@@ -21,12 +22,12 @@ setup(
         "sentencepiece>=0.2",
         "numpy>=1.26",
         "psutil>=5.9",  # megatron-core's checkpoint writer (dist_checkpointing) needs it
-        "xxhash>=3.0",  # checkpoint checksums (megatron/training/checksums.py)
+        "xxhash>=3.0",  # checkpoint checksums (megatron/training/checkpoint/checksums.py)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.16",
                  "transformers>=4.40",  # the Hugging Face tokenizer tests
-                 # megatron.usp.qkv_rope's Triton kernels, run by the CPU tests in Triton's
+                 # megatron.layers.qkv_rope's Triton kernels, run by the CPU tests in Triton's
                  # interpreter
                  "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "flash-attn": ["flash-attn>=2.6"],

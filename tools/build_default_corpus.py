@@ -5,7 +5,7 @@
 
 The corpus is English prose from the installed Python standard library (pydoc topics,
 docstrings, comment paragraphs), a SentencePiece tokenizer trained on it, and its indexed
-dataset: see megatron/training/corpus.py. Training builds it by itself when no
+dataset: see megatron/training/data/corpus.py. Training builds it by itself when no
 --data-path is given; this command builds it ahead of time or shows where it is.
 """
 
@@ -21,7 +21,7 @@ import warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from megatron.training import corpus
+    from megatron.training.data import corpus
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache-dir", default=None,
@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-    from megatron.training import corpus
+    from megatron.training.data import corpus
 
     args = parse_args(argv)
     if args.rebuild:

@@ -8,11 +8,11 @@
         --noise-pair dp2.jsonl dp1_accum.jsonl --png curves.png       # the drift test
 
 Inputs are the per-step metrics files ``pretrain_gpt.py`` writes (``--metrics-file``; see
-:mod:`megatron.training.metrics`). The first file is the reference. For every iteration,
+:mod:`megatron.training.observe.metrics`). The first file is the reference. For every iteration,
 the relative divergence of each other run is ``|loss - ref| / |ref|``; the table and the
 maximum are printed, the curves (and the divergence, log scale) are drawn to ``--png``.
 
-Drift test (``--noise-pair A B``, repeatable; :mod:`megatron.training.loss_drift`): over a
+Drift test (``--noise-pair A B``, repeatable; :mod:`megatron.training.observe.loss_drift`): over a
 window of iterations (``--drift-window``, default the second half), each run's mean signed
 relative difference from the reference and its share of steps above it are compared with a
 noise band taken from a reference-vs-reference pair, two runs that differ only in reduction
@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from megatron.training import loss_drift
+from megatron.training.observe import loss_drift
 
 DEFAULT_TOLERANCE = 1e-5
 
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-every", type=int, default=1,
                    help="print every N-th iteration of the table (the last always)")
     g = p.add_argument_group("drift test", "systematic offsets against a noise band "
-                                           "(megatron/training/loss_drift.py, docs/numerics.md)")
+                                           "(megatron/training/observe/loss_drift.py, docs/numerics.md)")
     g.add_argument("--noise-pair", nargs=2, action="append", default=[], metavar=("A", "B"),
                    help="metrics files of two runs that differ only in reduction order (B is "
                         "compared with A); their drift sets the noise band and turns the "

@@ -96,8 +96,8 @@ def _records(path: str) -> list:
 
 
 def run_case(name: str, flags, extra: dict, world: int = 1) -> list:
-    from megatron.training import training
-    from megatron.training.arguments import parse_args
+    from megatron.training import loop as training
+    from megatron.training.cli.arguments import parse_args
 
     seen = {}
     build = training.build_optimizer
@@ -122,7 +122,7 @@ def run_case(name: str, flags, extra: dict, world: int = 1) -> list:
     extra["grad_norm"] = [r.get("grad_norm") for r in steps]
     if "optimizer" in seen:
         extra["optimizer_state_devices"] = _state_devices(seen["optimizer"])
-        from megatron.training.model import unwrap
+        from megatron.training.model.build import unwrap
 
         off = getattr(unwrap(seen["model"][0]), "activation_offloader", None)
         if off is not None:

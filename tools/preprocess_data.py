@@ -51,8 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     args = parse_args(argv)
-    from megatron.training.preprocess import PreprocessError, TokenizerSpec, preprocess_jsonl
-    from megatron.training.tokenizer import TokenizerError
+    from megatron.training.data.preprocess import PreprocessError, TokenizerSpec, preprocess_jsonl
+    from megatron.training.data.tokenizer import TokenizerError
 
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     if args.workers < 1:

@@ -42,8 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     args = parse_args(argv)
-    from megatron.training.preprocess import PreprocessError, iter_jsonl_texts
-    from megatron.training.tokenizer import (
+    from megatron.training.data.preprocess import PreprocessError, iter_jsonl_texts
+    from megatron.training.data.tokenizer import (
         TokenizerError,
         train_sentencepiece,
         training_sentences,

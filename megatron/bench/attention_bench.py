@@ -62,7 +62,7 @@ from megatron.bench.cli import (
     seq_label,
 )
 from megatron.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, tflops_per_gpu
-from megatron.training import profiling
+from megatron.training.observe import profiling
 from megatron.usp.kernels import AttentionBackendUnavailable, get_kernel
 from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
 from megatron.usp.token_layout import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks

@@ -12,7 +12,7 @@ shapes, on this GPU, in this run:
 * once, the output layer ``[N, H] x [H, V]`` forward and backward.
 
 ``ceiling_s = L * (linears + attention) + output layer``, and the ceiling MFU is the step's
-Megatron FLOP count (:func:`megatron.training.metrics.training_flops_per_iteration`) over
+Megatron FLOP count (:func:`megatron.training.observe.metrics.training_flops_per_iteration`) over
 ``ceiling_s`` and the peak. Norms, RoPE, the activation, the loss, the optimizer and every
 copy count as overhead, so ``share = ceiling_s / measured step time`` is the fraction of
 the ideal a stack reaches. Timings are medians of CUDA-event timed repeats on random bf16
@@ -90,7 +90,7 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
                     repeats: int = 5) -> Ceiling:
     """Time the step's matmuls and attention for ``shape`` (a ``ModelPreset``) at ``seq_len``."""
     from megatron.bench.flops import attention_fwd_bwd_flops
-    from megatron.training.metrics import training_flops_per_iteration
+    from megatron.training.observe.metrics import training_flops_per_iteration
 
     device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     h, n, g, d = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, \

@@ -5,7 +5,7 @@ default the Llama-style 0.85B), trains one step so the distributed optimizer hol
 state, then saves the same state ``--saves`` times with checksums and as often without,
 alternately (after one warm-up save, which starts the writer's Manager and caches the
 shard distribution), timing each whole
-:func:`~megatron.training.checkpointing.save_checkpoint` (write, fsync, publish). It also
+:func:`~megatron.training.checkpoint.save_load.save_checkpoint` (write, fsync, publish). It also
 times the load-time verification of one checkpoint. The JSON::
 
     {"model": "llama-0.85b", "device": "...", "checkpoint_bytes": ...,
@@ -47,17 +47,16 @@ def measure(model: str = "llama-0.85b", seq_length: int = 4096, saves: int = 2,
     import torch
     import torch.distributed as dist
 
-    from megatron.training import batch as batch_mod
-    from megatron.training.arguments import parse_args
-    from megatron.training.checkpoint_faults import directory_bytes
-    from megatron.training.checkpointing import (
+    from megatron.training.checkpoint.faults import directory_bytes
+    from megatron.training.checkpoint.save_load import (
         TrainState,
         save_checkpoint,
         verify_checksums_on_all_ranks,
     )
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.data import batch as batch_mod
     from megatron.training.initialize import initialize, shutdown
-    from megatron.training.model import build_model
-    from megatron.training.training import (
+    from megatron.training.loop import (
         _wire_grad_sync,
         batch_context,
         build_data_iterators,
@@ -65,6 +64,7 @@ def measure(model: str = "llama-0.85b", seq_length: int = 4096, saves: int = 2,
         build_scheduler,
         train_step,
     )
+    from megatron.training.model.build import build_model
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -92,8 +92,8 @@ def _size(text: str) -> int:
 def corpus_lengths() -> Optional[np.ndarray]:
     """Document lengths of the embedded corpus, if it is built on this machine (else None)."""
     try:
-        from megatron.training.corpus import ensure_default_corpus
-        from megatron.training.indexed_files import inspect_indexed_dataset
+        from megatron.training.data.corpus import ensure_default_corpus
+        from megatron.training.data.indexed_files import inspect_indexed_dataset
 
         corpus = ensure_default_corpus()
         return np.asarray(inspect_indexed_dataset(corpus.data_prefix, "corpus").sequence_lengths)

@@ -3,7 +3,7 @@
 For each sequence length and U x R split, :func:`run_training` launches
 ``python -m torch.distributed.run --nproc-per-node N pretrain_gpt.py ...`` on synthetic tokens
 (``--mock-data``) for ``--iters`` iterations, reads the per-iteration metrics file the
-training loop writes (``--metrics-file``, JSONL, :mod:`megatron.training.metrics`), drops the
+training loop writes (``--metrics-file``, JSONL, :mod:`megatron.training.observe.metrics`), drops the
 first ``--warmup`` iterations and reports, over the rest:
 
 * ``iter_ms``: mean iteration time (the loop's ``step_time_s``), and ``iter_ms_each`` the
@@ -19,7 +19,7 @@ first ``--warmup`` iterations and reports, over the rest:
   ``--optimizer-cpu-offload``.
 
 Model FLOPs are the training loop's count,
-:func:`megatron.training.metrics.training_flops_per_iteration`: Megatron-LM's
+:func:`megatron.training.observe.metrics.training_flops_per_iteration`: Megatron-LM's
 ``num_floating_point_operations`` with causal attention at half::
 
     FLOPs/iteration = B * S * ( 18*L*H*F  +  12*L*H*q*(1 + g/a)  +  6*L*q*S  +  6*H*V )
@@ -121,8 +121,8 @@ class ModelPreset:
     rotary_base: Optional[int] = None         # --rotary-base (pretrain_gpt.py's default 10000)
 
     def flops_shape(self, seq_len: int):
-        """The training loop's FLOP-count shape (:mod:`megatron.training.metrics`)."""
-        from megatron.training.metrics import GPTShape
+        """The training loop's FLOP-count shape (:mod:`megatron.training.observe.metrics`)."""
+        from megatron.training.observe.metrics import GPTShape
 
         return GPTShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
                         ffn_hidden_size=self.ffn_hidden_size,
@@ -456,7 +456,7 @@ def failure_cause(log_text: str) -> str:
 def train_steps(records: List[dict]) -> List[dict]:
     """The ``kind == "train"`` records in iteration order, the last one of each iteration.
 
-    Schema of :mod:`megatron.training.metrics`: ``iteration``, ``step_time_s``, ``lm_loss``,
+    Schema of :mod:`megatron.training.observe.metrics`: ``iteration``, ``step_time_s``, ``lm_loss``,
     ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``, ``mem_gib`` (peak allocated so far on the
     logging rank); a resumed run appends, so a later record of an iteration wins.
     """
@@ -492,10 +492,10 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     """Turn a run into a report row: the mean iteration time after ``--warmup``.
 
     FLOPs per iteration are the training loop's own count
-    (:func:`megatron.training.metrics.training_flops_per_iteration`); MFU uses
+    (:func:`megatron.training.observe.metrics.training_flops_per_iteration`); MFU uses
     ``--peak-tflops`` or else the peak the training loop itself used (none on the CPU).
     """
-    from megatron.training.metrics import training_flops_per_iteration
+    from megatron.training.observe.metrics import training_flops_per_iteration
 
     gbs = global_batch_size(cfg, spec)
     res = E2EResult(spec.seq_len, spec.ulysses, spec.ring, spec.recompute, cfg.nproc_per_node,

@@ -11,7 +11,7 @@ FlashAttention's benchmarks: with ``b`` batch, ``h`` query heads, ``S`` sequence
 Counts are for the whole problem; a per-GPU rate divides by the number of GPUs that share it.
 
 The whole model's count (``tools/bench_e2e.py``) is the training loop's own,
-:func:`megatron.training.metrics.training_flops_per_iteration` (Megatron-LM's
+:func:`megatron.training.observe.metrics.training_flops_per_iteration` (Megatron-LM's
 ``num_floating_point_operations`` with causal attention at half), so the benchmark and the
 training logs can never disagree.
 """

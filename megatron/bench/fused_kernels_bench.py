@@ -2,7 +2,7 @@
 
 For a model preset (:data:`megatron.bench.e2e.MODELS`) and a number of tokens ``N`` it times,
 forward and backward together (median of CUDA-event timed repeats), each implementation of
-:mod:`megatron.usp.fused_kernels` on the model's shapes, and measures its error against a
+:mod:`megatron.layers.fused_kernels` on the model's shapes, and measures its error against a
 float64 reference computed from the same bf16 inputs:
 
 * ``rms_norm``: ``x [N, H]``, weight ``[H]`` (trained: its gradient is timed and checked);
@@ -11,7 +11,7 @@ float64 reference computed from the same bf16 inputs:
   of positions ``0..N-1`` (RoPE base 10000), the shape megatron-core hands attention.
 
 Implementations: ``torch``, ``compile``, ``usp`` (this project's Triton kernels,
-:mod:`megatron.usp.lean_kernels` and :mod:`megatron.usp.qkv_rope`), ``liger`` (when
+:mod:`megatron.layers.lean_kernels` and :mod:`megatron.layers.qkv_rope`), ``liger`` (when
 installed), and megatron-core's own
 (``megatron``: its TorchScript ``bias_swiglu_impl`` for SwiGLU, ``apply_rotary_pos_emb`` for
 RoPE; for RMSNorm megatron-core's local spec is ``torch``). Errors are
@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron.bench.timing import median_ms_alone
-from megatron.usp import fused_kernels as fk
+from megatron.layers import fused_kernels as fk
 
 Tensor = torch.Tensor
 
@@ -93,7 +93,7 @@ def _split_then_rope(impl: str, g: int, d: int) -> Callable:
 
 
 def _qkv_impls(available: Sequence[str], g: int, d: int) -> Dict[str, Callable]:
-    from megatron.usp.qkv_rope import qkv_split_rope
+    from megatron.layers.qkv_rope import qkv_split_rope
 
     table = {f"split+{i}": _split_then_rope(i, g, d) for i in available if i != "usp"}
     table["usp"] = lambda mixed, freqs: qkv_split_rope(mixed, freqs, g, d)
@@ -135,7 +135,7 @@ def _case(op: str, shape, tokens: int, device):
         # fwd: read 2F, write F; bwd: read 2F and dF, write 2F
         return [x], [], fk.swiglu_torch, 7 * tokens * f * 2
     if op == "qkv_rope":
-        from megatron.usp.qkv_rope import qkv_split_rope_reference
+        from megatron.layers.qkv_rope import qkv_split_rope_reference
 
         per = a // g
         mixed = torch.randn(tokens, 1, g, (per + 2) * d, device=device, dtype=bf16)

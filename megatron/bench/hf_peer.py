@@ -16,7 +16,7 @@ Adam states, and no float32 master copy: about 8.5 GiB less than mixed precision
 Triton kernels (``apply_liger_kernel_to_llama``: RoPE, RMSNorm, SwiGLU and the fused linear
 cross-entropy, so no full-sequence logits).
 
-The FLOP count is this project's (:func:`megatron.training.metrics.training_flops_per_iteration`
+The FLOP count is this project's (:func:`megatron.training.observe.metrics.training_flops_per_iteration`
 for batch 1 of ``--seq-len`` tokens), so MFU and TFLOP/s compare one to one. The JSON written to
 ``--out`` has the keys of :class:`PeerResult`; a peer whose packages are missing reports
 ``status = "missing"`` with the ``pip install`` line, an out-of-memory run ``status = "oom"``.
@@ -132,7 +132,7 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
     """Train ``iters`` steps of batch 1 and time each; see the module docstring."""
     import torch
 
-    from megatron.training.metrics import training_flops_per_iteration
+    from megatron.training.observe.metrics import training_flops_per_iteration
 
     cuda = torch.cuda.is_available()
     res = PeerResult(peer, seq_len, recompute, "ok")

@@ -12,7 +12,7 @@ Megatron-FSDP for ZeRO-2/3 adds its stages to :attr:`Capabilities.zero_stages`).
   gradients there) and not yet verified over more on GPUs.
 * Selective recompute is ``--recompute-modules mlp``, plus ``layernorm`` only with
   TransformerEngine: megatron-core 0.16.1's norm checkpoint calls TransformerEngine even
-  without FP8 (``megatron/training/arguments.py`` refuses it otherwise). The cost model's
+  without FP8 (``megatron/training/cli/arguments.py`` refuses it otherwise). The cost model's
   memory for ``selective`` follows the modules (:class:`~.cost_model.Assumptions`).
 
 Pure Python (no torch): TransformerEngine's presence is asked with ``find_spec``.

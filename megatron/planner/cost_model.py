@@ -555,7 +555,7 @@ def logits_bytes(model: ModelSpec, layout: Layout, sh: RankShapes,
     * megatron-core's vocab-parallel cross entropy (``a.loss_chunk_tokens`` None) keeps the
       fp32 softmax (``4*n*V/t``); at the loss the bf16 logits and the fp32 gradient exist
       too (``6*n*V/t``);
-    * ``--fused-linear-cross-entropy`` (megatron/training/fused_loss.py, gradients computed
+    * ``--fused-linear-cross-entropy`` (megatron/training/model/fused_loss.py, gradients computed
       in the forward) keeps the final norm's output and its gradient (``2 * 2*n*h``), a
       float32 log-sum-exp per token and the float32 output-weight gradient
       (``4*V/t*h``); one chunk's logits are transient (``c*V/t * (2 + 4 + 4)``, ``c`` the

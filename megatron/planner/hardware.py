@@ -42,7 +42,7 @@ CALIBRATION_SCHEMA = "megatron-usp-calibration/1"
 # Devices by name: dense (no sparsity) bf16 tensor-core peak in TFLOP/s from the vendors'
 # datasheets, and the planner preset that describes the device (None: no preset). Matched in
 # order against the lower-cased ``torch.cuda.get_device_name()``: variants first. The one
-# device table: the MFU denominator (megatron/training/metrics.py), the presets' peaks below
+# device table: the MFU denominator (megatron/training/observe/metrics.py), the presets' peaks below
 # and ``--ulysses-degree auto``'s preset all read it.
 DEVICE_TABLE: Tuple[Tuple[str, float, Optional[str]], ...] = (
     ("h100 pcie", 756.0, "h100"),

@@ -3,10 +3,10 @@
 1. :func:`launch_env` reads rank and world size (torchrun's environment, an already
    initialised process group, or a single process);
 2. ``validate_args`` checks every flag on every rank, before any process group exists,
-   and :func:`~megatron.training.output_paths.check_output_paths` that ``--save``, the
+   and :func:`~megatron.training.cli.output_paths.check_output_paths` that ``--save``, the
    metrics file's folder and ``--tensorboard-dir`` can be written;
 3. :func:`init_process_group` (gloo on CPU, NCCL on GPU) unless the caller already did;
-4. the CPU shims (:func:`megatron.usp.cpu_shims.apply_cpu_shims`) on a machine without CUDA;
+4. the CPU shims (:func:`megatron.training.cpu_shims.apply_cpu_shims`) on a machine without CUDA;
 5. the data source (:func:`resolve_data_source`: the default corpus is built here when no
    data is given; ``args`` keeps the flags as given), the tokenizer, the padded vocabulary,
    the ``auto`` layout, and the data checks, on every rank alike;
@@ -26,13 +26,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.training.arguments import padded_vocab_size, resolve_auto_layout, validate_args
-from megatron.training.output_paths import check_output_paths
+from megatron.training.cli.arguments import padded_vocab_size, resolve_auto_layout, validate_args
+from megatron.training.cli.output_paths import check_output_paths
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import USPGroups, initialize_usp_parallel
 
 if TYPE_CHECKING:
-    from megatron.training.data_config import DataConfig
+    from megatron.training.data.config import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def init_process_group(args, rank: int, world: int, local_rank: int) -> Tuple[to
 def resolve_data_source(args) -> DataSource:
     """The data flags as given; without data flags, the default corpus (built on first use)."""
     if not args.data_path and not args.mock_data:
-        from megatron.training.corpus import ensure_default_corpus
+        from megatron.training.data.corpus import ensure_default_corpus
 
         corpus = ensure_default_corpus(args.corpus_cache_dir)
         return DataSource([corpus.data_prefix], corpus.tokenizer_model)
@@ -115,7 +115,7 @@ def resolve_data_source(args) -> DataSource:
 
 def build_tokenizer_for(args, source: DataSource):
     """The tokenizer of ``--tokenizer-type`` with ``source``'s tokenizer model."""
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer
 
     return build_tokenizer(args.tokenizer_type, source.tokenizer_model, args.vocab_size)
 
@@ -124,7 +124,7 @@ def check_optional_packages(args) -> None:
     """Packages a flag needs, checked on every rank before any collective."""
     import importlib.util
 
-    from megatron.training.arguments import ArgumentsError
+    from megatron.training.cli.arguments import ArgumentsError
 
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentsError(f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard "
@@ -133,7 +133,7 @@ def check_optional_packages(args) -> None:
 
 def data_config_from_args(args, source: DataSource) -> DataConfig:
     """The data flags of ``args``, with ``source``'s (resolved) data path."""
-    from megatron.training.data_config import DataConfig
+    from megatron.training.data.config import DataConfig
 
     return DataConfig(
         data_path=source.data_path or None, split=args.split, mock_data=args.mock_data,
@@ -162,8 +162,8 @@ def initialize(args) -> Runtime:
     """Steps 1-6 of the module docstring; returns the runtime with groups and tokenizer."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
-    from megatron.training.data_config import validate_data_config
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
+    from megatron.training.data.config import validate_data_config
 
     rank, world, local_rank = launch_env()
     validate_args(args, world)

@@ -57,8 +57,8 @@ FUSED_KERNEL_CHOICES: Tuple[str, ...] = ("auto", "usp", "liger", "compile", "tor
 LIGER_INSTALL = "pip install liger-kernel   (or pip install -e .[peers])"
 
 # The implementation each choice uses per op. "usp" is this project's Triton kernels
-# (megatron.usp.lean_kernels for RMSNorm and SwiGLU, written into given outputs so the lean
-# layers refill in place; megatron.usp.qkv_rope for RoPE with megatron's QKV split); on the
+# (megatron.layers.lean_kernels for RMSNorm and SwiGLU, written into given outputs so the lean
+# layers refill in place; megatron.layers.qkv_rope for RoPE with megatron's QKV split); on the
 # CPU the same functions run plain PyTorch math. The others are the libraries', by
 # measurement (tools/bench_fused_kernels.py, one H200, the 0.85B model's shapes at 32K and 64K
 # tokens, forward + backward; the table is in docs/performance.md §6): Liger's SwiGLU and
@@ -121,7 +121,7 @@ def resolve_fused_kernels(name: str, cuda: bool) -> str:
 
 
 # --------------------------------------------------------------------------- --recompute-cpu-offload
-# What full recompute keeps that can wait in host memory (megatron.usp.activation_offload).
+# What full recompute keeps that can wait in host memory (megatron.memory.activation_offload).
 OFFLOAD_CHOICES: Tuple[str, ...] = ("layer_input", "core_attn")
 # How many of a forward's newest offloaded items stay on the device (they are needed first);
 # also what megatron.bench.depth needs to know about a slice's GPU bytes.

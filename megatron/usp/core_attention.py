@@ -1,7 +1,7 @@
 """megatron-core's core-attention module computed with USP: :class:`USPAttention`.
 
 It fills the ``core_attention`` slot of megatron-core's ``SelfAttentionSubmodules``
-(:mod:`megatron.usp.layer_specs` builds the spec) and calls :func:`megatron.usp.attention.usp_attention`
+(:mod:`megatron.training.model.layer_specs` builds the spec) and calls :func:`megatron.usp.attention.usp_attention`
 with the Ulysses and Ring groups it finds in the ``pg_collection`` it is given.
 
 Packed documents reach it as megatron-core's ``packed_seq_params``: :class:`DocumentParams`
@@ -24,7 +24,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.usp.attention import make_schedule, resolve_overlap_chunks, usp_attention
 from megatron.usp.document_kernels import get_document_kernel
 from megatron.usp.document_ring import DocumentRingPlan
-from megatron.usp.kept_attention import AttentionKeeper, RecomputeKeep
 from megatron.usp.kernels import get_kernel
 from megatron.usp.ulysses import group_size
 
@@ -83,7 +82,7 @@ class USPAttention(MegatronModule):
 
     ``recompute_keep`` (``--recompute-keep-core-attn``, full recompute): the forward keeps
     the output and the recompute reuses it instead of running attention again
-    (:mod:`megatron.usp.kept_attention`).
+    (:mod:`megatron.memory.kept_attention`).
     """
 
     def __init__(
@@ -98,7 +97,7 @@ class USPAttention(MegatronModule):
         pg_collection=None,
         attention_backend: str = "auto",
         overlap_chunks: Optional[int] = None,
-        recompute_keep: Optional[RecomputeKeep] = None,
+        recompute_keep=None,
         document_kernel: str = "auto",
     ):
         super().__init__(config=config)
@@ -113,7 +112,9 @@ class USPAttention(MegatronModule):
         self.document_kernel = get_document_kernel(document_kernel, self.kernel)
         self.overlap_chunks = _overlap_chunks_for(config, pg_collection, self.ulysses_group,
                                                   self.ring_group, overlap_chunks)
-        self.keeper = AttentionKeeper(recompute_keep) if recompute_keep is not None else None
+        # The keeper comes from the object the spec passes (activation memory sits above
+        # this package), so sequence parallelism never imports it.
+        self.keeper = recompute_keep.make_keeper() if recompute_keep is not None else None
 
     def forward(
         self,

@@ -15,7 +15,7 @@ them when they are within ``target``; else it cuts the sequence into ``2*U*R*m``
 for a few ``m`` and assigns them to ring ranks (``2*U*m`` each) by greedy largest-first
 placement followed by pairwise swaps between the heaviest and the lightest rank, keeping the
 assignment with the smallest spread. Zigzag is returned when it is at least as good. The data loader calls it once per
-micro-batch (``megatron.training.documents``); :mod:`megatron.usp.token_layout` describes the
+micro-batch (``megatron.training.data.documents``); :mod:`megatron.usp.token_layout` describes the
 result, and everything sharded (tokens, labels, loss mask, positions, segments) follows it.
 
 ``spread`` = ``max |w_r - mean| / mean`` over ring ranks.

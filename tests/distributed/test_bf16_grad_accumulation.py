@@ -34,12 +34,12 @@ def _step_gradient(layout, grad_reduce_in_bf16: bool):
     the loss tokens: the division by their count happens in the optimizer step)."""
     import torch
 
-    from megatron.training import batch as batch_mod
-    from megatron.training import training
-    from megatron.training.arguments import parse_args
-    from megatron.training.checkpointing import TrainState
+    from megatron.training import loop as training
+    from megatron.training.checkpoint.save_load import TrainState
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.data import batch as batch_mod
     from megatron.training.initialize import initialize, shutdown
-    from megatron.training.model import build_model, unwrap
+    from megatron.training.model.build import build_model, unwrap
 
     args = parse_args(MODEL + layout)
     rt = initialize(args)

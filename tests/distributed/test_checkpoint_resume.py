@@ -95,12 +95,12 @@ def test_straight_run_published_checkpoints(straight_run):
     assert names == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
     from megatron.core import dist_checkpointing
 
-    from megatron.training.checkpointing import verify_complete
-    from megatron.training.corpus import ensure_default_corpus
+    from megatron.training.checkpoint.save_load import verify_complete
+    from megatron.training.data.corpus import ensure_default_corpus
 
     verify_complete(str(ckpt / "iter_0000005"))
     # Every file of a published checkpoint has its checksum, and they match.
-    from megatron.training import checksums
+    from megatron.training.checkpoint import checksums
 
     manifest = checksums.read_manifest(str(ckpt / "iter_0000005"))
     names = checksums.checkpoint_files(str(ckpt / "iter_0000005"))
@@ -183,7 +183,7 @@ _CRASH_DRIVER = textwrap.dedent("""
 
 
     def main():
-        from megatron.usp.cpu_shims import apply_cpu_shims
+        from megatron.training.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
         from megatron.core import dist_checkpointing
@@ -200,8 +200,8 @@ _CRASH_DRIVER = textwrap.dedent("""
             return real_save(state, directory, **kwargs)
 
         dist_checkpointing.save = crashing_save
-        from megatron.training.arguments import parse_args
-        from megatron.training.training import pretrain
+        from megatron.training.cli.arguments import parse_args
+        from megatron.training.loop import pretrain
 
         pretrain(parse_args(sys.argv[1:]))
 
@@ -250,7 +250,7 @@ def test_crash_during_save_is_never_loaded(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004.tmp",
                                         "latest_checkpointed_iteration.txt", "metrics.jsonl"]
 
-    from megatron.training.checkpointing import locate_checkpoint
+    from megatron.training.checkpoint.save_load import locate_checkpoint
 
     assert locate_checkpoint(ckpt, ckpt, None) == (2, os.path.join(ckpt, "iter_0000002"))
     with pytest.raises(Exception, match="iteration 4"):

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.training import corpus as corpus_mod
-from megatron.training.batch import shard_batch_for_cp
-from megatron.training.data import build_data_iterator, build_gpt_datasets
-from megatron.training.data_config import DataConfig, validate_data_config
-from megatron.training.tokenizer import build_tokenizer
+from megatron.training.data import corpus as corpus_mod
+from megatron.training.data.batch import shard_batch_for_cp
+from megatron.training.data.config import DataConfig, validate_data_config
+from megatron.training.data.loader import build_data_iterator, build_gpt_datasets
+from megatron.training.data.tokenizer import build_tokenizer
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks
 
@@ -94,7 +94,7 @@ def _check_grid(u, r, data_prefix, tokenizer_model, cache):
 
 
 def _loader_on_grids(rank, world_size, data_prefix, tokenizer_model, cache):
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     _check_grid(1, 2, data_prefix, tokenizer_model, cache + "/u1r2")

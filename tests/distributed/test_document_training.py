@@ -47,9 +47,9 @@ def _argv(name: str, out_dir: str):
 
 
 def _train_all_layouts(rank, world_size, out_dir):
-    import megatron.training.documents as documents
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import pretrain
+    import megatron.training.data.documents as documents
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.loop import pretrain
 
     real, moved = documents.balance_chunks, []
 

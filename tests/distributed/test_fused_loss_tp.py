@@ -56,7 +56,7 @@ def _gather_rows(shard, group):
 
 
 def _check_fused(tp_rank, tp, sequence_parallel, chunk_tokens, problem, ref, weighted=False):
-    from megatron.training.fused_loss import fused_linear_cross_entropy
+    from megatron.training.model.fused_loss import fused_linear_cross_entropy
 
     hidden, weight, labels, probe = problem
     rows = VOCAB // tp.size()
@@ -84,7 +84,7 @@ def _check_megatron_path(tp_rank, tp, problem, ref):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    from megatron.training.fused_loss import fused_linear_cross_entropy
+    from megatron.training.model.fused_loss import fused_linear_cross_entropy
 
     hidden, weight, labels, probe = problem
     rows = VOCAB // tp.size()
@@ -110,7 +110,7 @@ def _check_megatron_path(tp_rank, tp, problem, ref):
 
 
 def _tp2_checks(rank, world_size):
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
     from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import initialize_usp_parallel
 
@@ -140,8 +140,8 @@ MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads
 def _build(args, groups):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.training.arguments import padded_vocab_size
-    from megatron.training.model import build_gpt_model, transformer_config_from_args
+    from megatron.training.cli.arguments import padded_vocab_size
+    from megatron.training.model.build import build_gpt_model, transformer_config_from_args
 
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, 32, 2)     # 64
     model_parallel_cuda_manual_seed(7)
@@ -150,16 +150,16 @@ def _build(args, groups):
 
 def _model_checks(rank, world_size):
     """build_gpt_model: the flag selects FusedLossGPTModel, the default is USPGPTModel
-    (GPTModel with RoPE from position_ids, megatron/training/gpt_model.py);
+    (GPTModel with RoPE from position_ids, megatron/training/model/gpt_model.py);
     with the same weights (TP2, sequence parallel, tied embeddings) the losses and every
     parameter gradient agree with GPTModel's to float32 rounding, and calls without labels
     are GPTModel's own (bit-equal logits)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.fused_loss_model import FusedLossGPTModel
-    from megatron.training.gpt_model import USPGPTModel
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cli.arguments import parse_args, validate_args
+    from megatron.training.cpu_shims import apply_cpu_shims
+    from megatron.training.model.fused_loss_model import FusedLossGPTModel
+    from megatron.training.model.gpt_model import USPGPTModel
     from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import initialize_usp_parallel
 

@@ -59,9 +59,9 @@ FUSED = ["--fused-linear-cross-entropy", "--linear-cross-entropy-chunk-tokens", 
 
 
 def _train_both_ways(rank, world_size, out):
-    import megatron.training.fused_loss_model as fused_loss_model
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import pretrain
+    import megatron.training.model.fused_loss_model as fused_loss_model
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.loop import pretrain
 
     calls = []
     real = fused_loss_model.fused_linear_cross_entropy

@@ -36,9 +36,9 @@ LAYOUTS = {
 
 
 def _train_both_ways(rank, world_size, out):
-    from megatron.training import grad_clip
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import pretrain
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.loop import pretrain
+    from megatron.training.optim import grad_clip
 
     entered = []
     real_scaled, real_fused = grad_clip.scaled_in_adam, grad_clip.fused_adams

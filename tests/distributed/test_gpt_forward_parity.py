@@ -29,19 +29,19 @@ and TP2 x U2 (1 KV head per TP rank) exercise the KV-head replication path.
 
 Elementwise recompute (the layouts marked ``lean``, on top of ``fused``): the norms before
 QKV and FC1 run inside those linear layers and the SwiGLU inside FC2
-(:mod:`megatron.usp.fused_linears`), each recomputed in the backward; the reference weights
+(:mod:`megatron.layers.fused_linears`), each recomputed in the backward; the reference weights
 load under the names the local spec's checkpoint map gives the norms
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``). The layouts marked
-``usp`` do the same with ``fused_kernels="usp"``: :mod:`megatron.usp.lean_kernels` (their
+``usp`` do the same with ``fused_kernels="usp"``: :mod:`megatron.layers.lean_kernels` (their
 plain-math path on the CPU) drops the norm and SwiGLU outputs and refills them in place from
 the linear layers' gradient hooks, and RoPE is the fused QKV split of
-:mod:`megatron.usp.qkv_rope`.
+:mod:`megatron.layers.qkv_rope`.
 
 Fused-kernel plumbing (the layouts marked ``fused``): the block spec is built with
 ``fused_kernels="compile"`` and ``config.use_te_activation_func``, so RoPE runs in
-:class:`~megatron.usp.self_attention.USPSelfAttention` (not megatron-core's attention), the
+:class:`~megatron.layers.self_attention.USPSelfAttention` (not megatron-core's attention), the
 SwiGLU in the MLP's ``activation_func`` submodule and the norms through
-:func:`megatron.usp.fused_kernels.rms_norm`; ``torch.compile`` is replaced by the identity on
+:func:`megatron.layers.fused_kernels.rms_norm`; ``torch.compile`` is replaced by the identity on
 these CPU ranks, so the plain functions run eagerly and must reproduce megatron-core's own
 path to the same float64 tolerance.
 """
@@ -123,7 +123,7 @@ def _reference(rank, world_size, out_dir):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size()))
@@ -170,7 +170,7 @@ def _tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: i
 
 
 def _check_norms(model, sequence_parallel: bool, lean: bool = False) -> None:
-    from megatron.usp.norms import RMSNorm
+    from megatron.layers.norms import RMSNorm
 
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert model.decoder.final_layernorm in norms
@@ -186,9 +186,9 @@ def _check_norms(model, sequence_parallel: bool, lean: bool = False) -> None:
 def _check_fused_modules(model, mode: str) -> None:
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from megatron.usp.fused_kernels import SwiGLU, op_impl
-    from megatron.usp.fused_linears import NormColumnParallelLinear, SwiGLURowParallelLinear
-    from megatron.usp.self_attention import USPSelfAttention
+    from megatron.layers.fused_kernels import SwiGLU, op_impl
+    from megatron.layers.fused_linears import NormColumnParallelLinear, SwiGLURowParallelLinear
+    from megatron.layers.self_attention import USPSelfAttention
 
     for layer in model.decoder.layers:
         assert isinstance(layer.self_attention, USPSelfAttention)
@@ -209,8 +209,8 @@ def _check_fused_modules(model, mode: str) -> None:
 def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: dict) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.usp import fused_kernels
-    from megatron.usp.layer_specs import get_usp_gpt_block_spec
+    from megatron.layers import fused_kernels
+    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
 
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=tp,
                                                   ulysses=ulysses, ring=ring))
@@ -256,7 +256,7 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: di
 
 
 def _usp_layouts(rank, world_size, layouts, out_dir):
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     ref = torch.load(os.path.join(out_dir, "reference.pt"))
@@ -281,9 +281,9 @@ def test_gpt_forward_matches_single_rank(dist_run, reference_dir, world_size):
 def _checkpoint_keys(rank, world_size):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.usp import fused_kernels
-    from megatron.usp.cpu_shims import apply_cpu_shims
-    from megatron.usp.layer_specs import get_usp_gpt_block_spec
+    from megatron.layers import fused_kernels
+    from megatron.training.cpu_shims import apply_cpu_shims
+    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
 
     apply_cpu_shims()
     groups = initialize_usp_parallel(ParallelDims(world_size))

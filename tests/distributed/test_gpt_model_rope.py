@@ -1,5 +1,5 @@
 """USPGPTModel (RoPE from position_ids) is bit-identical to megatron-core's GPTModel for the
-default layout, which is why every run uses it (megatron/training/gpt_model.py).
+default layout, which is why every run uses it (megatron/training/model/gpt_model.py).
 
 2 gloo ranks, U2xR1 and U1xR2, float32 on the CPU: both models are built from the same seed
 with the USP block spec, get the same CP-rank shard of tokens and positions, and must return
@@ -22,7 +22,7 @@ SEQ, BATCH = 32, 2
 def _build(cls, config, groups):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.usp.layer_specs import get_usp_gpt_block_spec
+    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
 
     model_parallel_cuda_manual_seed(SEED)
     return cls(config=config, transformer_layer_spec=get_usp_gpt_block_spec(config, pp_rank=0),
@@ -41,8 +41,8 @@ def _run(model, tokens, position_ids, labels):
 def _check(rank, world_size):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron.training.gpt_model import USPGPTModel
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
+    from megatron.training.model.gpt_model import USPGPTModel
 
     apply_cpu_shims()
     for ulysses, ring in ((2, 1), (1, 2)):

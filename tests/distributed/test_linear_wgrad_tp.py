@@ -1,9 +1,9 @@
 """``--gradient-accumulation-fusion`` under tensor parallelism (TP = 2, gloo, float64): the
 MLP built with this project's linear layers (weight gradients added into ``main_grad`` by
-:mod:`megatron.usp.linear_wgrad`) against megatron-core's MLP with its own linear layers, with
+:mod:`megatron.layers.linear_wgrad`) against megatron-core's MLP with its own linear layers, with
 and without Megatron sequence parallelism (the input all-gathered forward and backward, the
 input gradient reduce-scattered) and with FC2 applying the SwiGLU itself
-(:class:`~megatron.usp.fused_linears.SwiGLURowParallelLinear` with the ``usp`` kernels, plain
+(:class:`~megatron.layers.fused_linears.SwiGLURowParallelLinear` with the ``usp`` kernels, plain
 PyTorch math on the CPU). Each weight gets ``main_grad`` and ``grad_added_to_main_grad`` as
 megatron-core's DDP gives them; two micro-batches accumulate. Output, input gradient and each
 weight's gradient (this rank's shard) agree to 1e-12.
@@ -28,8 +28,8 @@ def _mlp(sequence_parallel: bool, ours: bool, swiglu_inside: bool):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.usp.fused_linears import PassThroughActivation, SwiGLURowParallelLinear
-    from megatron.usp.layer_specs import with_wgrad_fusion
+    from megatron.layers.fused_linears import PassThroughActivation, SwiGLURowParallelLinear
+    from megatron.training.model.layer_specs import with_wgrad_fusion
 
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
@@ -72,7 +72,7 @@ def _grads(mlp, x, probe):
 def _run(rank, world_size):
     from megatron.core.parallel_state import get_tensor_model_parallel_rank
 
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
     from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import initialize_usp_parallel
 

@@ -61,13 +61,13 @@ def _build(variant, layout, groups):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.usp.activation_offload import (
+    from megatron.memory.activation_offload import (
         ActivationOffloader,
         OffloadConfig,
         install_recompute_offload,
     )
-    from megatron.usp.kept_attention import RecomputeKeep
-    from megatron.usp.layer_specs import get_usp_gpt_block_spec
+    from megatron.memory.kept_attention import RecomputeKeep
+    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
 
     tp, ulysses, ring, sp = layout
     full, keep, offload, tiles = VARIANTS[variant]
@@ -107,7 +107,7 @@ def _grads(model, batches, cp_rank, cp):
 
 
 def _check_layout(layout):
-    from megatron.usp.kept_attention import AttentionKeeper
+    from megatron.memory.kept_attention import AttentionKeeper
 
     tp, ulysses, ring, sp = layout
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=tp, ulysses=ulysses,
@@ -146,7 +146,7 @@ def _check_layout(layout):
 
 
 def _run(rank, world_size):
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     for layout in LAYOUTS:

@@ -52,8 +52,8 @@ def _train(rank, world_size, out_dir):
     import json
     import os
 
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import pretrain
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.loop import pretrain
 
     losses = {}
     for name, flags in RUNS.items():

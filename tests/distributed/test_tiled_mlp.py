@@ -37,10 +37,10 @@ def _mlp(cls, **params):
 def _run(rank, world_size):
     from megatron.core.transformer.mlp import MLP
 
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.memory.tiled_mlp import TiledMLP, TiledMLPMixin, tiled_mlp_class
+    from megatron.training.cpu_shims import apply_cpu_shims
     from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import initialize_usp_parallel
-    from megatron.usp.tiled_mlp import TiledMLP, TiledMLPMixin, tiled_mlp_class
 
     apply_cpu_shims()
     initialize_usp_parallel(ParallelDims(1))

@@ -112,8 +112,8 @@ def _argv(name: str, out_dir: str):
 
 
 def _train_all_layouts(rank, world_size, out_dir):
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import pretrain
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.loop import pretrain
 
     for name in LAYOUTS:
         result = pretrain(parse_args(_argv(name, out_dir)))

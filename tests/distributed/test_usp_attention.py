@@ -421,8 +421,8 @@ def test_layer_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron.training.model.layer_specs import get_usp_gpt_layer_spec
     from megatron.usp.core_attention import USPAttention
-    from megatron.usp.layer_specs import get_usp_gpt_layer_spec
 
     spec = get_usp_gpt_layer_spec(attention_backend="math", qk_layernorm=True)
     upstream = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
@@ -434,12 +434,12 @@ def test_layer_spec_swaps_only_core_attention():
     theirs = upstream.submodules.self_attention.submodules
     for field in ("linear_qkv", "linear_proj"):
         assert getattr(mine, field) == getattr(theirs, field), field
-    # Norms are ours (megatron/usp/norms.py): same math, and they support --sequence-parallel.
-    from megatron.usp.norms import RMSNorm
+    # Norms are ours (megatron/layers/norms.py): same math, and they support --sequence-parallel.
+    from megatron.layers.norms import RMSNorm
 
     assert mine.q_layernorm.module is RMSNorm and mine.k_layernorm.module is RMSNorm
     assert spec.submodules.mlp == upstream.submodules.mlp    # fused_swiglu off: upstream's
-    from megatron.usp.self_attention import USPSelfAttention
+    from megatron.layers.self_attention import USPSelfAttention
 
     assert spec.submodules.self_attention.module is USPSelfAttention
     assert spec.submodules.self_attention.params["rope_impl"] == "torch"

@@ -6,9 +6,9 @@ The tiny model and data of tests/distributed/test_training_parity.py (CPU float3
 ranks, the built-in corpus, global batch 8 x 64 tokens, same seed), 12 steps through
 ``pretrain(args)``, each layout once per choice. With ``torch`` the lean layers recompute
 through megatron-core's ``CheckpointWithoutOutput`` and RoPE is megatron's split + rotation;
-with ``usp`` they are :mod:`megatron.usp.lean_kernels` (their plain-math path on the CPU:
+with ``usp`` they are :mod:`megatron.layers.lean_kernels` (their plain-math path on the CPU:
 outputs dropped after the linear layer and refilled in place from its gradient hook) and
-:mod:`megatron.usp.qkv_rope`. Layouts: two pipeline stages x U2, and two pipeline stages x
+:mod:`megatron.layers.qkv_rope`. Layouts: two pipeline stages x U2, and two pipeline stages x
 TP2 with Megatron sequence parallelism (the layout-parity gate covers U x R and TP without
 PP; pipeline stages initialise their layers from another point of the RNG stream, so they
 are compared with themselves here).
@@ -37,9 +37,9 @@ LAYOUTS = {
 
 
 def _train_both_ways(rank, world_size, out):
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import pretrain
-    from megatron.usp import lean_kernels, qkv_rope
+    from megatron.layers import lean_kernels, qkv_rope
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.loop import pretrain
 
     calls = {"refill": 0, "qkv": 0}
     real_drop, real_split = lean_kernels.drop_until_backward, qkv_rope.qkv_split_rope

@@ -246,7 +246,7 @@ def check_overlap_schedule(groups, chunks, seq_len):
 
 # --------------------------------------------------------------------------- launches
 def _overlap_all(rank, world_size, layouts):
-    from megatron.usp.cpu_shims import apply_cpu_shims
+    from megatron.training.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     for ulysses, ring in layouts:

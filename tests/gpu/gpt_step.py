@@ -46,7 +46,7 @@ def one_gpt_step(impl: str, lean: bool = False,
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.usp.layer_specs import get_usp_gpt_block_spec
+    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
     from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 

@@ -16,7 +16,7 @@ NORM_GLU_IMPLS = IMPLS + ["usp"]      # RMSNorm and SwiGLU also have this projec
 
 
 def _available(impl: str) -> bool:
-    from megatron.usp.fused_kernels import liger_importable
+    from megatron.layers.fused_kernels import liger_importable
 
     return impl != "liger" or liger_importable()
 
@@ -54,7 +54,7 @@ def _check(fn_impl, fn_torch, fn_ref, inputs, extra=()):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", NORM_GLU_IMPLS)
 def test_rms_norm_on_gpu(impl):
-    from megatron.usp import fused_kernels as fk
+    from megatron.layers import fused_kernels as fk
 
     if not _available(impl):
         pytest.skip("liger-kernel is not installed")
@@ -69,7 +69,7 @@ def test_rms_norm_on_gpu(impl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", NORM_GLU_IMPLS)
 def test_swiglu_on_gpu(impl):
-    from megatron.usp import fused_kernels as fk
+    from megatron.layers import fused_kernels as fk
 
     if not _available(impl):
         pytest.skip("liger-kernel is not installed")
@@ -85,7 +85,7 @@ def test_rope_on_gpu(impl, batch):
     """Positions in a load-balanced order (chunks 0 and 3 of 4) and, for batch 2, per-row
     positions: the kernel must follow the frequencies it is given."""
     from megatron.bench.fused_kernels_bench import rope_freqs
-    from megatron.usp import fused_kernels as fk
+    from megatron.layers import fused_kernels as fk
 
     if not _available(impl):
         pytest.skip("liger-kernel is not installed")
@@ -107,13 +107,13 @@ def test_rope_on_gpu(impl, batch):
 @pytest.mark.parametrize("batch,heads,groups,rot", [(1, 16, 4, 128), (2, 16, 4, 128),
                                                    (1, 8, 8, 64), (1, 32, 1, 128)])
 def test_qkv_split_rope_on_gpu(batch, heads, groups, rot):
-    """megatron.usp.qkv_rope's Triton kernel (split + RoPE of the QKV output) in bf16 against
+    """megatron.layers.qkv_rope's Triton kernel (split + RoPE of the QKV output) in bf16 against
     megatron's split with the plain rotation, both against float64; load-balanced positions
     (chunks 0 and 3 of 4), per-row positions for batch 2, partial rotation (rot < d), MHA
     and MQA as well as GQA."""
     from megatron.bench.fused_kernels_bench import rope_freqs
-    from megatron.usp import fused_kernels as fk
-    from megatron.usp.qkv_rope import qkv_split_rope, qkv_split_rope_reference
+    from megatron.layers import fused_kernels as fk
+    from megatron.layers.qkv_rope import qkv_split_rope, qkv_split_rope_reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, total, d = 2048, 4096, 128
@@ -158,7 +158,7 @@ def test_gpt_step_with_fused_kernels_on_gpu(impl, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lean", [False, True])
 def test_gpt_step_with_usp_kernels_on_gpu(lean):
-    """``--fused-kernels usp`` (megatron.usp.lean_kernels, qkv_rope), the norm and SwiGLU
+    """``--fused-kernels usp`` (megatron.layers.lean_kernels, qkv_rope), the norm and SwiGLU
     outputs kept or (``lean``) dropped after the linear layers and refilled in place before
     their backward: loss and gradients vs ``torch`` as above."""
     from tests.gpu.gpt_step import one_gpt_step
@@ -175,7 +175,7 @@ def test_gpt_step_with_usp_kernels_on_gpu(lean):
 def test_fused_adam_switch_on_gpu():
     """``use_fused_adam`` turns megatron-core's torch AdamW to the fused kernel: the same
     update as the foreach implementation to float32 rounding."""
-    from megatron.training.training import use_fused_adam
+    from megatron.training.loop import use_fused_adam
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.randn(1000, 300, generator=gen, device="cuda"),
@@ -215,7 +215,7 @@ def test_step_scaled_in_fused_adam_on_gpu(clip):
     rounding); with ``ok`` false nothing changes, moments and step included."""
     from types import SimpleNamespace
 
-    from megatron.training import grad_clip
+    from megatron.training.optim import grad_clip
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(1000, 300), (300,)]

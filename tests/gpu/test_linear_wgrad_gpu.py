@@ -1,5 +1,5 @@
 """GPU checks of ``--gradient-accumulation-fusion`` and FC2 with the SwiGLU inside
-(:mod:`megatron.usp.linear_wgrad`), bf16 on one GPU:
+(:mod:`megatron.layers.linear_wgrad`), bf16 on one GPU:
 
 * the weight gradient added into a float32 ``main_grad`` by ``torch.addmm(...,
   out_dtype=float32)``: relative error against float64 at float32's level (2e-5), at least
@@ -31,7 +31,7 @@ def _randn(*shape, seed=0, scale=1.0):
 
 @pytest.mark.gpu
 def test_wgrad_into_float32_main_grad_on_gpu():
-    from megatron.usp.linear_wgrad import accumulate_wgrad
+    from megatron.layers.linear_wgrad import accumulate_wgrad
 
     dy, x = _randn(8192, 1024, seed=1), _randn(8192, 768, seed=2)
     start = torch.randn(1024, 768, device="cuda") * 50
@@ -48,7 +48,7 @@ def test_wgrad_into_float32_main_grad_on_gpu():
 
 @pytest.mark.gpu
 def test_swiglu_backward_refill_on_gpu():
-    from megatron.usp import lean_kernels as lk
+    from megatron.layers import lean_kernels as lk
 
     rows, f = 4096, 2816
     x, dy = _randn(rows, 2 * f, seed=3), _randn(rows, f, seed=4)
@@ -66,7 +66,7 @@ def test_swiglu_backward_refill_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fuse", [False, True])
 def test_swiglu_linear_on_gpu(fuse):
-    from megatron.usp.linear_wgrad import swiglu_linear
+    from megatron.layers.linear_wgrad import swiglu_linear
 
     x, w, dy = _randn(2048, 2, 2 * 1408, seed=5), _randn(1024, 1408, seed=6, scale=0.03), \
         _randn(2048, 2, 1024, seed=7)

@@ -64,7 +64,7 @@ def _grads(block, x, steps=2):
 
 @pytest.mark.gpu
 def test_offload_on_cuda_streams_is_exact():
-    from megatron.usp.activation_offload import (
+    from megatron.memory.activation_offload import (
         ActivationOffloader,
         OffloadConfig,
         install_recompute_offload,
@@ -94,9 +94,9 @@ def _run_tiled_mlp():
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron.memory.tiled_mlp import TiledMLP
     from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
-    from megatron.usp.tiled_mlp import TiledMLP
 
     owned = not dist.is_initialized()
     if owned:

@@ -23,7 +23,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import (  # noqa: E
     HybridDeviceOptimizer,
 )
 
-from megatron.training.offload_optimizer import (  # noqa: E402
+from megatron.training.optim.offload_optimizer import (  # noqa: E402
     StagedHybridDeviceOptimizer,
     staging_bytes,
 )

@@ -43,7 +43,7 @@ def test_split_causal_forward_on_gpu():
 
 @pytest.mark.gpu
 def test_fused_linear_cross_entropy_on_gpu():
-    from megatron.training.fused_loss import fused_linear_cross_entropy
+    from megatron.training.model.fused_loss import fused_linear_cross_entropy
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, b, hidden, vocab = 6144, 2, 1024, 32000
@@ -71,7 +71,7 @@ def test_fused_linear_cross_entropy_on_gpu():
 def test_fused_linear_cross_entropy_gradients_in_forward_on_gpu():
     """``loss_weights`` (the loss mask): gradients computed in the forward by the compiled
     chunk kernels, against the unfused path, to the same tolerances as above."""
-    from megatron.training.fused_loss import fused_linear_cross_entropy
+    from megatron.training.model.fused_loss import fused_linear_cross_entropy
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, b, hidden, vocab = 6144, 2, 1024, 32000

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.training import corpus as corpus_mod
+from megatron.training.data import corpus as corpus_mod
 
 SMALL_BYTES = 200_000  # pydoc topics only: builds in about a second
 SMALL_VOCAB = 1000

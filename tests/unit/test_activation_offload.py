@@ -1,4 +1,4 @@
-"""ActivationOffloader (megatron/usp/activation_offload.py) on the CPU: order, window, prefetch.
+"""ActivationOffloader (megatron/memory/activation_offload.py) on the CPU: order, window, prefetch.
 
 The CPU path is the GPU path with synchronous copies, so what is checked here holds for both:
 items come back equal to what was kept; the newest ``prefetch`` items of a forward never
@@ -12,7 +12,7 @@ caught by the saved-tensor hooks.
 import pytest
 import torch
 
-from megatron.usp.activation_offload import ActivationOffloader, HostBufferPool, OffloadConfig
+from megatron.memory.activation_offload import ActivationOffloader, HostBufferPool, OffloadConfig
 
 
 def _offloader(prefetch=2):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.training.training import allocate_adam_state
+from megatron.training.loop import allocate_adam_state
 
 
 def _params(seed):
@@ -94,8 +94,8 @@ PRETRAIN_ARGS = [
 def _built_state(rank, world_size, out_path):
     import json
 
-    from megatron.training import training
-    from megatron.training.arguments import parse_args
+    from megatron.training import loop as training
+    from megatron.training.cli.arguments import parse_args
 
     seen = []
     build = training.build_optimizer

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron.training.arguments import (
+from megatron.training.cli.arguments import (
     build_parser,
     default_ffn_hidden_size,
     padded_vocab_size,
@@ -237,7 +237,7 @@ def test_auto_layout_plans_the_loss_the_run_uses(monkeypatch):
 
 
 def test_auto_layout_without_a_preset_asks_for_hardware():
-    from megatron.training.arguments import ArgumentsError
+    from megatron.training.cli.arguments import ArgumentsError
 
     args = parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree", "auto"])
     validate_args(args, 4, cuda_available=False)
@@ -254,7 +254,7 @@ def test_unknown_attention_backend_is_refused(capsys):
 def _train_with_auto_layout(rank, world_size):
     import math
 
-    from megatron.training.training import pretrain
+    from megatron.training.loop import pretrain
 
     args = parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree", "auto",
                               "--hardware", "h200", "--gpus-per-node", "4",
@@ -274,7 +274,7 @@ def test_auto_layout_trains(dist_run):
 
 
 def test_usp_overlap_chunks_flag_reaches_the_layer_spec():
-    from megatron.usp.layer_specs import get_usp_gpt_layer_spec
+    from megatron.training.model.layer_specs import get_usp_gpt_layer_spec
 
     assert parse_args(BASE).usp_overlap_chunks == "auto"
     assert parse_args(BASE + ["--usp-overlap-chunks", "2"]).usp_overlap_chunks == 2
@@ -288,7 +288,7 @@ def test_usp_overlap_chunks_flag_reaches_the_layer_spec():
 
 
 def test_usp_overlap_chunks_checked_against_the_heads_at_start_up():
-    from megatron.training.arguments import ArgumentsError
+    from megatron.training.cli.arguments import ArgumentsError
 
     with pytest.raises(ArgumentsError) as e:
         _valid(["--usp-overlap-chunks", "3"])
@@ -324,7 +324,7 @@ def test_fused_linear_cross_entropy_flags():
      "--fused-linear-cross-entropy; add --fused-linear-cross-entropy"),
 ])
 def test_fused_linear_cross_entropy_bad_values(extra, match):
-    from megatron.training.arguments import ArgumentsError
+    from megatron.training.cli.arguments import ArgumentsError
 
     with pytest.raises(ArgumentsError, match=match):
         _valid(extra)
@@ -338,8 +338,8 @@ def test_fused_linear_cross_entropy_chunk_needs_an_integer(capsys):
 
 
 def test_recompute_modules_reach_megatron_and_are_checked():
-    from megatron.training.arguments import ArgumentsError
-    from megatron.training.model import transformer_config_from_args
+    from megatron.training.cli.arguments import ArgumentsError
+    from megatron.training.model.build import transformer_config_from_args
 
     args = _valid(["--recompute-granularity", "selective", "--recompute-modules", "mlp"])
     config = transformer_config_from_args(args)
@@ -356,8 +356,8 @@ def test_recompute_modules_reach_megatron_and_are_checked():
 def test_layernorm_and_swiglu_recompute_are_the_layer_spec_s():
     """They never reach megatron-core (whose layernorm recompute needs TransformerEngine):
     the layer spec's fused linear layers do them; megatron-core's own modules still go through."""
-    from megatron.training.arguments import ArgumentsError
-    from megatron.training.model import spec_recompute, transformer_config_from_args
+    from megatron.training.cli.arguments import ArgumentsError
+    from megatron.training.model.build import spec_recompute, transformer_config_from_args
 
     mlp = ["--swiglu", "--disable-bias-linear"]
     lean = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm",

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 from megatron.usp.parallel_dims import USPConfigError
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -101,7 +101,7 @@ def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
 
 def test_output_paths_are_checked(tmp_path):
     """Issue 1: --save naming a file, or under a file, fails at start-up naming the flag."""
-    from megatron.training.output_paths import check_output_paths
+    from megatron.training.cli.output_paths import check_output_paths
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -179,7 +179,7 @@ def test_command_line_reports_one_error_line():
 
 # --------------------------------------------------------------------------- on ranks
 def _bad_flags_on_ranks(rank, world_size):
-    from megatron.training.training import pretrain
+    from megatron.training.loop import pretrain
 
     for extra, kind, flag in (
         (["--ulysses-degree", "3"], USPConfigError, "world size"),
@@ -205,7 +205,7 @@ def _fake_complete_checkpoint(path, with_checksums=False):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron.training import checksums
+    from megatron.training.checkpoint import checksums
 
     os.makedirs(path)
     dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, checkpoint_id=path, no_dist=True)
@@ -225,12 +225,12 @@ def _write(path, text):
 def _bad_load_on_ranks(rank, world_size, root):
     import torch.distributed as dist
 
-    from megatron.training.checkpointing import (
+    from megatron.training.checkpoint.save_load import (
         CheckpointError,
         iteration_dir,
         locate_checkpoint_on_all_ranks,
     )
-    from megatron.training.training import pretrain
+    from megatron.training.loop import pretrain
 
     def args(load, save=None, step=None):
         return parse_args(BASE + ["--load", load] + (["--save", save] if save else [])
@@ -241,7 +241,7 @@ def _bad_load_on_ranks(rank, world_size, root):
         good = os.path.join(root, "good")
         _fake_complete_checkpoint(iteration_dir(good, 3))
         write_tracker_args = (good, 3)
-        from megatron.training.checkpointing import write_tracker
+        from megatron.training.checkpoint.save_load import write_tracker
 
         write_tracker(*write_tracker_args)
         empty = os.path.join(root, "empty")
@@ -323,7 +323,7 @@ NAN_ITERATION = 3
 
 def _poisoned_forward_step(num_microbatches):
     """The default forward step, with a NaN loss in every micro-batch of NAN_ITERATION."""
-    from megatron.training import batch
+    from megatron.training.data import batch
 
     calls = [0]
 
@@ -339,7 +339,7 @@ def _poisoned_forward_step(num_microbatches):
 
 
 def _nan_on_ranks(rank, world_size, metrics_dir):
-    from megatron.training.training import NonFiniteLossError, pretrain
+    from megatron.training.loop import NonFiniteLossError, pretrain
 
     common = BASE + ["--num-workers", "0", "--ulysses-degree", "2", "--micro-batch-size", "1",
                      "--global-batch-size", "2", "--eval-iters", "0",
@@ -373,7 +373,7 @@ def _nan_grad_forward_step(num_microbatches):
     NaN (0 * d sqrt(x)/dx at x = 0) while the loss stays finite."""
     import torch
 
-    from megatron.training import batch
+    from megatron.training.data import batch
 
     calls = [0]
 
@@ -390,7 +390,7 @@ def _nan_grad_forward_step(num_microbatches):
 
 
 def _nan_grad_on_ranks(rank, world_size, metrics_dir):
-    from megatron.training.training import NonFiniteLossError, pretrain
+    from megatron.training.loop import NonFiniteLossError, pretrain
 
     common = BASE + ["--num-workers", "0", "--ulysses-degree", "2", "--micro-batch-size", "1",
                      "--global-batch-size", "2", "--eval-iters", "0",
@@ -420,7 +420,7 @@ def test_nan_grad_norm_stops_before_the_step_or_is_skipped(dist_run, tmp_path):
 
 
 def test_nonfinite_grad_message_fits_the_clip_setting():
-    from megatron.training.training import nonfinite_grad_message
+    from megatron.training.loop import nonfinite_grad_message
 
     assert "set --clip-grad 1.0" in nonfinite_grad_message(3, float("nan"), 2.0, 0.0)
     set_already = nonfinite_grad_message(3, float("inf"), 2.0, 1.0)

@@ -25,7 +25,7 @@ def _records(times_ms, gpu=(10.0, 12.0), host=(30.0, 31.0)):
 
 
 def test_llama3_8b_preset_is_valid_pretrain_gpt_flags():
-    arguments = pytest.importorskip("megatron.training.arguments")
+    arguments = pytest.importorskip("megatron.training.cli.arguments")
     cfg = _cfg(extra_args=["--recompute-keep-core-attn", "--mlp-tile-tokens", "8192"])
     args = arguments.parse_args(e2e.pretrain_args(cfg, e2e.RunSpec(262144, 1, 1, "full", 2),
                                                   "m.jsonl"))
@@ -41,7 +41,7 @@ def test_llama3_8b_preset_is_valid_pretrain_gpt_flags():
 
 
 def test_a_slice_changes_the_flags_and_the_flop_count():
-    arguments = pytest.importorskip("megatron.training.arguments")
+    arguments = pytest.importorskip("megatron.training.cli.arguments")
     spec = e2e.RunSpec(262144, 1, 1, "full", 2)
     whole, sliced = _cfg(), _cfg(num_layers=2)
     args = arguments.parse_args(e2e.pretrain_args(sliced, spec, "m.jsonl"))
@@ -114,7 +114,7 @@ def test_depth_command_reads_two_bench_files(tmp_path, capsys):
 def test_depth_refuses_offload_slices_shallower_than_the_prefetch_window(tmp_path):
     """With --recompute-cpu-offload a 1- or 2-layer slice keeps every input on the GPU
     (the offloader's prefetch window): its per-layer GPU bytes would be wrong."""
-    from megatron.usp import activation_offload
+    from megatron.memory import activation_offload
 
     assert depth.DEFAULT_PREFETCH == activation_offload.DEFAULT_PREFETCH
     files = {}

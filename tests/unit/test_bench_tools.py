@@ -225,7 +225,7 @@ def _e2e_cfg(tmp_path=None, **kw):
                                                     ("cpu", (1, 2), "none")])
 def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     """The command bench_e2e builds parses and validates with pretrain_gpt.py's own code."""
-    arguments = pytest.importorskip("megatron.training.arguments")
+    arguments = pytest.importorskip("megatron.training.cli.arguments")
     cfg = _e2e_cfg(device=device)
     spec = e2e.RunSpec(65536, *split, recompute, 5)
     args = arguments.parse_args(e2e.pretrain_args(cfg, spec, "/tmp/m.jsonl"))
@@ -266,7 +266,7 @@ def test_launch_command_is_torchrun_of_pretrain_gpt():
 
 
 def _records(times_ms, mem=10.0, loss=9.0, mfu_peak=989.0):
-    """Records in the schema of megatron.training.metrics (a run header, train steps)."""
+    """Records in the schema of megatron.training.observe.metrics (a run header, train steps)."""
     out = [{"kind": "run", "layout": "TP1 U2 R1 DP1 PP1", "world_size": 2, "args": {}}]
     for i, t in enumerate(times_ms):
         out.append({"kind": "train", "iteration": i + 1, "step_time_s": t / 1e3,
@@ -289,7 +289,7 @@ def test_classify_outcomes():
 
 
 def test_summarize_excludes_warmup_and_counts_megatron_flops():
-    pytest.importorskip("megatron.training.metrics")
+    pytest.importorskip("megatron.training.observe.metrics")
     cfg = _e2e_cfg(warmup=2)
     spec = e2e.RunSpec(32768, 2, 1, "none", 5)
     recs = _records([5000.0, 900.0, 100.0, 100.0, 130.0])
@@ -560,7 +560,7 @@ def test_hf_peer_reports_missing_packages(monkeypatch):
 
 
 def test_e2e_markdown_and_progress():
-    pytest.importorskip("megatron.training.metrics")
+    pytest.importorskip("megatron.training.observe.metrics")
     cfg = _e2e_cfg()
     spec = e2e.RunSpec(65536, 1, 2, "full", 5)
     ok = e2e.summarize(cfg, spec, e2e.RunOutcome("ok", 0, _records([100.0] * 5), "l", []))

@@ -6,7 +6,7 @@ import textwrap
 
 import torch
 
-from megatron.usp import cpu_shims
+from megatron.training import cpu_shims
 from megatron.usp.token_layout import positions_for_cp_rank
 
 
@@ -45,7 +45,7 @@ def test_not_applied_when_cuda_is_available():
     code = textwrap.dedent("""
         import torch
         torch.cuda.is_available = lambda: True
-        from megatron.usp.cpu_shims import apply_cpu_shims
+        from megatron.training.cpu_shims import apply_cpu_shims
         from megatron.core.models.common.embeddings import rope_utils
         before = rope_utils.get_pos_emb_on_this_cp_rank
         assert apply_cpu_shims() == []

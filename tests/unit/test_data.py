@@ -12,23 +12,23 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from megatron.training.batch import shard_batch_for_cp
-from megatron.training.data import (
-    PretrainingSampler,
-    build_data_iterator,
-    build_gpt_datasets,
-    collate_samples,
-    worker_start_method,
-)
-from megatron.training.data_config import (
+from megatron.training.data.batch import shard_batch_for_cp
+from megatron.training.data.config import (
     DataConfig,
     DataConfigError,
     parse_data_path,
     parse_split,
     validate_data_config,
 )
-from megatron.training.preprocess import TokenizerSpec, preprocess_jsonl
-from megatron.training.tokenizer import build_tokenizer
+from megatron.training.data.loader import (
+    PretrainingSampler,
+    build_data_iterator,
+    build_gpt_datasets,
+    collate_samples,
+    worker_start_method,
+)
+from megatron.training.data.preprocess import TokenizerSpec, preprocess_jsonl
+from megatron.training.data.tokenizer import build_tokenizer
 from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -118,7 +118,7 @@ def test_tokenizer_vocabulary_mismatch_is_refused(small_corpus, tmp_path):
 
 
 def test_large_datasets_are_scanned_in_windows_that_reach_both_ends(tmp_path):
-    from megatron.training.indexed_files import inspect_indexed_dataset, scan_token_ids
+    from megatron.training.data.indexed_files import inspect_indexed_dataset, scan_token_ids
 
     docs = [[1] * 50 for _ in range(10)]
     docs[-1][-1] = 900  # the very last token

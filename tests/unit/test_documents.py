@@ -11,7 +11,7 @@ import pytest
 import torch
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
-from megatron.training.batch import SEQUENCE_KEYS, shard_batch_for_cp
+from megatron.training.data.batch import SEQUENCE_KEYS, shard_batch_for_cp
 from megatron.usp import load_balance as lb
 from megatron.usp import token_layout as layout
 from megatron.usp.document_mask import (
@@ -236,7 +236,7 @@ def test_rank_work_from_document_lengths():
 
 
 def _corpus_lengths(small_corpus):
-    from megatron.training.indexed_files import inspect_indexed_dataset
+    from megatron.training.data.indexed_files import inspect_indexed_dataset
 
     return np.asarray(inspect_indexed_dataset(small_corpus.data_prefix, "x").sequence_lengths)
 
@@ -271,10 +271,10 @@ def test_document_batching_on_the_corpus(small_corpus, tmp_path):
     """Corpus samples of 64 tokens (the small test corpus: documents of ~1300 tokens on
     average): boundaries exist, some micro-batches leave zigzag, and the chosen layout is
     better balanced than zigzag."""
-    from megatron.training.data import build_gpt_datasets
-    from megatron.training.data_config import DataConfig
-    from megatron.training.documents import DocumentBatching
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.data.config import DataConfig
+    from megatron.training.data.documents import DocumentBatching
+    from megatron.training.data.loader import build_gpt_datasets
+    from megatron.training.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer("SentencePieceTokenizer", small_corpus.tokenizer_model)
     cfg = DataConfig(data_path=[small_corpus.data_prefix], seq_length=64,
@@ -310,14 +310,14 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
      "--document-layout zigzag has no effect without --reset-attention-mask"),
 ])
 def test_document_flags_that_cannot_combine(extra, match):
-    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+    from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 
     with pytest.raises(ArgumentsError, match=match):
         validate_args(parse_args(BASE + extra), 1)
 
 
 def test_document_flags_accepted():
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.cli.arguments import parse_args, validate_args
 
     args = validate_args(parse_args(BASE + ["--reset-position-ids", "--reset-attention-mask",
                                             "--eod-mask-loss", "--document-attention-kernel",

@@ -19,8 +19,8 @@ from argparse import Namespace
 
 import pytest
 
-from megatron.training import checksums
-from megatron.training.checkpoint_faults import root_os_error, save_failure_message
+from megatron.training.checkpoint import checksums
+from megatron.training.checkpoint.faults import root_os_error, save_failure_message
 
 
 # --------------------------------------------------------------------------- checksums
@@ -177,7 +177,7 @@ def test_save_failure_message_names_directory_room_and_what_is_safe(tmp_path):
 
 # --------------------------------------------------------------------------- model shape
 def test_checkpoint_of_another_model_names_the_flags():
-    from megatron.training.checkpointing import CheckpointError, check_model_matches
+    from megatron.training.checkpoint.save_load import CheckpointError, check_model_matches
 
     saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 172,
@@ -194,7 +194,7 @@ def test_checkpoint_of_another_model_names_the_flags():
 def test_another_seq_length_is_said_in_one_line(capsys, monkeypatch):
     import torch.distributed as dist
 
-    from megatron.training.checkpointing import check_model_matches
+    from megatron.training.checkpoint.save_load import check_model_matches
 
     monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
     saved = {"hidden_size": 64, "seq_length": 64}
@@ -207,7 +207,7 @@ def test_another_seq_length_is_said_in_one_line(capsys, monkeypatch):
 
 # --------------------------------------------------------------------------- console
 def test_each_warning_once_in_one_line_and_megatron_core_on_rank_0_only():
-    from megatron.training.console import OnceLogFilter, OnceWarningPrinter
+    from megatron.training.observe.console import OnceLogFilter, OnceWarningPrinter
 
     for rank0 in (True, False):
         out = io.StringIO()
@@ -215,12 +215,12 @@ def test_each_warning_once_in_one_line_and_megatron_core_on_rank_0_only():
         for _ in range(3):
             printer("Apex is not installed.\n  Falling back", UserWarning,
                     "/x/site-packages/megatron/core/models/backends.py", 21)
-            printer("ours", UserWarning, "/repo/megatron/training/data.py", 7)
+            printer("ours", UserWarning, "/repo/megatron/training/data/loader.py", 7)
             printer("deprecated", FutureWarning,
                     "/v/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", 83)
         lines = out.getvalue().splitlines()
         expected = (["UserWarning (megatron-core): Apex is not installed. Falling back"]
-                    if rank0 else []) + ["UserWarning (/repo/megatron/training/data.py:7): ours"]
+                    if rank0 else []) + ["UserWarning (/repo/megatron/training/data/loader.py:7): ours"]
         expected += ["FutureWarning (torch): deprecated"] if rank0 else []
         assert lines == expected
         log = OnceLogFilter(rank0)
@@ -232,7 +232,7 @@ def test_each_warning_once_in_one_line_and_megatron_core_on_rank_0_only():
 def test_filters_catch_megatron_core_import_warnings():
     """Installed before megatron-core is imported, its fallback warnings come out once."""
     code = ("import logging, warnings\n"
-            "from megatron.training.console import install_console_filters\n"
+            "from megatron.training.observe.console import install_console_filters\n"
             "logging.basicConfig()\ninstall_console_filters(0)\n"
             "import megatron.core.optimizer\nimport megatron.core.models.gpt.gpt_layer_specs\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -309,7 +309,7 @@ def test_busy_master_port_is_named():
 def test_another_grad_buffer_dtype_is_refused_by_name(saved, now, fix):
     import argparse
 
-    from megatron.training.checkpointing import CheckpointError, _check_optimizer_compatible
+    from megatron.training.checkpoint.save_load import CheckpointError, _check_optimizer_compatible
 
     saved = dict(saved, use_distributed_optimizer=True)
     args = argparse.Namespace(use_distributed_optimizer=True, **now)
@@ -321,7 +321,7 @@ def test_another_grad_buffer_dtype_is_refused_by_name(saved, now, fix):
 def test_the_same_grad_buffer_dtype_loads():
     import argparse
 
-    from megatron.training.checkpointing import _check_optimizer_compatible
+    from megatron.training.checkpoint.save_load import _check_optimizer_compatible
 
     for values in ({"bf16": True, "accumulate_allreduce_grads_in_fp32": True},
                    {"bf16": True, "accumulate_allreduce_grads_in_fp32": False},

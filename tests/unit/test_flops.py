@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron.planner.hardware import peak_tflops_for_device, preset_for_device
-from megatron.training.metrics import (
+from megatron.training.observe.metrics import (
     GPTShape,
     MetricsWriter,
     StepStats,
@@ -71,7 +71,7 @@ def test_full_attention_equals_megatron_lms_formula():
 
 
 def test_shape_from_args_uses_gqa_only_when_asked():
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.cli.arguments import parse_args, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
             "--seq-length", "64", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
@@ -167,7 +167,11 @@ def test_memory_report_names_host_memory_now_and_at_peak():
 
     import torch
 
-    from megatron.training.metrics import host_memory_gib, memory_report, peak_host_memory_gib
+    from megatron.training.observe.metrics import (
+        host_memory_gib,
+        memory_report,
+        peak_host_memory_gib,
+    )
 
     before = host_memory_gib()
     assert before is not None and 0 < before <= peak_host_memory_gib() + 0.05   # (ru_maxrss lags)

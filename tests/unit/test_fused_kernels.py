@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from megatron.layers import fused_kernels as fk
 from megatron.usp import backend_names
-from megatron.usp import fused_kernels as fk
 
 
 @pytest.mark.parametrize("name,cuda,liger,triton,want", [
@@ -38,7 +38,7 @@ def test_resolve_refuses(monkeypatch, name, cuda, liger, needle):
 
 
 def test_validate_args_resolves_and_refuses():
-    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+    from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "1",

@@ -1,4 +1,4 @@
-"""megatron.training.fused_loss on one process: the chunked output layer + cross entropy.
+"""megatron.training.model.fused_loss on one process: the chunked output layer + cross entropy.
 
 Oracles, float64 on the CPU, to 1e-12:
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.training.fused_loss import (
+from megatron.training.model.fused_loss import (
     LinearCrossEntropy,
     chunk_bounds,
     fused_linear_cross_entropy,
@@ -259,7 +259,7 @@ def test_gradients_computed_in_forward_equal_reference(chunk_tokens, case):
 
 
 def test_gradients_in_forward_only_when_gradients_are_wanted():
-    from megatron.training import fused_loss
+    from megatron.training.model import fused_loss
 
     hidden, weight, labels, _ = _inputs()
     calls = []
@@ -285,7 +285,7 @@ def test_gradients_in_forward_only_when_gradients_are_wanted():
 
 
 def test_common_scale():
-    from megatron.training.fused_loss import common_scale
+    from megatron.training.model.fused_loss import common_scale
 
     w = torch.tensor([0.0, 1.0, 1.0, 0.0])
     assert common_scale(0.5 * w, w) == 0.5

@@ -1,4 +1,4 @@
-"""RoPE from position_ids (megatron/training/gpt_model.py) against megatron-core's own table.
+"""RoPE from position_ids (megatron/training/model/gpt_model.py) against megatron-core's own table.
 
 ``rotary_freqs_from_positions`` must give, bit for bit, the rows of megatron-core's
 ``RotaryEmbedding.get_emb`` table at the given positions: for the default layout (the table for
@@ -12,7 +12,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from megatron.training.gpt_model import rotary_freqs_from_positions
+from megatron.training.model.gpt_model import rotary_freqs_from_positions
 from megatron.usp import token_layout as layout
 from megatron.usp.document_mask import document_offsets, segment_ids_from_tokens
 

@@ -1,4 +1,4 @@
-"""megatron.training.grad_clip against megatron-core's own get_grad_norm_fp32 and
+"""megatron.training.optim.grad_clip against megatron-core's own get_grad_norm_fp32 and
 clip_grad_by_total_norm_fp32 (run on the CPU inside the CPU shims' context), for one and for
 chained sub-optimizers, with and without clipping; grads on mixed dtypes."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.training import grad_clip
+from megatron.training.optim import grad_clip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,7 +57,7 @@ def _params(seed, n=4, scale=3.0):
 def _reference_norm(subs):
     from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 
-    from megatron.usp.cpu_shims import cuda_requests_on_cpu
+    from megatron.training.cpu_shims import cuda_requests_on_cpu
 
     with cuda_requests_on_cpu():
         norms = [get_grad_norm_fp32(s.get_main_grads_for_grad_norm(),
@@ -71,7 +71,7 @@ def _reference_norm(subs):
 def test_norm_and_clip_equal_megatron_cores(chained, clip):
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    from megatron.usp.cpu_shims import cuda_requests_on_cpu
+    from megatron.training.cpu_shims import cuda_requests_on_cpu
 
     subs = [_Sub(_params(0), clip)] + ([_Sub(_params(1, n=3), clip)] if chained else [])
     optimizer = SimpleNamespace(chained_optimizers=subs) if chained else subs[0]
@@ -209,7 +209,7 @@ def test_fused_adams_only_where_the_kernel_takes_the_scaling():
 
 
 def test_use_fused_adam_switches_cpu_and_cuda_adams_only():
-    from megatron.training.training import use_fused_adam
+    from megatron.training.loop import use_fused_adam
 
     def wrapped(opt):
         return SimpleNamespace(optimizer=opt)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.training.arguments import ArgumentsError, build_parser, parse_args, validate_args
-from megatron.training.model import ddp_config_from_args, grad_buffer_dtype
+from megatron.training.cli.arguments import ArgumentsError, build_parser, parse_args, validate_args
+from megatron.training.model.build import ddp_config_from_args, grad_buffer_dtype
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
         "--seq-length", "64", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
@@ -70,7 +70,7 @@ def test_help_states_the_cost_and_the_saving():
 def test_planner_counts_the_gradient_buffer_the_run_has(monkeypatch):
     """'auto' degrees: the memory model's gradient bytes follow the flags (4 by default)."""
     import megatron.planner as planner
-    from megatron.training.arguments import resolve_auto_layout
+    from megatron.training.cli.arguments import resolve_auto_layout
 
     seen = []
     real = planner.choose_layout

@@ -1,4 +1,4 @@
-"""megatron.usp.lean_kernels: RMSNorm and SwiGLU (forward, backward, refill in place) against
+"""megatron.layers.lean_kernels: RMSNorm and SwiGLU (forward, backward, refill in place) against
 PyTorch's own functions in float64 on the CPU path, the drop-and-refill hook on a consumer
 layer, bad shapes refused by name, and (where Triton is installed) the Triton kernels under
 Triton's CPU interpreter in float32 against float64 references. The bf16 GPU check is
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.usp import lean_kernels as lk
+from megatron.layers import lean_kernels as lk
 
 TOL = dict(atol=1e-12, rtol=1e-12)
 
@@ -107,7 +107,7 @@ _INTERPRETED = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     import torch.nn.functional as F
-    from megatron.usp import lean_kernels as lk
+    from megatron.layers import lean_kernels as lk
     torch.manual_seed(0)
 
     def close(a, b, what):

@@ -1,4 +1,4 @@
-"""megatron.usp.linear_wgrad on one CPU process: the weight gradient added into ``main_grad``
+"""megatron.layers.linear_wgrad on one CPU process: the weight gradient added into ``main_grad``
 (float64 exact against autograd of the plain ops; bf16 operands summed in float32 as the
 GEMM does), megatron-core's DDP handshake (``grad_added_to_main_grad``, the stand-in
 gradient, ``zero_out_wgrad``), FC2 with the SwiGLU inside (its backward rebuilds the SwiGLU
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.usp import lean_kernels as lk
-from megatron.usp import linear_wgrad as lw
+from megatron.layers import lean_kernels as lk
+from megatron.layers import linear_wgrad as lw
 
 TOL = dict(atol=1e-12, rtol=1e-12)
 
@@ -149,8 +149,8 @@ def test_spec_switch_maps_megatrons_linears_and_refuses_others():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron.usp import fused_linears as fl
-    from megatron.usp.layer_specs import get_usp_gpt_layer_spec, with_wgrad_fusion
+    from megatron.layers import fused_linears as fl
+    from megatron.training.model.layer_specs import get_usp_gpt_layer_spec, with_wgrad_fusion
 
     assert with_wgrad_fusion(ColumnParallelLinear).module is fl.USPColumnParallelLinear
     assert with_wgrad_fusion(RowParallelLinear).params == {"fuse_wgrad": True}

@@ -1,4 +1,4 @@
-"""The drift test (megatron/training/loss_drift.py and tools/compare_loss.py --noise-pair).
+"""The drift test (megatron/training/observe/loss_drift.py and tools/compare_loss.py --noise-pair).
 
 Synthetic curves: a decaying loss, and runs that differ from it per step by noise of 1 %
 (white; 0.6 % autocorrelated) plus, for the drifting run, a constant offset of 0.5 %: less
@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from megatron.training import loss_drift as ld
+from megatron.training.observe import loss_drift as ld
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "compare_loss.py")

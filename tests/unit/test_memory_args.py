@@ -1,4 +1,4 @@
-"""Start-up checks of the long-sequence flags (megatron/training/memory_args.py).
+"""Start-up checks of the long-sequence flags (megatron/training/cli/memory_args.py).
 
 Every combination that cannot work is refused by validate_args with an error that names the
 flag and a way out; valid combinations pass and fill in defaults (the offload fraction, the
@@ -7,7 +7,7 @@ FSDP sharding strategy). Megatron-LM's names parse to Megatron-LM's dests.
 
 import pytest
 
-from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
         "--seq-length", "256", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
@@ -97,7 +97,7 @@ def test_precision_aware_offload_config_without_transformer_engine():
 
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron.training.training import precision_aware_without_te
+    from megatron.training.loop import precision_aware_without_te
 
     if importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(TypeError):   # the upstream bug this works around
@@ -117,7 +117,7 @@ def test_precision_aware_offload_config_without_transformer_engine():
 def test_adam_step_goes_where_the_param_group_expects_it():
     import torch
 
-    from megatron.training.checkpointing import adam_step_tensor
+    from megatron.training.checkpoint.save_load import adam_step_tensor
 
     param = torch.empty(3, device="meta")   # stands for a CUDA parameter
     fused = adam_step_tensor(7.0, {"fused": True}, param)
@@ -135,7 +135,7 @@ def test_restored_adam_step_sits_with_the_tensor_a_sub_optimizer_steps(monkeypat
     from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron.training.checkpointing import _restore_adam_steps
+    from megatron.training.checkpoint.save_load import _restore_adam_steps
 
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
     model_param = torch.nn.Parameter(torch.zeros(3, device="meta"))   # stands for CUDA

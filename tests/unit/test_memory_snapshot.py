@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from megatron.training import memory_snapshot as ms
+from megatron.training.observe import memory_snapshot as ms
 
 
 def _frame(path, name, line=1):
@@ -74,7 +74,7 @@ def test_per_rank_path_and_cpu_is_off():
 
 
 def test_the_flag_is_refused_on_the_cpu():
-    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+    from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "64", "--train-iters", "3", "--lr", "1e-3", "--mock-data",

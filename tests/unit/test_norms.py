@@ -1,4 +1,4 @@
-"""megatron.usp.norms: what megatron-core's WrappedTorchNorm computes, plus the SP marking.
+"""megatron.layers.norms: what megatron-core's WrappedTorchNorm computes, plus the SP marking.
 
 Equality: the same random float64 input, weights and output gradient through our norm and
 through ``WrappedTorchNorm`` (``torch.nn.RMSNorm`` / ``LayerNorm``); outputs, input gradients
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.usp.norms import LayerNorm, RMSNorm, norm_class
+from megatron.layers.norms import LayerNorm, RMSNorm, norm_class
 
 NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 
@@ -125,8 +125,8 @@ def test_norm_class_names_the_flag():
 def test_layer_spec_uses_our_norms(qk_layernorm):
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from megatron.usp.fused_kernels import op_impl
-    from megatron.usp.layer_specs import get_usp_gpt_layer_spec
+    from megatron.layers.fused_kernels import op_impl
+    from megatron.training.model.layer_specs import get_usp_gpt_layer_spec
 
     def norm_module(slot):
         return slot.module if hasattr(slot, "module") else slot
@@ -146,8 +146,8 @@ def test_layer_spec_uses_our_norms(qk_layernorm):
 
 
 def test_block_spec_holds_this_stage_layers_and_our_final_norm():
+    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
     from megatron.usp.core_attention import USPAttention
-    from megatron.usp.layer_specs import get_usp_gpt_block_spec
 
     config = _config("LayerNorm", qk_layernorm=True, pipeline_model_parallel_size=2,
                      pipeline_dtype=torch.float64)

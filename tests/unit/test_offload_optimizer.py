@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.training.offload_optimizer import staging_bytes, staging_plan
+from megatron.training.optim.offload_optimizer import staging_bytes, staging_plan
 
 
 def test_two_slots_of_the_largest_sub_optimizer():
@@ -28,7 +28,7 @@ def test_empty_sub_optimizer_is_refused():
 
 
 def test_megatron_core_builds_on_the_gpu_where_its_copies_fit():
-    from megatron.training.offload_optimizer import build_fraction
+    from megatron.training.optim.offload_optimizer import build_fraction
 
     gib = 2**30
     llama3_8b = 8_030_261_248

@@ -23,9 +23,9 @@ ARGS = [
 
 
 def _run(rank, world_size, out_path):
-    from megatron.training import training
-    from megatron.training.arguments import parse_args
-    from megatron.training.model import unwrap
+    from megatron.training import loop as training
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.model.build import unwrap
 
     order, chunks = [], []
     build, reserve = training.build_optimizer, training.reserve_offload_buffers

@@ -16,7 +16,7 @@ from megatron.planner import MODEL_PRESETS, Workload, plan_layouts
 from megatron.planner.capabilities import FULL_MEGATRON, Capabilities, runnable
 from megatron.planner.cost_model import Layout
 from megatron.planner.plan import plan_from
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.cli.arguments import parse_args, validate_args
 
 # (model, sequence, GPUs, GPUs per node, hardware): the Llama-3-8B at 128K on 8
 # GPUs (whose rows 1-4 were ZeRO-2), the 0.85B benchmark model, a 2-node 7B.

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.training import corpus as corpus_mod
-from megatron.training.preprocess import PreprocessError, TokenizerSpec, preprocess_jsonl
-from megatron.training.tokenizer import build_tokenizer
+from megatron.training.data import corpus as corpus_mod
+from megatron.training.data.preprocess import PreprocessError, TokenizerSpec, preprocess_jsonl
+from megatron.training.data.tokenizer import build_tokenizer
 from tests.unit.conftest import SMALL_BYTES, SMALL_VOCAB
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

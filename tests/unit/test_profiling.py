@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from megatron.training.arguments import ArgumentsError, parse_args, validate_args
-from megatron.training.profiling import StepProfiler
+from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training.observe.profiling import StepProfiler
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
         "--seq-length", "64", "--train-iters", "6", "--lr", "1e-3", "--mock-data",
@@ -60,7 +60,7 @@ def test_window_and_ranks(tmp_path):
 
 
 def _profiled_run(rank, world_size, out_dir):
-    from megatron.training.training import pretrain
+    from megatron.training.loop import pretrain
 
     args = parse_args(BASE + ["--profile", "--profile-step-start", "3", "--profile-step-end",
                               "5", "--profile-ranks", "0", "1", "--profile-dir", out_dir,

@@ -1,4 +1,4 @@
-"""megatron.usp.qkv_rope: the plain reference against megatron-core's own split and RoPE in
+"""megatron.layers.qkv_rope: the plain reference against megatron-core's own split and RoPE in
 float64, argument checks, the cos/sin cache, and (where Triton is installed) the Triton
 kernels themselves under Triton's CPU interpreter in float32 against the float64 reference,
 forward and backward. The bf16 GPU check is tests/gpu/test_fused_kernels_gpu.py."""
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron.usp import qkv_rope
+from megatron.layers import qkv_rope
 
 
 def _freqs(s: int, r: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -68,7 +68,7 @@ _INTERPRETED = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from megatron.usp import qkv_rope
+    from megatron.layers import qkv_rope
     torch.manual_seed(0)
     for (s, b, ng, g, d, r, fb, strided) in [(37, 1, 2, 3, 16, 16, 1, False),
                                             (9, 2, 1, 2, 8, 4, 2, True),

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from megatron.training import tokenizer as tk
+from megatron.training.data import tokenizer as tk
 
 TEXT = [
     "The quick brown fox jumps over the lazy dog.",

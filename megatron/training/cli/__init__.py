@@ -1,0 +1,1 @@
+"""The command line of ``pretrain_gpt.py``: flags, their start-up checks, the output directories."""

@@ -1,0 +1,40 @@
+"""The packed-document flags of ``pretrain_gpt.py`` and their start-up check, without torch
+(``--help`` and the argument checks import no torch); the batching is
+:mod:`megatron.training.data.documents`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.usp.backend_names import DOCUMENT_KERNEL_NAMES, document_kernel_name_problem
+
+DOCUMENT_LAYOUTS = ("auto", "zigzag")
+
+
+def add_document_args(group) -> None:
+    """The document flags of ``pretrain_gpt.py`` (the data group)."""
+    group.add_argument("--document-attention-kernel", default="auto",
+                       choices=DOCUMENT_KERNEL_NAMES,
+                       help="with --reset-attention-mask: local document-masked kernel (tiles: "
+                            "batched calls of --attention-backend per tile shape; varlen: "
+                            "PyTorch's flash varlen, CUDA bf16; math: exact dense mask, tiny "
+                            "shapes; auto: measured choice, docs/performance.md)")
+    group.add_argument("--document-layout", default="auto", choices=DOCUMENT_LAYOUTS,
+                       help="with --reset-attention-mask: auto balances the ring ranks' causal "
+                            "work by assigning sequence chunks per micro-batch (zigzag when "
+                            "not better); zigzag keeps the default layout")
+
+
+def document_flags_problem(args) -> Optional[str]:
+    """Why the document flags cannot combine, naming the flag and a valid value, or None."""
+    masked = args.reset_attention_mask
+    if args.document_attention_kernel != "auto" and not masked:
+        return (f"--document-attention-kernel {args.document_attention_kernel} has no effect "
+                f"without --reset-attention-mask; add --reset-attention-mask or drop the flag")
+    if args.document_layout != "auto" and not masked:
+        return (f"--document-layout {args.document_layout} has no effect without "
+                f"--reset-attention-mask; add --reset-attention-mask or drop the flag")
+    if masked:
+        return document_kernel_name_problem(args.document_attention_kernel, args.device,
+                                            bool(args.bf16))
+    return None

@@ -1,0 +1,142 @@
+"""One micro-batch through the model: CP sharding, ``get_batch``, the loss, the forward step.
+
+Layouts at this boundary (names as in :mod:`megatron.training.data.loader`)::
+
+    data iterator      tokens/labels/loss_mask/position_ids  [b, s]      full sequence, the
+                       same micro-batch on every rank of a CP group (and of a TP group)
+    get_batch          the same keys                          [b, s/CP]   this CP rank's
+                       chunks c and 2CP-1-c (c = u + U*r), moved to the device
+    GPTModel(labels)   per-token loss                         [b, s/CP]   float32
+
+After :func:`shard_batch_for_cp` every ``[b, s]`` tensor is ``[b, s/CP]``: chunk ``c`` then
+chunk ``2*CP-1-c`` of ``2*CP`` (``c = u + U*r``), and ``position_ids`` hold exactly those
+global positions, which is what megatron-core's ``RotaryEmbedding`` selects on that rank.
+The layout is :mod:`megatron.usp.token_layout`'s (the single source of truth for which global
+positions a rank holds).
+
+Packed documents (:mod:`megatron.training.data.documents`): with ``--reset-attention-mask`` the
+batch carries ``segment_ids`` and the micro-batch's chunk assignment ``layout``; every key is
+sharded through that assignment (tokens, labels, loss mask, position ids, segment ids alike),
+and :func:`get_batch` adds ``packed_seq_params``: a
+:class:`~megatron.usp.core_attention.DocumentParams` with this ring rank's document ring plan,
+built from the full-sequence segment ids (the same plan on every rank of the ring). With
+documents (either reset flag) every pipeline stage reads the batch: the middle stages need the
+positions for RoPE and the plan for attention.
+
+The loss function returns megatron-core's three-value form ``(loss_sum, num_tokens,
+{"lm loss": [loss_sum, num_tokens]})`` with ``calculate_per_token_loss=True``: the schedule
+back-propagates the *sum* over this rank's loss tokens and adds up the token counts; the
+optimizer step divides the gradients by the global count (``training.guarded_optimizer_step``,
+in place of ``finalize_model_grads``), and the training loop divides the summed losses the
+same way. Hence the reported loss is the mean over every
+loss-masked token of the global batch, for every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from megatron.training.data.config import DataConfigError
+from megatron.usp.token_layout import shard_for_cp_rank
+
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
+"""Batch entries with a sequence dimension (dim 1); the ones CP sharding cuts."""
+
+
+def shard_batch_for_cp(batch: Dict, cp_rank: int, cp_size: int) -> Dict:
+    """Keep the tokens context-parallel rank ``cp_rank`` holds, on the sequence dim (1).
+
+    ``[b, s]`` -> ``[b, s/cp_size]`` for each of :data:`SEQUENCE_KEYS`, through
+    :func:`megatron.usp.token_layout.shard_for_cp_rank` with the batch's chunk assignment
+    ``batch["layout"]`` (None or absent: chunks ``c`` and ``2*cp_size-1-c`` of
+    ``2*cp_size``); other entries are passed through; ``attention_mask`` must be None.
+    Returns a new dict; ``cp_size == 1`` returns the tensors unchanged.
+    """
+    if batch.get("attention_mask") is not None:
+        raise ValueError("shard_batch_for_cp expects attention_mask None (attention is causal)")
+    assignment = batch.get("layout")
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        if key in batch and batch[key] is not None:
+            try:
+                out[key] = shard_for_cp_rank(batch[key], 1, cp_rank, cp_size, assignment)
+            except ValueError as exc:
+                raise DataConfigError(f"{key}: {exc}; see --seq-length") from None
+    return out
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What a forward step needs to know about this rank's place in the grid."""
+
+    cp_rank: int
+    cp_size: int
+    device: torch.device
+    first_stage: bool
+    last_stage: bool
+    ring_rank: int = 0
+    ring_size: int = 1
+    documents: bool = False     # --reset-position-ids / --reset-attention-mask
+
+
+def _document_params(full: Dict, ctx: BatchContext):
+    """This ring rank's :class:`DocumentParams` for a full micro-batch, or None."""
+    if full.get("segment_ids") is None:
+        return None
+    from megatron.usp.core_attention import DocumentParams
+    from megatron.usp.document_ring import build_document_ring_plan
+
+    plan = build_document_ring_plan(full["segment_ids"].numpy(), ctx.ring_rank, ctx.ring_size,
+                                    full.get("layout"), causal=True, device=ctx.device)
+    return DocumentParams.for_plan(plan)
+
+
+def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tensor]]:
+    """Next micro-batch, cut to this CP rank's tokens and moved to ``ctx.device``.
+
+    Middle pipeline stages read nothing (their input comes from the previous stage) and
+    get ``None`` for every key, unless the batches carry documents (module docstring); the
+    first stage needs tokens and positions, the last labels and the loss mask, and both read
+    the full micro-batch. ``packed_seq_params`` is the document mask (None without one).
+    """
+    if not (ctx.first_stage or ctx.last_stage or ctx.documents):
+        return {key: None for key in SEQUENCE_KEYS + ("packed_seq_params",)}
+    full = next(data_iterator)                                   # [b, s]
+    local = shard_batch_for_cp(full, ctx.cp_rank, ctx.cp_size)   # [b, s/CP]
+    out = {key: (local[key].to(ctx.device, non_blocking=True) if local.get(key) is not None
+                 else None) for key in SEQUENCE_KEYS}
+    out["packed_seq_params"] = _document_params(full, ctx)
+    return out
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token losses [b, s/CP] -> (sum over loss tokens, token count, report).
+
+    Returns megatron-core's three-value loss form (see the module docstring). The report
+    ``[loss_sum, num_tokens]`` is float32 and detached; it is summed over micro-batches and
+    all-reduced over DP x CP by the training loop.
+    """
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(ctx: BatchContext, data_iterator, model) -> Tuple[torch.Tensor, Callable]:
+    """megatron-core forward-step function (bind ``ctx`` with ``functools.partial``).
+
+    Returns the last stage's per-token losses [b, s/CP] (the hidden states [s/CP, b, h]
+    on other stages) and the loss function for them.
+    """
+    batch = get_batch(data_iterator, ctx)
+    # loss_mask lets the fused output layer compute its gradients in the forward (the loss
+    # function below weighs the per-token losses by exactly this mask); GPTModel ignores it.
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=batch["packed_seq_params"], loss_mask=batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"])

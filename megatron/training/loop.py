@@ -1,0 +1,727 @@
+"""The pretraining loop: :func:`pretrain` is what ``pretrain_gpt.py`` calls.
+
+One iteration (:func:`train_step`)::
+
+    zero the DDP grad buffers and the optimizer
+    megatron-core schedule (get_forward_backward_func: no pipelining, or 1F1B with PP > 1):
+        for each of the G / (micro * DP) micro-batches (gradient accumulation):
+            forward_step -> per-token losses -> backward of the sum over loss tokens
+        finalize_model_grads: DP x CP all-reduce (or reduce-scatter with the distributed
+        optimizer), embedding / sequence-parallel reductions; the grads stay sums over
+        the global batch's loss tokens
+    lm loss = (sum of loss sums) / (sum of loss tokens) over micro-batches and DP x CP,
+        broadcast from the last pipeline stage: the same number on every rank
+    megatron-core's optimizer step in its pieces (guarded_optimizer_step): prepare_grads,
+        the grad norm (megatron.training.optim.grad_clip), the division by the loss tokens and
+        grad-norm clipping, Adam, (ZeRO-1 parameter all-gather); a non-finite loss or norm
+        changes nothing and raises an error naming the iteration, or (--skip-nan-steps)
+        skips the update. With PyTorch's fused Adam (the default) division, clipping and
+        the skip run inside its kernel and the host reads loss and norm once, after the step
+    LR scheduler step (in samples, as Megatron-LM)
+
+Around it: validation every ``--eval-interval`` over ``--eval-iters`` global batches,
+checkpoints every ``--save-interval`` and at the end, a SIGTERM handler (when ``--save``
+is set) that saves at the end of the current iteration and returns, and the metrics of
+:mod:`megatron.training.observe.metrics`.
+
+The loop never branches on the device: CPU runs go through the same megatron-core calls,
+with the stand-ins of :mod:`megatron.training.cpu_shims` installed by start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.planner.hardware import peak_tflops_for_device
+from megatron.training.checkpoint.save_load import (
+    TrainState,
+    load_checkpoint,
+    plain_args,
+    save_checkpoint,
+    set_rng_state,
+    start_writer_manager,
+    zero_adam_state,
+)
+from megatron.training.data import batch as batch_mod
+from megatron.training.initialize import Runtime, initialize, shutdown
+from megatron.training.model.build import build_model, count_parameters, reserve_offload_buffers
+from megatron.training.observe.memory_snapshot import MemoryHistory
+from megatron.training.observe.metrics import (
+    GPTShape,
+    MetricsWriter,
+    StepStats,
+    Throughput,
+    memory_report,
+    peak_host_memory_gib,
+    peak_memory_gib,
+)
+from megatron.training.observe.profiling import StepProfiler
+from megatron.training.optim import grad_clip
+from megatron.training.process_guard import children_ignore_sigterm
+from megatron.usp.parallel_state import USPGroups
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the message names the iteration."""
+
+
+def _input_errors():
+    from megatron.training.checkpoint.save_load import CheckpointError
+    from megatron.training.cli.arguments import ArgumentsError
+    from megatron.training.data.config import DataConfigError
+    from megatron.training.data.tokenizer import TokenizerError
+    from megatron.usp.parallel_dims import USPConfigError
+
+    return (ArgumentsError, USPConfigError, DataConfigError, TokenizerError, CheckpointError)
+
+
+INPUT_ERRORS = _input_errors()
+"""Start-up errors caused by the user's input (flags, layout, data, ``--save``, ``--load``);
+raised identically on every rank before any collective that could hang."""
+
+
+def _run_errors():
+    from megatron.training.checkpoint.save_load import CheckpointSaveError
+
+    return INPUT_ERRORS + (NonFiniteLossError, CheckpointSaveError)
+
+
+RUN_ERRORS = _run_errors()
+"""Every error ``pretrain_gpt.py`` reports in one line instead of a traceback."""
+
+
+def exit_status(exc: BaseException) -> int:
+    """2 for bad input (:data:`INPUT_ERRORS`), 1 for the other :data:`RUN_ERRORS`."""
+    return 2 if isinstance(exc, INPUT_ERRORS) else 1
+
+
+def reported_here(exc: BaseException, rank: int) -> bool:
+    """Whether this rank prints ``exc``: rank 0 (every rank raises the same start-up and
+    loss errors), and a rank where a save fault arose itself (it may be the only one)."""
+    return rank == 0 or bool(getattr(exc, "primary", False))
+
+
+@dataclass
+class TrainResult:
+    """What a run did (every rank returns the same numbers)."""
+
+    iteration: int
+    losses: Dict[int, float] = field(default_factory=dict)
+    valid_losses: Dict[int, float] = field(default_factory=dict)
+    skipped_iterations: List[int] = field(default_factory=list)
+    loaded_from: Optional[str] = None
+    saved: List[str] = field(default_factory=list)
+    stopped_by_signal: bool = False
+
+
+def print_rank_0(rt: Runtime, msg: str) -> None:
+    if rt.rank == 0:
+        print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------- setup
+def build_optimizer(args, model):
+    """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer; state and
+    step on the CPU with --optimizer-cpu-offload)."""
+    from megatron.core import optimizer as mcore_optimizer
+
+    from megatron.usp.backend_names import backend_installed
+
+    no_te = bool(args.use_precision_aware_optimizer) and not backend_installed("te")
+    config = mcore_optimizer.OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad, bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather_with_optimizer_step=False,
+        # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer (memory_args.py),
+        # built where its transient copies fit and then replaced by the staged one with the
+        # asked fraction (offload_optimizer.py says why).
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=_build_fraction(args, model),
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer and not no_te,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+    )
+    if no_te:
+        precision_aware_without_te(config)
+    optimizer = mcore_optimizer.get_megatron_optimizer(config, model)
+    if args.optimizer_cpu_offload:
+        from megatron.training.optim.offload_optimizer import install_staged_offload
+
+        install_staged_offload(optimizer, args.optimizer_offload_fraction)
+    use_fused_adam(optimizer)
+    allocate_adam_state(optimizer)
+    return optimizer
+
+
+def _build_fraction(args, model) -> float:
+    """The fraction megatron-core builds its HybridDeviceOptimizer with before the staged one
+    replaces it (``offload_optimizer.build_fraction``); 0 without ``--optimizer-cpu-offload``."""
+    if not args.optimizer_cpu_offload:
+        return 0.0
+    from megatron.training.optim.offload_optimizer import build_fraction, gpu_free_bytes
+
+    params = sum(p.numel() for chunk in model for p in chunk.parameters() if p.requires_grad)
+    return build_fraction(params, gpu_free_bytes())
+
+
+def precision_aware_without_te(config) -> None:
+    """Turn ``use_precision_aware_optimizer`` on in an ``OptimizerConfig`` built with it off.
+
+    megatron-core 0.16.1's ``OptimizerConfig.__post_init__`` asks ``is_te_min_version("2.1.0")``
+    under ``use_precision_aware_optimizer``, and that raises ``TypeError`` (``None >= Version``)
+    when TransformerEngine is not installed, although the question has a fixed answer then
+    (no: so ``store_param_remainders`` goes off) and the only precision-aware path that needs
+    no TE, ``optimizer_cpu_offload`` (HybridDeviceOptimizer), returns right after it. So the
+    config is built with the flag off and given here what ``__post_init__`` would have set for
+    that path; ``memory_args.validate`` has already refused the flag without
+    ``--optimizer-cpu-offload``, without the distributed optimizer and without Adam.
+    """
+    if not config.optimizer_cpu_offload:
+        raise ValueError("the precision-aware optimizer without TransformerEngine exists only "
+                         "with optimizer_cpu_offload (HybridDeviceOptimizer)")
+    config.use_precision_aware_optimizer = True
+    config.store_param_remainders = False
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True   # the offload case's value
+
+
+def use_fused_adam(optimizer) -> int:
+    """Run the Adam steps inside megatron-core's optimizer with PyTorch's fused kernel.
+
+    Without TransformerEngine or apex, megatron-core 0.16.1 steps its main parameters with
+    ``torch.optim.AdamW`` in its default (``foreach``) implementation, several kernels per
+    parameter chunk; TE's / apex's ``FusedAdam``, which it uses when installed, is one kernel.
+    PyTorch's own ``fused`` implementation of the same update is that kernel (on an H200 the
+    0.85B model's step went from ~26 to ~8 ms, docs/performance.md), and it takes the
+    division and clipping of the grads and the skip of a non-finite step as arguments
+    (:func:`guarded_optimizer_step`). This sets the optimizer's documented ``fused`` option on
+    every param group whose parameters are all floating-point tensors of one device type that
+    PyTorch's fused Adam supports (CUDA, and the CPU, so that CPU runs take the same path).
+    Returns how many torch optimizers were switched.
+    """
+    supported = {"cuda", "cpu"}
+    switched = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", None)
+        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        params = [p for g in torch_opt.param_groups for p in g["params"]]
+        kinds = {p.device.type for p in params}
+        if (not params or len(kinds) != 1 or not kinds <= supported
+                or not all(p.is_floating_point() for p in params)):
+            continue
+        for group in torch_opt.param_groups:
+            group["foreach"], group["fused"] = False, True
+        torch_opt.defaults.update(foreach=False, fused=True)
+        switched += 1
+    return switched
+
+
+def allocate_adam_state(optimizer) -> int:
+    """Give every PyTorch Adam(W) inside megatron-core's optimizer its state now: zero
+    moments and a zero step count, what Adam creates at its first step.
+
+    Left to Adam, the float32 moments (8 bytes per parameter: 6.4 GiB for the 0.85B model of
+    ``tools/bench_e2e.py``) appear in the first step's optimizer step, after that step's
+    forward and backward have reached their peak; from the second step on they are there
+    during both. So a run whose first step fits could run out of memory in its second (at
+    512K on one H200 the peak went from 102.5 to 108.9 GiB, docs/performance.md 6.5), and
+    a one-step memory measurement missed them. Allocated here, the first step already holds
+    the memory of every later one, and start-up's memory report ("after building the
+    optimizer") includes it. The state is :func:`checkpointing.zero_adam_state`'s (the
+    staged CPU-offload optimizer's too: a fused or capturable Adam's step on the parameter's
+    device, float32); the update is bitwise the one from lazily made state
+    (``tests/unit/test_adam_state.py``). Optimizers that already have state, parameters
+    that are DTensors (Megatron-FSDP) and other optimizers (SGD, the CPU-offload
+    optimizer, which makes its own) are left alone. Returns how many were given state.
+    """
+    from torch.distributed.tensor import DTensor
+
+    given = 0
+    for inner in grad_clip.sub_optimizers(optimizer):
+        torch_opt = getattr(inner, "optimizer", None)
+        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)) or torch_opt.state:
+            continue
+        params = [p for g in torch_opt.param_groups for p in g["params"]]
+        if not params or any(isinstance(p, DTensor) for p in params):
+            continue
+        zero_adam_state(torch_opt)
+        given += 1
+    return given
+
+
+def build_scheduler(args, optimizer):
+    """Megatron-LM's OptimizerParamScheduler, counted in samples."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = args.global_batch_size
+    wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant", wsd_decay_steps=wsd,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def finalize_grads_without_token_division(model, num_tokens=None, **kwargs) -> None:
+    """megatron-core's ``finalize_model_grads`` (the DP x CP reduction, the embedding and
+    sequence-parallel sums) without its division by the global number of loss tokens: the
+    grads stay sums over the global batch's tokens, and :func:`guarded_optimizer_step`
+    divides them by :func:`reduce_lm_loss`'s count (the same global count:
+    the schedule's ``num_tokens`` are the loss function's, broadcast from the last pipeline
+    stage and summed over DP x CP), in the fused Adam kernel where it can."""
+    from megatron.core.distributed import finalize_model_grads
+
+    del num_tokens
+    finalize_model_grads(model, None, **kwargs)
+
+
+def _wire_grad_sync(model) -> None:
+    """Hand megatron-core's schedules the DDP hooks (gradient accumulation without
+    reduction until the last micro-batch, then the DP x CP reduction)."""
+    config = model[0].config
+    config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = finalize_grads_without_token_division
+    if model[0].ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = model[0].start_grad_sync
+
+
+def build_data_iterators(args, rt: Runtime, state: TrainState):
+    """(train, valid) iterators of full-sequence micro-batches for this DP rank."""
+    from megatron.training.data.loader import (
+        build_data_iterator,
+        build_gpt_datasets,
+        worker_start_method,
+    )
+
+    gbs = args.global_batch_size
+    evals = args.train_iters // args.eval_interval + 1
+    sizes = [args.train_iters * gbs, evals * args.eval_iters * gbs if args.eval_iters else None,
+             None]
+    train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer, sizes)
+    dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
+    loader_args = {"worker_start_method": worker_start_method(bool(args.optimizer_cpu_offload))}
+    if args.reset_attention_mask:
+        from megatron.training.data.documents import DocumentBatching
+
+        loader_args["collate_fn"] = DocumentBatching(
+            int(rt.tokenizer.eod), rt.groups.dims.ulysses, rt.groups.dims.ring,
+            args.document_layout)
+    # The (persistent) DataLoader workers start here; a group-wide SIGTERM is the rank's to
+    # handle (it saves at the end of the iteration), not theirs to die of.
+    with children_ignore_sigterm():
+        train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
+                                    state.consumed_train_samples, args.num_workers,
+                                    **loader_args)
+        valid = None
+        if args.eval_iters and valid_ds is not None:
+            valid = build_data_iterator(valid_ds, args.micro_batch_size, dp_rank, dp_size,
+                                        state.consumed_valid_samples, args.num_workers,
+                                        **loader_args)
+    return train, valid
+
+
+def batch_context(rt: Runtime, args) -> batch_mod.BatchContext:
+    from megatron.training.data.documents import documents_enabled
+
+    g = rt.groups
+    pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
+    return batch_mod.BatchContext(cp_rank=g.cp_rank, cp_size=dist.get_world_size(g.cp),
+                                  device=rt.device, first_stage=pp_rank == 0,
+                                  last_stage=pp_rank == pp_size - 1, ring_rank=g.ring_rank,
+                                  ring_size=g.ring_size, documents=documents_enabled(args))
+
+
+# --------------------------------------------------------------------------- one step
+def reduce_lm_loss(losses: List[Dict[str, torch.Tensor]], groups: USPGroups,
+                   device: torch.device) -> torch.Tensor:
+    """[loss sum, loss tokens] over micro-batches and DP x CP, on every rank.
+
+    Only the last pipeline stage holds losses; it all-reduces over its DP x CP group and
+    broadcasts the pair to the other stages of its pipeline.
+    """
+    total = torch.zeros(2, dtype=torch.float32, device=device)
+    for report in losses:
+        total += report["lm loss"].to(device=device, dtype=torch.float32)
+    dist.all_reduce(total, group=groups.dp_cp)
+    pp_size = dist.get_world_size(groups.pp)
+    if pp_size > 1:
+        last = dist.get_global_rank(groups.pp, pp_size - 1)
+        dist.broadcast(total, src=last, group=groups.pp)
+    return total
+
+
+def _num_microbatches() -> int:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    return get_num_microbatches()
+
+
+def forward_backward(args, step_fn: Callable, data_iterator, model, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=step_fn, data_iterator=data_iterator, model=model,
+        num_microbatches=_num_microbatches(), seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+        forward_only=forward_only)
+
+
+def train_step(args, rt: Runtime, step_fn: Callable, data_iterator, model, optimizer,
+               iteration: int):
+    """One optimizer step; returns (lm loss, grad norm or None, skipped)."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = forward_backward(args, step_fn, data_iterator, model, forward_only=False)
+    total = reduce_lm_loss(losses, rt.groups, rt.device)
+    updated, loss, grad_norm = guarded_optimizer_step(optimizer, model, total, rt.device)
+    if not math.isfinite(loss):
+        if not args.skip_nan_steps:
+            raise NonFiniteLossError(
+                f"iteration {iteration}: lm loss is {loss}; stopping before the optimizer "
+                f"step (lower --lr, check the data, or pass --skip-nan-steps to skip such "
+                f"steps)")
+        return loss, None, True
+    if not math.isfinite(grad_norm):
+        if not args.skip_nan_steps:
+            raise NonFiniteLossError(nonfinite_grad_message(iteration, grad_norm, loss,
+                                                            args.clip_grad))
+        return loss, grad_norm, True
+    return loss, grad_norm, not updated
+
+
+def _has_loss_scaler(optimizer) -> bool:
+    return any(getattr(sub, "grad_scaler", None) is not None
+               for sub in grad_clip.sub_optimizers(optimizer))
+
+
+def _read_loss_and_norm(mean_loss: torch.Tensor, norm: torch.Tensor):
+    """(loss, grad norm) as Python floats, in one device-to-host read."""
+    return torch.stack([mean_loss.float(), norm.to(mean_loss.device)]).tolist()
+
+
+def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.device):
+    """megatron-core's optimizer step, refused for a non-finite loss or grad norm.
+
+    ``total`` is :func:`reduce_lm_loss`'s [loss sum, loss tokens] of the global batch, on
+    ``device`` (where the norm is computed too); the grads are still the sums over its tokens
+    (:func:`finalize_grads_without_token_division`).
+    The steps of ``MegatronOptimizer.step`` (``prepare_grads``, the grad norm over the model-
+    and data-parallel groups, clipping by that norm, ``step_with_ready_grads``), with the
+    division by the number of loss tokens that megatron-core's ``finalize_model_grads`` does,
+    and with the loss and the norm checked so that a non-finite one changes no weight
+    (megatron-core applies a NaN step unless a loss scaler found it). The norm and clipping
+    are :mod:`megatron.training.optim.grad_clip`'s (megatron-core's definition, without its
+    per-tensor host reads when apex / TransformerEngine are missing).
+
+    When every sub-optimizer steps with PyTorch's fused Adam (``grad_clip.fused_adams``:
+    the default), the division, the clip and the skip all happen inside that kernel
+    (``grad_clip.scaled_in_adam``) and the loss and the norm are read on the host once, after
+    the step is queued. Otherwise the grads are divided first (megatron-core's
+    ``scale_gradients``, its order), the loss and the norm read in one transfer, and the
+    clip and step follow; with a loss scaler (fp16) the loss is read first, as before (its
+    ``prepare_grads`` updates the scale).
+
+    Returns (updated, loss, grad norm); the norm is the same on every rank (it is
+    all-reduced), so every rank skips alike; a non-finite loss comes back with a NaN norm.
+    """
+    mean_loss = total[0] / total[1]
+    num_tokens = total[1].float().clamp_min(1.0)   # no loss token: no gradient, loss NaN
+    adams = grad_clip.fused_adams(optimizer)
+    if adams is not None:
+        optimizer.prepare_grads()      # no loss scaler: views / copies of the grads only
+        norm = grad_clip.grad_norm(optimizer, device) / num_tokens
+        ok = torch.isfinite(norm) & torch.isfinite(mean_loss)
+        with grad_clip.scaled_in_adam(optimizer, adams, num_tokens, norm, ok):
+            optimizer.step_with_ready_grads()
+        loss, grad_norm = _read_loss_and_norm(mean_loss, norm)
+        if not math.isfinite(loss):
+            return False, loss, float("nan")
+        return math.isfinite(grad_norm), loss, grad_norm
+    for chunk in model:
+        chunk.scale_gradients(1.0 / num_tokens)
+    if _has_loss_scaler(optimizer):
+        loss = mean_loss.item()
+        if not math.isfinite(loss):
+            return False, loss, float("nan")
+        if optimizer.prepare_grads():  # the loss scaler found inf/nan
+            return False, loss, float("nan")
+        norm = grad_clip.grad_norm(optimizer, device)
+        grad_norm = norm.item()
+    else:
+        optimizer.prepare_grads()
+        norm = grad_clip.grad_norm(optimizer, device)
+        loss, grad_norm = _read_loss_and_norm(mean_loss, norm)
+        if not math.isfinite(loss):
+            return False, loss, float("nan")
+    if not math.isfinite(grad_norm):
+        return False, loss, grad_norm
+    grad_clip.clip_grads(optimizer, grad_norm)
+    return optimizer.step_with_ready_grads(), loss, grad_norm
+
+
+def nonfinite_grad_message(iteration: int, grad_norm: float, loss: float,
+                           clip_grad: float) -> str:
+    """The stop message for a NaN/inf grad norm under a finite loss."""
+    if clip_grad > 0:
+        advice = (f"--clip-grad {clip_grad} is set, but clipping cannot mend a NaN/inf "
+                  f"gradient; lower --lr, check the data, or pass --skip-nan-steps")
+    else:
+        advice = "lower --lr, set --clip-grad 1.0, or pass --skip-nan-steps"
+    return (f"iteration {iteration}: grad norm is {grad_norm} with a finite lm loss {loss}; "
+            f"stopping before the optimizer step (the weights are unchanged): {advice}")
+
+
+def evaluate(args, rt: Runtime, step_fn: Callable, data_iterator, model) -> float:
+    """Mean lm loss over ``--eval-iters`` global batches of the validation split."""
+    for chunk in model:
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float32, device=rt.device)
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = forward_backward(args, step_fn, data_iterator, model, forward_only=True)
+            total += reduce_lm_loss(losses, rt.groups, rt.device)
+    for chunk in model:
+        chunk.train()
+    return (total[0] / total[1]).item()
+
+
+# --------------------------------------------------------------------------- signals
+class SigtermFlag:
+    """Records a SIGTERM; every rank learns of it at the same iteration (all-reduce MAX)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def any_rank(self, device: torch.device) -> bool:
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# --------------------------------------------------------------------------- the loop
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+@contextlib.contextmanager
+def params_in_sync(args, model):
+    """With ``--overlap-param-gather`` the distributed optimizer's parameter all-gather is
+    deferred to the next forward pass (forward pre-hooks); finish it, and switch the hooks
+    off, while the model is evaluated or saved (Megatron-LM does the same)."""
+    if not (args.use_distributed_optimizer and args.overlap_param_gather):
+        yield
+        return
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
+
+
+class _Loop:
+    """State of one training run; :meth:`run` is the loop."""
+
+    def __init__(self, args, rt: Runtime, model, optimizer, scheduler, state: TrainState,
+                 step_fn: Callable, writer: MetricsWriter, result: TrainResult,
+                 memory: Optional[MemoryHistory] = None) -> None:
+        self.args, self.rt, self.model = args, rt, model
+        self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
+        self.step_fn, self.writer, self.result = step_fn, writer, result
+        self.sigterm = SigtermFlag()
+        self.profiler = StepProfiler(args, rt.rank, rt.device)
+        self.memory = memory
+
+    def _save(self) -> None:
+        with params_in_sync(self.args, self.model):
+            path = save_checkpoint(self.args, self.state, self.model, self.optimizer,
+                                   self.scheduler, self.rt.groups, self.rt.device,
+                                   resolved_args=self.rt.data_source.resolved_args())
+        self.result.saved.append(path)
+        print_rank_0(self.rt, f"saved checkpoint at iteration {self.state.iteration} to {path}")
+
+    def _one_iteration(self, train_iter) -> None:
+        args, st = self.args, self.state
+        it = st.iteration + 1
+        self.profiler.before(it)
+        t0 = time.perf_counter()
+        loss, grad_norm, skipped = train_step(args, self.rt, self.step_fn, train_iter,
+                                              self.model, self.optimizer, it)
+        step_time = time.perf_counter() - t0
+        if self.profiler.after(it):
+            print(f"rank {self.rt.rank}: profile of iterations {self.profiler.start}-"
+                  f"{it} written to {self.profiler.written}.txt/.json", flush=True)
+        if self.memory is not None and self.memory.after(it):
+            print(f"rank {self.rt.rank}: memory snapshot after iteration {it} written to "
+                  f"{self.memory.written} (summary: {self.memory.written}.txt)", flush=True)
+        st.iteration = it
+        st.consumed_train_samples += args.global_batch_size
+        if skipped:
+            st.skipped_iterations += 1
+            self.result.skipped_iterations.append(it)
+            what = f"grad norm {grad_norm}" if math.isfinite(loss) else f"lm loss {loss}"
+            print_rank_0(self.rt, f"iteration {it}: {what}, optimizer step skipped "
+                                  f"(--skip-nan-steps)")
+        else:
+            self.scheduler.step(increment=args.global_batch_size)
+        self.result.losses[it] = loss
+        mem = peak_memory_gib(self.rt.device)
+        at_log = it % args.log_interval == 0 or it == args.train_iters
+        max_mem = _max_over_ranks(mem, self.rt.device) if at_log else None
+        self.writer.train_step(StepStats(
+            iteration=it, consumed_samples=st.consumed_train_samples, lm_loss=loss,
+            grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
+            step_time_s=step_time, skipped=skipped, mem_gib=mem,
+            host_mem_gib=peak_host_memory_gib()), max_mem)
+
+    def _validate(self, valid_iter) -> None:
+        args = self.args
+        with params_in_sync(args, self.model):
+            value = evaluate(args, self.rt, self.step_fn, valid_iter, self.model)
+        self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        self.result.valid_losses[self.state.iteration] = value
+        self.writer.validation(self.state.iteration, value)
+
+    def run(self, train_iter, valid_iter) -> TrainResult:
+        args, st = self.args, self.state
+        if args.save:
+            self.sigterm.install()
+        try:
+            while st.iteration < args.train_iters:
+                self._one_iteration(train_iter)
+                it = st.iteration
+                if valid_iter is not None and it % args.eval_interval == 0:
+                    self._validate(valid_iter)
+                saved_now = bool(args.save_interval) and it % args.save_interval == 0
+                if saved_now:
+                    self._save()
+                stop = bool(args.exit_interval) and it % args.exit_interval == 0
+                if args.save and self.sigterm.any_rank(self.rt.device):
+                    stop = self.result.stopped_by_signal = True
+                    print_rank_0(self.rt, f"SIGTERM received: saving at iteration {it} and "
+                                          f"exiting")
+                if stop:
+                    if args.save and not saved_now:
+                        self._save()
+                    return self.result
+            if valid_iter is not None and st.iteration % args.eval_interval != 0:
+                self._validate(valid_iter)
+            if args.save and not (args.save_interval and st.iteration % args.save_interval == 0):
+                self._save()
+            return self.result
+        finally:
+            self.profiler.close()
+            self.sigterm.restore()
+
+
+def _log_setup(args, rt: Runtime, model, loaded: Optional[str], state: TrainState) -> None:
+    print_rank_0(rt, f"layout {rt.groups.dims.short()} on {rt.world_size} {rt.device.type} "
+                     f"process(es); {args.num_microbatches} micro-batch(es) of "
+                     f"{args.micro_batch_size} per step; global batch {args.global_batch_size}")
+    for reason in rt.plan_reasons:
+        print_rank_0(rt, f"  planner: {reason}")
+    print_rank_0(rt, f"number of parameters on rank 0 (its TP shard of its stage): "
+                     f"{count_parameters(model)}")
+    if loaded:
+        print_rank_0(rt, f"loaded checkpoint {loaded} at iteration {state.iteration} "
+                         f"(consumed samples {state.consumed_train_samples})")
+
+
+def _make_writer(args, rt: Runtime) -> MetricsWriter:
+    peak = args.peak_tflops or peak_tflops_for_device(rt.device_name)
+    throughput = Throughput(GPTShape.from_args(args), args.global_batch_size, rt.world_size,
+                            peak)
+    return MetricsWriter(rt.is_logging_rank, args.train_iters, args.log_interval, throughput,
+                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir)
+
+
+def pretrain(args: argparse.Namespace,
+             forward_step_func: Optional[Callable] = None) -> TrainResult:
+    """Validate, initialise, build, resume, train, save; see the module docstring.
+
+    ``forward_step_func(ctx, data_iterator, model)`` replaces
+    :func:`megatron.training.data.batch.forward_step` (same contract). Works inside an already
+    initialised process group (tests) or creates one (torchrun, or a single process).
+    Raises the start-up errors of :func:`megatron.training.cli.arguments.validate_args`, the
+    data and checkpoint checks, and :class:`NonFiniteLossError`.
+    """
+    rt = None
+    writer = None
+    memory = None
+    try:
+        rt = initialize(args)
+        memory = MemoryHistory(args, rt.rank, rt.device)
+        if args.save:
+            start_writer_manager()
+        model = build_model(args, rt.groups)
+        _wire_grad_sync(model)
+        # Where memory goes before the first step (long sequences: the model, the
+        # optimizer's state and its start-up copies, then the pinned offload buffers).
+        print_rank_0(rt, f"memory after building the model: {memory_report(rt.device)}")
+        optimizer = build_optimizer(args, model)
+        scheduler = build_scheduler(args, optimizer)
+        resume = load_checkpoint(args, model, optimizer, scheduler)
+        print_rank_0(rt, f"memory after building the optimizer"
+                         f"{' and loading' if resume.path else ''}: {memory_report(rt.device)}")
+        pinned = reserve_offload_buffers(args, model)
+        if pinned:
+            print_rank_0(rt, f"memory after reserving {pinned / 2**30:.1f} GiB of host buffers "
+                             f"for --recompute-cpu-offload: {memory_report(rt.device)}")
+        state = resume.state
+        _log_setup(args, rt, model, resume.path, state)
+        result = TrainResult(iteration=state.iteration, loaded_from=resume.path)
+        if state.iteration >= args.train_iters:
+            print_rank_0(rt, f"the checkpoint is at iteration {state.iteration} >= "
+                             f"--train-iters {args.train_iters}: nothing to train")
+            return result
+        train_iter, valid_iter = build_data_iterators(args, rt, state)
+        if resume.rng_state is not None:
+            set_rng_state(resume.rng_state, rt.device)
+        writer = _make_writer(args, rt)
+        writer.run_header(rt.groups.dims.short(), rt.world_size,
+                          plain_args(args, rt.data_source.resolved_args()))
+        step_fn = partial(forward_step_func or batch_mod.forward_step, batch_context(rt, args))
+        _Loop(args, rt, model, optimizer, scheduler, state, step_fn, writer, result,
+              memory).run(train_iter, valid_iter)
+        result.iteration = state.iteration
+        return result
+    finally:
+        if memory is not None:
+            memory.close()
+        if writer is not None:
+            writer.close()
+        shutdown(rt)

@@ -1,0 +1,1 @@
+"""Observability: metrics and MFU, console warnings, profiling, memory snapshots, loss drift."""

@@ -1,0 +1,1 @@
+"""The optimizer step: gradient norm and clipping, the CPU-offloaded optimizer."""
