@@ -16,9 +16,11 @@ documents back to back, the last one cut at the sample end as megatron-core's da
   the whole S with the plain causal mask: the ceiling, counted with its own dense causal
   FLOPs), ``tiles`` (batched cuDNN calls on strided views), ``tiles-copy`` (the same with
   contiguous copies), ``varlen`` (PyTorch's flash varlen op), ``per-document`` (one kernel call
-  per document on contiguous slices: the anchor table's column), ``auto`` (the measured choice;
-  the record says what it chose) and, when asked for, ``flex`` (``flex_attention`` with a
-  compiled BlockMask, reference only). Each kernel's output is compared with ``tiles``'s
+  per document on contiguous slices: the anchor table's column), ``auto`` (the block kernels'
+  choice, what ring ranks use; the record says what it chose), ``packed`` (what one GPU runs:
+  the documents read in place on megatron's ``[s, b, h, d]`` tensors by measured-cost segments,
+  :mod:`megatron.usp.packed_documents`; the record says how many documents each kind took)
+  and, when asked for, ``flex`` (``flex_attention`` with a compiled BlockMask, reference only). Each kernel's output is compared with ``tiles``'s
   (relative L2, recorded, never asserted: correctness is tests/gpu's job).
 
 * **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
@@ -29,8 +31,9 @@ documents back to back, the last one cut at the sample end as megatron-core's da
 Useful FLOPs: forward ``4 * b * h * d * P`` with ``P`` the visible (query, key) pairs (a causal
 document of ``L`` tokens has ``L(L+1)/2``), forward+backward 3.5x that; the dense ceiling counts
 ``4*b*h*S^2*d/2`` (``megatron.bench.flops``). Mixes: ``fixed:N`` (documents of N tokens, k =
-1024), ``lognormal`` (median 2K, sigma 1.2: a long tail of documents longer than the sequence)
-and ``corpus`` (the embedded corpus's document lengths, when it is built).
+1024), ``uniform:N`` (lengths uniform in 1..N-1: megatron-core's mock documents for N = 4k),
+``lognormal`` (median 2K, sigma 1.2: a long tail of documents longer than the sequence) and
+``corpus`` (the embedded corpus's document lengths, when it is built).
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ from megatron.usp.token_layout import shard_for_cp_rank
 
 Tensor = torch.Tensor
 PROGRESS_PREFIX = "[bench_attention --docs]"
-DOC_KERNELS = ("dense", "tiles", "tiles-copy", "varlen", "per-document", "auto", "flex")
+DOC_KERNELS = ("dense", "tiles", "tiles-copy", "varlen", "per-document", "auto", "packed",
+               "flex")
 LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA = 2048, 1.2
 
 
@@ -72,13 +76,15 @@ def parse_doc_mixes(text: str) -> List[str]:
     for m in mixes:
         if m in ("lognormal", "corpus"):
             continue
-        if m.startswith("fixed:"):
+        if m.startswith(("fixed:", "uniform:")):
             try:
-                if _size(m[6:]) >= 1:
+                if _size(m.split(":", 1)[1]) >= 1:
                     continue
             except ValueError:
                 pass
-        raise BenchConfigError(f"--docs {m!r}: use fixed:N (e.g. fixed:2k), lognormal or corpus")
+        raise BenchConfigError(f"--docs {m!r}: use fixed:N (e.g. fixed:2k), uniform:N (lengths "
+                               f"uniform in 1..N-1, megatron-core's mock documents for N=4k), "
+                               f"lognormal or corpus")
     if not mixes:
         raise BenchConfigError("--docs is empty; try --docs fixed:2k,fixed:8k,lognormal")
     return mixes
@@ -106,6 +112,10 @@ def mix_lengths(mix: str, seq_len: int, seed: int) -> Optional[np.ndarray]:
     if mix.startswith("fixed:"):
         n = _size(mix[6:])
         return np.full(-(-seq_len // n), n)
+    if mix.startswith("uniform:"):
+        n = _size(mix[8:])
+        rng = np.random.default_rng(seed)
+        return rng.integers(1, max(2, n), 2 * seq_len // max(1, n) + 16)
     if mix == "lognormal":
         rng = np.random.default_rng(seed)
         return np.maximum(1, rng.lognormal(math.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA,
@@ -319,6 +329,24 @@ def _per_document(kernel, block):
     return fwd, bwd
 
 
+def _packed(kernel, block, x, scale):
+    """fwd, fwd_bwd and the segment counts of the in-place path on [s, b, h, d] copies of x
+    (the fwd returns head-major out, to compare with the other kernels)."""
+    from megatron.usp.packed_documents import PackedDocumentAttention, packed_plan_for
+
+    q, k, v, dout = (x[n].permute(2, 0, 1, 3).contiguous() for n in ("q", "k", "v", "dout"))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    plan = packed_plan_for(block, kernel, q, k)
+
+    def fwd():
+        return PackedDocumentAttention.apply(q, k, v, plan, kernel, scale).permute(1, 2, 0, 3)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), (q, k, v), dout.permute(1, 2, 0, 3))
+    counts = plan.counts()
+    return fwd, fwd_bwd, f"batched {counts['batched']} / varlen {counts['varlen']} documents"
+
+
 def _flex(block, x, scale):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -364,6 +392,9 @@ def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
 
         def fwd_bwd():
             return torch.autograd.grad(fwd(), (qg, kg, vg), dout)
+        flops = 4.0 * cfg.heads * cfg.head_dim * res.useful_pairs
+    elif name == "packed":
+        fwd, fwd_bwd, res.auto_choice = _packed(local, block, x, scale)
         flops = 4.0 * cfg.heads * cfg.head_dim * res.useful_pairs
     else:
         if name == "per-document":

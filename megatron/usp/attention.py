@@ -80,6 +80,7 @@ from megatron.usp.document_ring import (
     document_ring_forward,
 )
 from megatron.usp.kernels import AttentionKernel, get_kernel
+from megatron.usp.packed_documents import PackedDocumentAttention, PackedPlan, packed_plan_for
 from megatron.usp.ring_attention import (
     RingGrads,
     ring_attention_backward,
@@ -420,9 +421,21 @@ def make_schedule(q: Tensor, k: Tensor, *, ulysses_group: Optional[dist.ProcessG
 
 def usp_attention_with_schedule(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule) -> Tensor:
     """:func:`usp_attention` for an already built schedule (differentiable)."""
-    if sched.ulysses is None and sched.ring.size == 1 and sched.documents is None:
-        return _LocalAttentionFunction.apply(q, k, v, sched)
+    if sched.ulysses is None and sched.ring.size == 1:
+        if sched.documents is None:
+            return _LocalAttentionFunction.apply(q, k, v, sched)
+        packed = _packed_plan(q, k, sched)
+        if packed is not None:
+            return PackedDocumentAttention.apply(q, k, v, packed, sched.kernel, sched.scale)
     return _USPAttentionFunction.apply(q, k, v, sched)
+
+
+def _packed_plan(q: Tensor, k: Tensor, sched: USPSchedule) -> Optional[PackedPlan]:
+    """U = R = 1 with ``--document-attention-kernel auto``: whole documents in order are read
+    in place (:mod:`megatron.usp.packed_documents`); other kernels keep the block path."""
+    if sched.document_kernel is None or sched.document_kernel.name != "auto":
+        return None
+    return packed_plan_for(sched.documents.blocks[0], sched.kernel, q, k)
 
 
 def _check_documents(plan: DocumentRingPlan, q: Tensor, ulysses: int, ring: int,

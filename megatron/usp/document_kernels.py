@@ -73,6 +73,20 @@ AUTO_TABLE = {"min_pairs_per_tile_call": 8 * 1024 * 1024}
 AUTO_CPU_MATH_ELEMENTS = 1 << 22
 
 
+# --------------------------------------------------------------------------- host -> device
+def pinned_to_device(array, dtype: Optional[torch.dtype] = None, device=None) -> Tensor:
+    """A host array or tensor on ``device`` (as ``dtype`` when given); to a GPU through pinned
+    memory and a non-blocking copy, so that moving a micro-batch and its metadata never stalls
+    the compute stream (a copy from pageable memory waits for the device)."""
+    host = array if isinstance(array, Tensor) else torch.as_tensor(np.ascontiguousarray(array))
+    if dtype is not None:
+        host = host.to(dtype)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 # --------------------------------------------------------------------------- slots
 @dataclass
 class Slots:
@@ -139,7 +153,7 @@ def _make_slots(sample: int, starts: Sequence[int], length: int, device) -> Slot
     slots = Slots(sample, arr, length, step, disjoint)
     if step is None or not disjoint:
         idx = (arr[:, None] + np.arange(length)[None, :]).reshape(-1)
-        slots.index = torch.as_tensor(idx, device=device)
+        slots.index = pinned_to_device(idx, torch.int64, device)
     return slots
 
 
@@ -208,7 +222,7 @@ class DocumentBlock:
     def tensor(self, name: str) -> Tensor:
         """``q_pos`` / ``q_seg`` / ``k_pos`` / ``k_seg`` as an int64 device tensor (cached)."""
         if name not in self._cache:
-            self._cache[name] = torch.as_tensor(np.array(getattr(self, name)), device=self.device)
+            self._cache[name] = pinned_to_device(getattr(self, name), torch.int64, self.device)
         return self._cache[name]  # type: ignore[return-value]
 
 
@@ -561,7 +575,7 @@ def _varlen_calls(block: DocumentBlock) -> List[_VarlenCall]:
         cu_k = np.concatenate([[0], np.cumsum([t.k_len for _, t in layer])])
 
         def dt(a, dtype=torch.int64):
-            return torch.as_tensor(np.asarray(a), dtype=dtype, device=dev)
+            return pinned_to_device(a, dtype, dev)
 
         calls.append(_VarlenCall(causal, dt(q_sample), dt(q_token), dt(np.concatenate(ks)),
                                  dt(np.concatenate(kt)), dt(cu_q, torch.int32),

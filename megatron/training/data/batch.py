@@ -41,6 +41,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from megatron.training.data.config import DataConfigError
+from megatron.usp.document_kernels import pinned_to_device
 from megatron.usp.token_layout import shard_for_cp_rank
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
@@ -107,7 +108,7 @@ def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tens
         return {key: None for key in SEQUENCE_KEYS + ("packed_seq_params",)}
     full = next(data_iterator)                                   # [b, s]
     local = shard_batch_for_cp(full, ctx.cp_rank, ctx.cp_size)   # [b, s/CP]
-    out = {key: (local[key].to(ctx.device, non_blocking=True) if local.get(key) is not None
+    out = {key: (pinned_to_device(local[key], device=ctx.device) if local.get(key) is not None
                  else None) for key in SEQUENCE_KEYS}
     out["packed_seq_params"] = _document_params(full, ctx)
     return out

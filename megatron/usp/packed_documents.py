@@ -1,0 +1,452 @@
+"""Document attention read in place: a rank that holds whole documents in order.
+
+When one rank holds every token its documents attend to, contiguously and in sequence order
+(U = R = 1: the whole micro-batch), each document is a square on the diagonal and attention
+needs no gather, no scatter and no head-major copy. This module computes it straight on
+megatron's tensors::
+
+    q, dq, out, dout : [s, b, h,  d]   sample i's tokens are x[:, i], a [s, h, d] view
+    k, v, dk, dv     : [s, b, hk, d]
+    lse (saved)      : per segment, float32
+
+A sample's documents are cut into *segments*, each one kernel call:
+
+* ``batched``: n consecutive documents of one length L, one call of the run's
+  :class:`~megatron.usp.kernels.AttentionKernel` on the ``[n, h, L, d]`` view of their tokens
+  (on CUDA PyTorch's cuDNN op, which reads this sequence-major view as it is);
+* ``varlen``: consecutive documents of mixed lengths, one call of PyTorch's flash varlen op
+  on the ``[T, h, d]`` view with the documents' cumulative lengths (CUDA fp16/bf16); elsewhere
+  the exact masked product of the segment (tiny CPU shapes).
+
+Which documents go to which kind is chosen per micro-batch from measured costs
+(:class:`KernelCosts`): on CUDA each kernel is timed once per process and shape (heads, head
+dim, dtype) on documents of 64 to 16K tokens and the costs are interpolated between them; a
+run of equal-length documents goes to whichever kind costs less, and consecutive ``varlen``
+runs share one call. cuDNN wins on long documents and long runs of equal ones, the varlen op
+on many short mixed ones.
+
+The plan (:class:`PackedPlan`: segments and the varlen calls' cumulative lengths, copied to the
+device from pinned memory without blocking) is built once per micro-batch and reused by every
+layer and by the backward. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from megatron.usp.document_kernels import (
+    DocumentBlock,
+    MathDocumentKernel,
+    build_document_block,
+    pinned_to_device,
+    varlen_available,
+)
+from megatron.usp.kernels import AttentionKernel
+
+Tensor = torch.Tensor
+
+BATCHED, VARLEN = "batched", "varlen"
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Segment:
+    """``lengths`` consecutive documents from token ``start`` of one sample, one kernel call."""
+
+    kind: str
+    start: int
+    lengths: Tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens
+
+
+@dataclass
+class PackedPlan:
+    """Per sample, the segments covering its ``seq_len`` tokens (module docstring).
+
+    ``cu`` holds each varlen segment's cumulative lengths (int32, on the device) under the
+    segment's (sample, start) key.
+    """
+
+    batch: int
+    seq_len: int
+    causal: bool
+    segments: Tuple[Tuple[Segment, ...], ...]
+    cu: Dict[Tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
+
+    def counts(self) -> Dict[str, int]:
+        """Documents per kind (what the bench prints beside the choice)."""
+        out = {BATCHED: 0, VARLEN: 0}
+        for row in self.segments:
+            for seg in row:
+                out[seg.kind] += len(seg.lengths)
+        return out
+
+
+def documents_in_order(block: DocumentBlock) -> Optional[List[List[int]]]:
+    """Per sample, the lengths of the documents of ``block`` when its tiles are exactly the
+    diagonal squares of consecutive documents covering every query and key in sequence order
+    (what :mod:`megatron.usp.document_mask` gives at U = R = 1); else None."""
+    if block.sq != block.sk:
+        return None
+    ident = np.arange(block.sq)
+    if not all(np.array_equal(p, ident) for p in (*block.q_pos, *block.k_pos)):
+        return None
+    out = []
+    for tiles in block.tiles:
+        lengths, at = [], 0
+        for t in sorted(tiles, key=lambda t: t.q_start):
+            if (t.q_start != at or t.k_start != at or t.q_len != t.k_len
+                    or t.causal != block.causal):
+                return None
+            lengths.append(t.q_len)
+            at += t.q_len
+        if at != block.sq:
+            return None
+        out.append(lengths)
+    return out
+
+
+def equal_runs(lengths: Sequence[int]) -> List[Tuple[int, int]]:
+    """``lengths`` as maximal runs of one length: [(length, count), ...]."""
+    runs: List[Tuple[int, int]] = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1] = (n, runs[-1][1] + 1)
+        else:
+            runs.append((n, 1))
+    return runs
+
+
+def choose_segments(lengths: Sequence[int], costs: "KernelCosts") -> List[Segment]:
+    """Cut one sample's documents into segments by cost (module docstring)."""
+    labelled: List[Tuple[str, int, int]] = []
+    for n, count in equal_runs(lengths):
+        batched = costs.batched(n, count)
+        varlen = costs.varlen(n) * count if costs.has_varlen else math.inf
+        labelled.append((VARLEN if varlen < batched else BATCHED, n, count))
+    segments: List[Segment] = []
+    start = 0
+    for kind, n, count in labelled:
+        if kind == BATCHED:
+            segments.append(Segment(BATCHED, start, (n,) * count))
+            start += n * count
+            continue
+        for _ in range(count):          # varlen: consecutive documents share a call
+            last = segments[-1] if segments else None
+            if (last is not None and last.kind == VARLEN
+                    and last.tokens + n <= costs.max_varlen_tokens):
+                segments[-1] = Segment(VARLEN, last.start, last.lengths + (n,))
+            else:
+                segments.append(Segment(VARLEN, start, (n,)))
+            start += n
+    return segments
+
+
+def build_packed_plan(lengths: Sequence[Sequence[int]], causal: bool, costs: "KernelCosts",
+                      device=None) -> PackedPlan:
+    """The :class:`PackedPlan` of per-sample document lengths (each sample's sum is S)."""
+    rows = tuple(tuple(choose_segments(row, costs)) for row in lengths)
+    seq_len = sum(lengths[0]) if lengths else 0
+    plan = PackedPlan(len(rows), seq_len, causal, rows)
+    for i, row in enumerate(rows):
+        for seg in row:
+            if seg.kind == VARLEN:
+                cu = np.concatenate([[0], np.cumsum(seg.lengths)])
+                plan.cu[(i, seg.start)] = pinned_to_device(cu, torch.int32, device)
+    return plan
+
+
+# --------------------------------------------------------------------------- costs
+class KernelCosts:
+    """Seconds per call of each kind, interpolated in log-log between measured lengths.
+
+    ``batched_one[L]``: one document of L tokens in one batched call; ``batched_many[L]``: per
+    document, many of L tokens in one call; ``varlen_per_doc[L]``: per document of L tokens in
+    a varlen call of many. ``has_varlen``: the varlen kind can run here;
+    ``max_varlen_tokens``: the most tokens one varlen call takes (the CPU's masked product
+    grows with the square of its tokens).
+    """
+
+    def __init__(self, lengths: Sequence[int], batched_one: Sequence[float],
+                 batched_many: Sequence[float], varlen_per_doc: Sequence[float],
+                 has_varlen: bool, max_varlen_tokens: float = math.inf) -> None:
+        self.lengths = [float(n) for n in lengths]
+        self._one = list(batched_one)
+        self._many = list(batched_many)
+        self._var = list(varlen_per_doc)
+        self.has_varlen = has_varlen
+        self.max_varlen_tokens = max_varlen_tokens
+
+    def _at(self, table: Sequence[float], n: int) -> float:
+        xs = self.lengths
+        if n <= xs[0]:
+            return table[0] * n / xs[0] if n < xs[0] else table[0]
+        if n >= xs[-1]:
+            return table[-1] * (n / xs[-1]) ** 2
+        j = bisect.bisect_right(xs, n) - 1
+        t = (math.log(n) - math.log(xs[j])) / (math.log(xs[j + 1]) - math.log(xs[j]))
+        return math.exp((1 - t) * math.log(table[j]) + t * math.log(table[j + 1]))
+
+    def batched(self, n: int, count: int) -> float:
+        """Seconds for ``count`` documents of ``n`` tokens in one batched call."""
+        if count == 1:
+            return self._at(self._one, n)
+        return min(self._at(self._one, n) * count, self._at(self._many, n) * count)
+
+    def varlen(self, n: int) -> float:
+        """Seconds per document of ``n`` tokens inside a varlen call."""
+        return self._at(self._var, n)
+
+
+# On the CPU the batched kind is PyTorch's CPU attention op, a few milliseconds a call at the
+# tiny shapes that run there, and the varlen kind the masked product of the segment, which
+# grows with the square of its tokens: fixed costs say so (nothing to measure; 2 cores,
+# torch 2.13, fp32), so that only runs of documents of a dozen tokens or fewer share a masked
+# product, of at most 512 tokens.
+_CPU_CALL_S = 4e-3
+_CPU_PAIR_S = 1e-9
+_CPU_MASKED_TOKEN_S = 3e-4
+CPU_MAX_MASKED_TOKENS = 512
+
+
+def cpu_costs() -> KernelCosts:
+    lengths = [2 ** k for k in range(0, 15)]
+    one = [_CPU_CALL_S + _CPU_PAIR_S * n * n for n in lengths]
+    var = [_CPU_MASKED_TOKEN_S * n for n in lengths]
+    return KernelCosts(lengths, one, one, var, has_varlen=True,
+                       max_varlen_tokens=CPU_MAX_MASKED_TOKENS)
+
+
+_COSTS: Dict[tuple, KernelCosts] = {}
+CALIBRATION_LENGTHS = tuple(2 ** k for k in range(6, 15))     # 64 .. 16K tokens
+CALIBRATION_TOKENS = 16384
+
+
+def costs_for(kernel: AttentionKernel, q: Tensor, k: Tensor, causal: bool) -> KernelCosts:
+    """The costs for q [.., h, d] / k [.., hk, d] of this dtype and device, measured once per
+    process (cached); fixed costs on the CPU."""
+    if q.device.type != "cuda":
+        return cpu_costs()
+    key = (q.device.index, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], causal, kernel.name)
+    if key not in _COSTS:
+        _COSTS[key] = measure_costs(kernel, q.device, q.dtype, q.shape[-2], k.shape[-2],
+                                    q.shape[-1], causal)
+    return _COSTS[key]
+
+
+def _time_s(fn: Callable[[], None], reps: int = 3) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def measure_costs(kernel: AttentionKernel, device, dtype, hq: int, hk: int, d: int,
+                  causal: bool) -> KernelCosts:
+    """Time forward + backward of each kind on synthetic documents (module docstring)."""
+    scale = 1.0 / math.sqrt(d)
+    has_varlen = varlen_available() and dtype in (torch.float16, torch.bfloat16)
+    one, many, var = [], [], []
+    for n in CALIBRATION_LENGTHS:
+        count = max(1, CALIBRATION_TOKENS // n)
+        x = _synthetic(count * n, hq, hk, d, device, dtype)
+        for docs, table in ((1, one), (count, many)):
+            plan = build_packed_plan([[n] * docs], causal, _ALWAYS_BATCHED, device)
+            table.append(_time_s(_round_trip(x, docs * n, plan, kernel, scale)) / docs)
+        if has_varlen:
+            plan = build_packed_plan([[n] * count], causal, _ALWAYS_VARLEN, device)
+            var.append(_time_s(_round_trip(x, count * n, plan, kernel, scale)) / count)
+        else:
+            var.append(math.inf)
+        del x
+    return KernelCosts(CALIBRATION_LENGTHS, one, many, var, has_varlen)
+
+
+def _synthetic(tokens: int, hq: int, hk: int, d: int, device, dtype) -> Dict[str, Tensor]:
+    def r(h):
+        return torch.randn(tokens, 1, h, d, device=device, dtype=dtype)
+    return {"q": r(hq), "k": r(hk), "v": r(hk), "dout": r(hq)}
+
+
+def _round_trip(x: Dict[str, Tensor], tokens: int, plan: PackedPlan, kernel: AttentionKernel,
+                scale: float) -> Callable[[], None]:
+    q, k, v, dout = (x[name][:tokens] for name in ("q", "k", "v", "dout"))
+
+    def run() -> None:
+        out, lses = packed_forward(q, k, v, plan, kernel, scale)
+        packed_backward(dout, q, k, v, out, lses, plan, kernel, scale)
+    return run
+
+
+_ALWAYS_BATCHED = KernelCosts([1, 2], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0], has_varlen=False)
+_ALWAYS_VARLEN = KernelCosts([1, 2], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], has_varlen=True)
+
+
+# --------------------------------------------------------------------------- compute
+def _docs_view(x: Tensor, n: int, length: int) -> Tensor:
+    """[n*L, h, d] tokens -> the [n, h, L, d] view (no copy)."""
+    return x.unflatten(0, (n, length)).transpose(1, 2)
+
+
+def _math_segment_forward(q, k, v, lengths, causal, scale):
+    """The segment's masked product: [T, h, d] -> out [T, h, d], lse [h, T] (exact)."""
+    block = _segment_block(lengths, causal)
+    out, lse = _MATH.forward(_heads(q), _heads(k), _heads(v), block, scale)
+    return out[0].transpose(0, 1), lse[0]
+
+
+def _math_segment_backward(dout, q, k, v, out, lse, lengths, causal, scale):
+    block = _segment_block(lengths, causal)
+    grads = _MATH.backward(_heads(dout), _heads(q), _heads(k), _heads(v), _heads(out),
+                           lse[None], block, scale)
+    return tuple(g[0].transpose(0, 1) for g in grads)
+
+
+_MATH = MathDocumentKernel()
+
+
+def _heads(x: Tensor) -> Tensor:
+    """[T, h, d] -> [1, h, T, d] view."""
+    return x.transpose(0, 1)[None]
+
+
+def _segment_block(lengths: Sequence[int], causal: bool) -> DocumentBlock:
+    seg = np.repeat(np.arange(len(lengths)), lengths)[None]
+    pos = np.arange(seg.size)[None]
+    return build_document_block(pos, seg, pos, seg, causal)
+
+
+_RNG_STATE: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
+
+
+def _flash_extras(device) -> Tuple[Tensor, Tensor]:
+    """The rng state and unused tensor the flash backward takes (no dropout)."""
+    if device not in _RNG_STATE:
+        _RNG_STATE[device] = (torch.zeros(2, dtype=torch.uint64, device=device),
+                              torch.empty(0, device=device))
+    return _RNG_STATE[device]
+
+
+def _varlen_forward(q, k, v, cu, max_len, causal, scale):
+    res = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0,
+                                                  causal, False, scale=scale)
+    return res[0], res[1]                                         # [T, h, d], [h, T] float32
+
+
+def _varlen_backward(dout, q, k, v, out, lse, cu, max_len, causal, scale):
+    rng, unused = _flash_extras(q.device)
+    return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu, cu, max_len,
+                                                    max_len, 0.0, causal, rng, unused,
+                                                    scale=scale)
+
+
+def _use_flash(q: Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_available()
+
+
+def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: AttentionKernel,
+                   scale: float) -> Tuple[Tensor, List[Tensor]]:
+    """out [s, b, h, d] (q's dtype) and each segment's lse, in plan order."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lses: List[Tensor] = []
+    for i, row in enumerate(plan.segments):
+        for seg in row:
+            a, e = seg.start, seg.end
+            qs, ks, vs = q[a:e, i], k[a:e, i], v[a:e, i]          # [T, h(k), d] views
+            if seg.kind == BATCHED:
+                n, length = len(seg.lengths), seg.lengths[0]
+                o, lse = kernel.forward(_docs_view(qs, n, length), _docs_view(ks, n, length),
+                                        _docs_view(vs, n, length), plan.causal, scale)
+                _docs_view(out[a:e, i], n, length).copy_(o)
+            elif _use_flash(q):
+                o, lse = _varlen_forward(qs, ks, vs, plan.cu[(i, a)], max(seg.lengths),
+                                         plan.causal, scale)
+                out[a:e, i].copy_(o)
+            else:
+                o, lse = _math_segment_forward(qs, ks, vs, seg.lengths, plan.causal, scale)
+                out[a:e, i].copy_(o)
+            lses.append(lse)
+    return out, lses
+
+
+def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    lses: Sequence[Tensor], plan: PackedPlan, kernel: AttentionKernel,
+                    scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq [s, b, h, d], dk, dv [s, b, hk, d] in the inputs' dtypes."""
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    lse_iter = iter(lses)
+    for i, row in enumerate(plan.segments):
+        for seg in row:
+            a, e = seg.start, seg.end
+            parts = [x[a:e, i] for x in (dout, q, k, v, out)]
+            lse = next(lse_iter)
+            if seg.kind == BATCHED:
+                n, length = len(seg.lengths), seg.lengths[0]
+                grads = kernel.backward(*(_docs_view(x, n, length) for x in parts), lse,
+                                        plan.causal, scale)
+                for dst, g in zip((dq, dk, dv), grads):
+                    _docs_view(dst[a:e, i], n, length).copy_(g)
+                continue
+            if _use_flash(q):
+                grads = _varlen_backward(*parts, lse, plan.cu[(i, a)], max(seg.lengths),
+                                         plan.causal, scale)
+            else:
+                grads = _math_segment_backward(*parts, lse, seg.lengths, plan.causal, scale)
+            for dst, g in zip((dq, dk, dv), grads):
+                dst[a:e, i].copy_(g)
+    return dq, dk, dv
+
+
+class PackedDocumentAttention(torch.autograd.Function):
+    """Differentiable :func:`packed_forward`: ``apply(q, k, v, plan, kernel, scale) -> out``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, kernel, scale):
+        out, lses = packed_forward(q, k, v, plan, kernel, scale)
+        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.plan, ctx.kernel, ctx.scale = plan, kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, *lses = ctx.saved_tensors
+        dq, dk, dv = packed_backward(dout.contiguous(), q, k, v, out, lses, ctx.plan,
+                                     ctx.kernel, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def packed_plan_for(block: Optional[DocumentBlock], kernel: AttentionKernel, q: Tensor,
+                    k: Tensor) -> Optional[PackedPlan]:
+    """The block's :class:`PackedPlan` when its documents are whole and in order (built once
+    per block and head shape, cached on the block), else None."""
+    if block is None:
+        return None
+    key = ("packed", q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], kernel.name)
+    if key not in block._cache:
+        lengths = documents_in_order(block)
+        block._cache[key] = (None if lengths is None else
+                             build_packed_plan(lengths, block.causal,
+                                               costs_for(kernel, q, k, block.causal),
+                                               q.device))
+    return block._cache[key]  # type: ignore[return-value]

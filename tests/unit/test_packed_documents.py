@@ -1,0 +1,162 @@
+"""Document attention read in place (megatron/usp/packed_documents.py) against an fp64 oracle.
+
+The oracle is per-document softmax attention with plain autograd ops in float64; the packed
+path must match it to 1e-10 in out and in every gradient, whatever kinds the plan mixes
+(batched calls of PyTorch's CPU kernel on strided views, the masked product standing in for the
+varlen op), for 1-token documents, GQA and MQA, batch 2 with different documents per sample,
+causal and full masks. The segment choice is a pure function of lengths and costs.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.usp.attention import usp_attention
+from megatron.usp.document_ring import build_document_ring_plan
+from megatron.usp.kernels import get_kernel
+from megatron.usp.packed_documents import (
+    _ALWAYS_BATCHED,
+    _ALWAYS_VARLEN,
+    BATCHED,
+    VARLEN,
+    KernelCosts,
+    PackedDocumentAttention,
+    Segment,
+    build_packed_plan,
+    choose_segments,
+    cpu_costs,
+    documents_in_order,
+    equal_runs,
+)
+
+TOL = dict(atol=1e-10, rtol=1e-10)
+
+
+def oracle(q, k, v, lengths, causal, scale):
+    """[s, b, h, d] attention confined to each sample's documents, plain autograd ops."""
+    s, b, h, d = q.shape
+    g = h // k.shape[2]
+    outs = []
+    for i in range(b):
+        seg = torch.as_tensor(np.repeat(np.arange(len(lengths[i])), lengths[i]))
+        visible = seg[:, None] == seg[None, :]
+        if causal:
+            visible &= torch.ones(s, s, dtype=torch.bool).tril()
+        qi = q[:, i].transpose(0, 1)
+        ki = k[:, i].transpose(0, 1).repeat_interleave(g, 0)
+        vi = v[:, i].transpose(0, 1).repeat_interleave(g, 0)
+        scores = (qi @ ki.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+        outs.append((torch.softmax(scores, -1) @ vi).transpose(0, 1))
+    return torch.stack(outs, 1)
+
+
+def random_lengths(rng, s, b):
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, s), int(rng.integers(0, 7)), replace=False))
+        rows.append(list(np.diff(np.concatenate([[0], cuts, [s]]))))
+    return rows
+
+
+def _inputs(seed, s, b, h, hk, d):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, b, n, d, generator=gen, dtype=torch.float64, requires_grad=True)
+            for n in (h, hk, hk)]
+
+
+@pytest.mark.parametrize("costs", ["batched", "varlen", "cpu"])
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_matches_per_document_oracle(seed, costs):
+    rng = np.random.default_rng(seed)
+    s, b, d = 24, 2, 8
+    h, hk = [(4, 2), (4, 1), (2, 2)][seed % 3]
+    causal = seed % 4 != 3
+    lengths = random_lengths(rng, s, b)
+    if seed == 0:
+        lengths[0] = [1] * 6 + [6] * 3                   # 1-token documents, an equal run
+    plan = build_packed_plan(lengths, causal, {"batched": _ALWAYS_BATCHED,
+                                               "varlen": _ALWAYS_VARLEN,
+                                               "cpu": cpu_costs()}[costs])
+    q, k, v = _inputs(seed, s, b, h, hk, d)
+    scale = 1 / math.sqrt(d)
+    out = PackedDocumentAttention.apply(q, k, v, plan, get_kernel("torch"), scale)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want = oracle(q, k, v, lengths, causal, scale)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    torch.testing.assert_close(out, want, **TOL)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, **TOL)
+
+
+def test_equal_runs():
+    assert equal_runs([3, 3, 1, 5, 5, 5]) == [(3, 2), (1, 1), (5, 3)]
+    assert equal_runs([]) == []
+
+
+def test_choose_segments_by_cost():
+    # cuDNN-like: batched is cheap per document only for long documents; varlen flat.
+    lengths = [1, 2, 4, 8, 16, 32, 64]
+    one = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    var = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4]
+    costs = KernelCosts(lengths, one, [0.5] * 7, var, has_varlen=True)
+    segs = choose_segments([4, 2, 64, 64, 64, 3, 32, 5], costs)
+    assert segs == [Segment(VARLEN, 0, (4, 2)), Segment(BATCHED, 6, (64, 64, 64)),
+                    Segment(VARLEN, 198, (3,)), Segment(BATCHED, 201, (32,)),
+                    Segment(VARLEN, 233, (5,))]
+    # without the varlen op everything is batched, runs of equal length kept together
+    no_var = KernelCosts(lengths, one, [0.5] * 7, var, has_varlen=False)
+    assert [s.kind for s in choose_segments([4, 2, 2], no_var)] == [BATCHED, BATCHED]
+    assert [s.lengths for s in choose_segments([4, 2, 2], no_var)] == [(4,), (2, 2)]
+
+
+def test_costs_interpolate_between_measured_lengths():
+    costs = KernelCosts([64, 256], [1.0, 16.0], [1.0, 16.0], [2.0, 32.0], has_varlen=True)
+    assert costs.batched(128, 1) == pytest.approx(4.0)          # log-log: quadratic here
+    assert costs.varlen(128) == pytest.approx(8.0)
+    assert costs.batched(512, 1) == pytest.approx(64.0)         # past the grid: n^2
+    assert costs.batched(256, 3) == pytest.approx(48.0)
+
+
+def test_documents_in_order_only_for_the_whole_sequence_in_order():
+    seg = np.repeat(np.arange(4), [5, 1, 7, 3])[None].repeat(2, 0)
+    seg[1] = np.repeat(np.arange(2), [10, 6])
+    one_rank = build_document_ring_plan(seg, 0, 1, None, True)
+    assert documents_in_order(one_rank.blocks[0]) == [[5, 1, 7, 3], [10, 6]]
+    two_ranks = build_document_ring_plan(seg, 0, 2, None, True)   # zigzag: not in order
+    assert documents_in_order(two_ranks.blocks[0]) is None
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_usp_attention_reads_documents_in_place_at_one_rank(monkeypatch, causal):
+    """U = R = 1 with the auto kernel takes the packed path and equals the block path."""
+    rng = np.random.default_rng(3)
+    s, b, d = 32, 2, 8
+    lengths = random_lengths(rng, s, b)
+    seg = np.stack([np.repeat(np.arange(len(r)), r) for r in lengths])
+    plan = build_document_ring_plan(seg, 0, 1, None, causal)
+    q, k, v = _inputs(7, s, b, 4, 2, d)
+    calls = []
+    original = PackedDocumentAttention.apply
+    monkeypatch.setattr(PackedDocumentAttention, "apply",
+                        lambda *a: calls.append(1) or original(*a))
+    kw = dict(ulysses_group=None, ring_group=None, causal=causal, documents=plan)
+    out = usp_attention(q, k, v, document_kernel="auto", **kw)
+    assert calls, "the auto document kernel at U = R = 1 must read the documents in place"
+    ref = usp_attention(q, k, v, document_kernel="math", **kw)
+    assert len(calls) == 1
+    dout = torch.randn_like(out)
+    torch.testing.assert_close(out, ref, **TOL)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), dout),
+                         torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_cpu_masks_only_tiny_documents_in_small_segments():
+    segs = choose_segments([3] * 2000, cpu_costs())
+    assert all(s.kind == VARLEN and s.tokens <= 512 for s in segs)
+    assert sum(s.tokens for s in segs) == 6000
+    assert [s.kind for s in choose_segments([300, 700, 2, 5], cpu_costs())] == [
+        BATCHED, BATCHED, VARLEN]
