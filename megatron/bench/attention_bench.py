@@ -12,7 +12,7 @@ the output gradient, drawn from one seed, identical on every rank), it times, in
    cuDNN backend forced on CUDA (the anchors' number), rank 0 only. A sanity anchor.
 3. ``usp``: :func:`megatron.usp.attention.usp_attention` for each U x R split (the requested
    ones plus pure Ulysses ``N x 1`` and pure ring ``1 x N``), all ranks, on megatron's layout
-   [S/N, b, h, d] (the tokens of :func:`megatron.usp.token_layout.shard_for_cp_rank`).
+   [S/N, b, h, d] (the tokens of :func:`megatron.usp.token_order.shard_for_cp_rank`).
 4. ``native-cp``: PyTorch's ``context_parallel`` (ring, load-balanced) for each rotate method,
    all ranks, on [b, h, S/N, d] (:mod:`megatron.bench.native_cp`; CUDA only).
 
@@ -65,7 +65,7 @@ from megatron.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, t
 from megatron.training.observe import profiling
 from megatron.usp.kernels import AttentionBackendUnavailable, get_kernel
 from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
-from megatron.usp.token_layout import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.token_order import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
 
 Tensor = torch.Tensor
 
@@ -618,7 +618,7 @@ class _Sweep:
         """Relative error of the gathered output (rank 0's value; None on other ranks).
 
         ``out_local`` is [b, h, S/N, d]; ``unshard`` rebuilds the full sequence, by default
-        from USP's layout (:func:`megatron.usp.token_layout.unshard_from_cp_ranks`).
+        from USP's layout (:func:`megatron.usp.token_order.unshard_from_cp_ranks`).
         """
         if unshard is None:
             shards = [torch.empty_like(out_local) for _ in range(self.world)]

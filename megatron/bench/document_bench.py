@@ -57,7 +57,7 @@ from megatron.usp.document_kernels import (
 from megatron.usp.document_ring import needs_matrix, ring_positions
 from megatron.usp.kernels import get_kernel
 from megatron.usp.ring_attention import ring_accum_dtype
-from megatron.usp.token_layout import shard_for_cp_rank
+from megatron.usp.token_order import shard_for_cp_rank
 
 Tensor = torch.Tensor
 PROGRESS_PREFIX = "[bench_attention --docs]"

@@ -5,7 +5,7 @@ PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` (experiment
 sequence-sharded inputs runs ring attention over a 1-D ``DeviceMesh``, and shards the
 ``buffers`` it is given in place along their sequence dimension. With causal attention it
 load-balances by the head-tail ("zigzag") layout: rank ``i`` of ``N`` holds chunks ``i`` and
-``2N-1-i`` of ``2N``, the layout of :mod:`megatron.usp.token_layout`, so USP and the peer run on the
+``2N-1-i`` of ``2N``, the layout of :mod:`megatron.usp.token_order`, so USP and the peer run on the
 very same local tokens (:meth:`NativeContextParallel.enter` reports whether they match).
 K/V rotate with an all-gather (default) or an all-to-all per step
 (``set_rotate_method("allgather" | "alltoall")``).
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.usp.token_layout import shard_for_cp_rank
+from megatron.usp.token_order import shard_for_cp_rank
 
 Tensor = torch.Tensor
 
@@ -151,7 +151,7 @@ class NativeContextParallel:
         """Shard full-sequence [b, h, S, d] tensors the peer's way; enable its SDPA dispatch.
 
         Returns compact local shards [b, h, S/N, d]. Records in ``same_layout_as_usp`` whether
-        the shards equal :func:`megatron.usp.token_layout.shard_for_cp_rank` of the same inputs.
+        the shards equal :func:`megatron.usp.token_order.shard_for_cp_rank` of the same inputs.
         """
         from torch.distributed.tensor.experimental import context_parallel
 

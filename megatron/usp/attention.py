@@ -354,7 +354,7 @@ def usp_attention(
 
     Args:
         q: [s, b, h, d] queries of the local tokens (RoPE applied), in the layout of
-            :mod:`megatron.usp.token_layout` (chunks c and 2CP-1-c, c = u + U*r).
+            :mod:`megatron.usp.token_order` (chunks c and 2CP-1-c, c = u + U*r).
         k, v: [s, b, hk, d]; ``h % hk == 0``; hk and U must divide one another.
         ulysses_group: the Ulysses group (U adjacent ranks), or ``None`` for U = 1.
         ring_group: the Ring group (R ranks strided by U), or ``None`` for R = 1.

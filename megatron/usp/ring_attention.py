@@ -8,7 +8,7 @@ Layout on ring rank ``r`` of ``R`` (legend: ``b`` batch, ``hq``/``hk`` local que
     lse          : [b, hq, 2c]           float32 (float64 for float64 inputs)
 
 The sequence is cut into 2R super-chunks of c tokens; this is what
-:func:`megatron.usp.token_layout.positions_for_ring_rank` gives after the Ulysses all-to-all.
+:func:`megatron.usp.token_order.positions_for_ring_rank` gives after the Ulysses all-to-all.
 
 Block schedule (:func:`zigzag_block_plan`). At step ``i`` (0 <= i < R) rank ``r`` holds the
 K/V of ring rank ``j = (r - i) mod R``; with ``front``/``back`` the two c-token halves:

@@ -23,7 +23,7 @@ from megatron.training.data.config import DataConfig, validate_data_config
 from megatron.training.data.loader import build_data_iterator, build_gpt_datasets
 from megatron.training.data.tokenizer import build_tokenizer
 from megatron.usp.parallel_dims import ParallelDims
-from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.token_order import positions_for_cp_rank, unshard_from_cp_ranks
 
 SMALL_BYTES = 200_000
 SMALL_VOCAB = 1000

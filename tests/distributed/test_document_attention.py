@@ -2,7 +2,7 @@
 
 Every rank draws the same full-sequence float64 q, k, v, output gradient and document
 boundaries (same seed), keeps its tokens under the case's chunk assignment
-(``token_layout.shard_for_cp_rank``), builds its ring rank's plan from the full segment ids
+(``token_order.shard_for_cp_rank``), builds its ring rank's plan from the full segment ids
 (``document_ring.build_document_ring_plan``, what ``get_batch`` does) and runs USP attention
 forward and backward. The reference is attention on the whole sequence with a dense document
 mask written here (same segment and, causally, key position <= query position), plain autograd
@@ -32,8 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.usp import load_balance
-from megatron.usp import token_layout as layout
+from megatron.usp import load_balance, token_order
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.document_ring import build_document_ring_plan
 from megatron.usp.parallel_dims import ParallelDims
@@ -109,7 +108,7 @@ def reference_document_attention(q, k, v, seg, causal=True):
 def random_assignment(ulysses, ring, group_chunks, rng):
     n = 2 * ulysses * ring * group_chunks
     perm = rng.permutation(n).reshape(ring, -1)
-    return layout.ChunkAssignment(ulysses, tuple(tuple(sorted(row.tolist())) for row in perm))
+    return token_order.ChunkAssignment(ulysses, tuple(tuple(sorted(row.tolist())) for row in perm))
 
 
 # --------------------------------------------------------------------------- one case
@@ -143,7 +142,7 @@ def run_case(groups, case, seq_len, batch=2):
     out_ref.backward(dout)
 
     def mine(x):
-        return layout.shard_for_cp_rank(x, 0, groups.cp_rank, cp, assignment)
+        return token_order.shard_for_cp_rank(x, 0, groups.cp_rank, cp, assignment)
 
     plan = build_document_ring_plan(seg, groups.ring_rank, R, assignment)
     q_l, k_l, v_l = (mine(t).clone().requires_grad_() for t in (q, k, v))

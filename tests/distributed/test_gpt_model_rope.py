@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 from tests.distributed.test_gpt_forward_parity import SEED, VOCAB, _config
@@ -55,7 +55,7 @@ def _check(rank, world_size):
         position_ids = torch.arange(SEQ).repeat(BATCH, 1)
 
         def shard(t, cp_rank=groups.cp_rank):
-            return layout.shard_for_cp_rank(t, 1, cp_rank, 2)
+            return token_order.shard_for_cp_rank(t, 1, cp_rank, 2)
 
         ref = _run(_build(GPTModel, config, groups), shard(tokens), shard(position_ids),
                    shard(labels))

@@ -15,7 +15,7 @@ import torch
 
 from megatron.bench import attention_bench as ab
 from megatron.bench import cli, e2e, flops, native_cp, report, timing
-from megatron.usp.token_layout import positions_for_cp_rank
+from megatron.usp.token_order import positions_for_cp_rank
 
 REPO = Path(__file__).resolve().parents[2]
 

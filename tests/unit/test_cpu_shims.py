@@ -7,7 +7,7 @@ import textwrap
 import torch
 
 from megatron.training import cpu_shims
-from megatron.usp.token_layout import positions_for_cp_rank
+from megatron.usp.token_order import positions_for_cp_rank
 
 
 class _FakeGroup:

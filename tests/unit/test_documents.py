@@ -13,7 +13,7 @@ from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 from megatron.training.data.batch import SEQUENCE_KEYS, shard_batch_for_cp
 from megatron.usp import load_balance as lb
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.document_mask import (
     dense_document_mask,
     document_offsets,
@@ -63,7 +63,7 @@ GRIDS = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (3, 2)]
 
 def _random_assignment(u, r, m, rng):
     perm = rng.permutation(2 * u * r * m).reshape(r, -1)
-    return layout.ChunkAssignment(u, tuple(tuple(sorted(x.tolist())) for x in perm))
+    return token_order.ChunkAssignment(u, tuple(tuple(sorted(x.tolist())) for x in perm))
 
 
 @pytest.mark.parametrize("u,r", GRIDS)
@@ -85,14 +85,14 @@ def test_every_key_goes_through_the_same_layout(u, r, m):
     shards = [shard_batch_for_cp(full, c, cp) for c in range(cp)]
     seen = []
     for c, shard in enumerate(shards):
-        pos = layout.positions_for_cp_rank(s, c, cp, assignment)
+        pos = token_order.positions_for_cp_rank(s, c, cp, assignment)
         seen.extend(pos)
         for key in SEQUENCE_KEYS:
             assert torch.equal(shard[key], full[key][:, pos]), (key, c)
     assert sorted(seen) == list(range(s))
     for key in SEQUENCE_KEYS:
-        assert torch.equal(layout.unshard_from_cp_ranks([sh[key] for sh in shards], 1,
-                                                        assignment), full[key])
+        assert torch.equal(token_order.unshard_from_cp_ranks([sh[key] for sh in shards], 1,
+                                                             assignment), full[key])
 
 
 @pytest.mark.parametrize("u,r", GRIDS)
@@ -104,42 +104,42 @@ def test_ulysses_gather_gives_each_ring_rank_its_chunks_in_order(u, r):
         cp, s = u * r, 2 * u * r * m * 2
         assignment = _random_assignment(u, r, m, rng)
         x = torch.arange(s)
-        order = layout.ulysses_to_zigzag_order(u)
+        order = token_order.ulysses_to_zigzag_order(u)
         for ring_rank in range(r):
             halves = []
             for uu in range(u):
-                shard = layout.shard_for_cp_rank(x, 0, uu + u * ring_rank, cp, assignment)
+                shard = token_order.shard_for_cp_rank(x, 0, uu + u * ring_rank, cp, assignment)
                 halves.extend(shard.chunk(2))
             gathered = torch.cat([halves[i] for i in order])
-            want = layout.positions_for_ring_rank(s, ring_rank, r, assignment)
+            want = token_order.positions_for_ring_rank(s, ring_rank, r, assignment)
             assert gathered.tolist() == want == sorted(want)
             assert ring_positions(s, r, assignment)[ring_rank].tolist() == want
 
 
 def test_zigzag_assignment_is_the_default_layout():
     for u, r in GRIDS:
-        a, s = layout.zigzag_assignment(u, r), 2 * u * r * 4
+        a, s = token_order.zigzag_assignment(u, r), 2 * u * r * 4
         assert a.is_zigzag()
         for c in range(u * r):
-            assert layout.positions_for_cp_rank(s, c, u * r, a) == \
-                layout.positions_for_cp_rank(s, c, u * r)
+            assert token_order.positions_for_cp_rank(s, c, u * r, a) == \
+                token_order.positions_for_cp_rank(s, c, u * r)
         for rr in range(r):
-            assert layout.positions_for_ring_rank(s, rr, r, a) == \
-                layout.positions_for_ring_rank(s, rr, r)
+            assert token_order.positions_for_ring_rank(s, rr, r, a) == \
+                token_order.positions_for_ring_rank(s, rr, r)
 
 
 def test_bad_assignments_are_refused():
     with pytest.raises(ValueError, match="not a chunk assignment"):
-        layout.ChunkAssignment(1, ((0, 1), (1, 2)))
+        token_order.ChunkAssignment(1, ((0, 1), (1, 2)))
     with pytest.raises(ValueError, match="2\\*U"):
-        layout.ChunkAssignment(2, ((0, 1), (2, 3)))
+        token_order.ChunkAssignment(2, ((0, 1), (2, 3)))
     with pytest.raises(ValueError, match="increasing"):
-        layout.ChunkAssignment(1, ((1, 0), (2, 3)))
-    a = layout.zigzag_assignment(1, 2)
+        token_order.ChunkAssignment(1, ((1, 0), (2, 3)))
+    a = token_order.zigzag_assignment(1, 2)
     with pytest.raises(ValueError, match="not divisible"):
-        layout.positions_for_cp_rank(10, 0, 2, a)
+        token_order.positions_for_cp_rank(10, 0, 2, a)
     with pytest.raises(ValueError, match="for 2 context-parallel ranks, not 4"):
-        layout.shard_for_cp_rank(torch.zeros(8), 0, 0, 4, a)
+        token_order.shard_for_cp_rank(torch.zeros(8), 0, 0, 4, a)
 
 
 # --------------------------------------------------------------------------- tiles
@@ -227,7 +227,7 @@ def test_rank_work_from_document_lengths():
     # and 16 tokens over chunks of 16: ring rank 0 holds chunks 0 and 3 (work 136 + 136),
     # ring rank 1 chunks 1 and 2 (work 164 + 36 and 264).
     s = 64
-    zig = layout.zigzag_assignment(1, 2)
+    zig = token_order.zigzag_assignment(1, 2)
     assert lb.spread(lb.document_rank_work([s], s, zig)) == 0
     work = lb.document_rank_work([24, 24, 16], s, zig)
     assert work.tolist() == [272, 464] and lb.spread(work) == pytest.approx(96 / 368)
@@ -292,7 +292,7 @@ def test_document_batching_on_the_corpus(small_corpus, tmp_path):
     for b in moved:
         work = lb.token_work(b["segment_ids"].numpy())
         assert lb.spread(lb.ring_rank_work(work, b["layout"])) < lb.spread(
-            lb.ring_rank_work(work, layout.zigzag_assignment(1, 4)))
+            lb.ring_rank_work(work, token_order.zigzag_assignment(1, 4)))
 
 
 # --------------------------------------------------------------------------- bad input

@@ -13,7 +13,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron.training.model.gpt_model import rotary_freqs_from_positions
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.document_mask import document_offsets, segment_ids_from_tokens
 
 
@@ -47,7 +47,7 @@ def test_default_layout_is_bit_identical_to_megatron_core(kwargs, cp):
     table = _megatron_table(rope, seq)
     for c in range(cp):
         want = _megatron_cp_slice(table, c, cp)
-        pos = torch.tensor(layout.positions_for_cp_rank(seq, c, cp)).repeat(2, 1)   # [b, s]
+        pos = torch.tensor(token_order.positions_for_cp_rank(seq, c, cp)).repeat(2, 1)   # [b, s]
         got = rotary_freqs_from_positions(rope, pos)                                 # [s, b, 1, d]
         assert got.shape == (seq // cp, 2, 1, table.shape[-1])
         assert torch.equal(got, want.expand(-1, 2, -1, -1))

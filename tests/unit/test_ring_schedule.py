@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from megatron.usp.ring_attention import BlockPlan, zigzag_block_plan
-from megatron.usp.token_layout import positions_for_ring_rank
+from megatron.usp.token_order import positions_for_ring_rank
 
 CHUNK = 3  # tokens per super-chunk; odd so that off-by-one slicing would show
 

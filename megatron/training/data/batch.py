@@ -11,7 +11,7 @@ Layouts at this boundary (names as in :mod:`megatron.training.data.loader`)::
 After :func:`shard_batch_for_cp` every ``[b, s]`` tensor is ``[b, s/CP]``: chunk ``c`` then
 chunk ``2*CP-1-c`` of ``2*CP`` (``c = u + U*r``), and ``position_ids`` hold exactly those
 global positions, which is what megatron-core's ``RotaryEmbedding`` selects on that rank.
-The layout is :mod:`megatron.usp.token_layout`'s (the single source of truth for which global
+The layout is :mod:`megatron.usp.token_order`'s (the single source of truth for which global
 positions a rank holds).
 
 Packed documents (:mod:`megatron.training.data.documents`): with ``--reset-attention-mask`` the
@@ -41,7 +41,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from megatron.training.data.config import DataConfigError
-from megatron.usp.token_layout import shard_for_cp_rank
+from megatron.usp.token_order import shard_for_cp_rank
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
 """Batch entries with a sequence dimension (dim 1); the ones CP sharding cuts."""
@@ -51,7 +51,7 @@ def shard_batch_for_cp(batch: Dict, cp_rank: int, cp_size: int) -> Dict:
     """Keep the tokens context-parallel rank ``cp_rank`` holds, on the sequence dim (1).
 
     ``[b, s]`` -> ``[b, s/cp_size]`` for each of :data:`SEQUENCE_KEYS`, through
-    :func:`megatron.usp.token_layout.shard_for_cp_rank` with the batch's chunk assignment
+    :func:`megatron.usp.token_order.shard_for_cp_rank` with the batch's chunk assignment
     ``batch["layout"]`` (None or absent: chunks ``c`` and ``2*cp_size-1-c`` of
     ``2*cp_size``); other entries are passed through; ``attention_mask`` must be None.
     Returns a new dict; ``cp_size == 1`` returns the tensors unchanged.

@@ -3,7 +3,7 @@
 megatron-core's ``GPTModel`` ignores ``position_ids`` for RoPE: it builds the table for
 positions ``0..S-1`` and slices it for the CP rank's zigzag chunks. That is wrong for packed
 documents with ``--reset-position-ids`` (positions restart after each EOD) and for a non-zigzag
-chunk assignment (:mod:`megatron.usp.token_layout`). :class:`USPGPTModel` overrides
+chunk assignment (:mod:`megatron.usp.token_order`). :class:`USPGPTModel` overrides
 ``_preprocess`` (megatron-core's step before the decoder) and, whenever ``position_ids`` are
 given (the first and last pipeline stages always; every stage with packed documents), builds
 the rotary embedding per token from them::
