@@ -81,6 +81,13 @@ def test_command_line_round_trip():
     assert ab.config_from_args(ab.build_parser().parse_args([])).kv_heads == 32
 
 
+@pytest.mark.parametrize("flag", ["--chunk-assignment", "--document-layout"])
+def test_chunk_assignment_flag_and_its_document_layout_alias(flag):
+    ns = ab.build_parser().parse_args(["--docs", "fixed:2k", flag, "zigzag"])
+    assert ab.config_from_args(ns).chunk_assignment == "zigzag"
+    assert ab.config_from_args(ab.build_parser().parse_args([])).chunk_assignment == "auto"
+
+
 # --------------------------------------------------------------------------- FLOPs
 def test_attention_flops_convention():
     # anchors.md: forward 4*b*h*S^2*d/2 causal, forward+backward 3.5x that
@@ -188,7 +195,7 @@ def test_native_cp_is_reported_unavailable_on_cpu():
     assert reason and "CUDA only" in reason
 
 
-def test_native_cp_load_balancer_matches_usp_layout():
+def test_native_cp_load_balancer_matches_usp_token_order():
     # "Same inputs": torch's head-tail balancer hands rank i the positions USP's layout does.
     mod = pytest.importorskip("torch.distributed.tensor.experimental._attention")
     balancer_cls = getattr(mod, "_HeadTailLoadBalancer", None)
