@@ -9,7 +9,7 @@ For every case (layout U x R over the launched ranks, sequence length S, query /
 3. kernel error: the local kernel USP uses (``megatron.usp.kernels``) on the whole sequence on
    one GPU in the test dtype, against the reference;
 4. USP error: ``megatron.usp.attention.usp_attention`` forward+backward on this rank's tokens
-   (layout of ``megatron.usp.token_order``), against the reference's slice; statistics summed over
+   (order of ``megatron.usp.token_order``), against the reference's slice; statistics summed over
    ranks;
 5. pass when, for out, dq, dk and dv, the USP relative L2 error is at most
    ``--max-ratio`` (2) times the kernel's own relative L2 error. Max-abs errors are reported.
@@ -278,7 +278,7 @@ def run_case(cfg: CheckConfig, layout_ur, seq_len, heads, kv_heads, groups,
     for chunks in cfg.overlap_chunks:
         try:
             resolved = resolve_overlap_chunks(heads, kv_heads, ulysses, ring, chunks)
-        except ValueError as exc:   # e.g. 4 chunks of an MQA layout: skip, keep the run going
+        except ValueError as exc:   # e.g. 4 chunks of an MQA case: skip, keep the run going
             if rank == 0:
                 print(f"U{ulysses}xR{ring} S={seq_len} h={heads}/{kv_heads}: skipped: {exc}")
             continue

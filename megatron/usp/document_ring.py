@@ -1,6 +1,6 @@
 """Document-masked ring attention: only the K/V blocks that share a document move or compute.
 
-Layout on ring rank ``r`` of ``R`` (after the Ulysses all-to-all; legend of
+Shapes on ring rank ``r`` of ``R`` (after the Ulysses all-to-all; legend of
 :mod:`megatron.usp.ring_attention`)::
 
     q, out, dout : [b, hq, S_r, d]      this ring rank's tokens in the order of
@@ -49,7 +49,7 @@ Tensor = torch.Tensor
 # --------------------------------------------------------------------------- plan
 def ring_positions(seq_len: int, ring_size: int, assignment: Optional[ChunkAssignment]
                    ) -> List[np.ndarray]:
-    """Global positions of every ring rank's tokens, in local order (the layout module's)."""
+    """Global positions of every ring rank's tokens, in local order (the token order module's)."""
     return [token_order.ring_rank_positions(seq_len, j, ring_size, assignment).numpy()
             for j in range(ring_size)]
 
@@ -141,7 +141,7 @@ def build_document_ring_plan(segments: np.ndarray, ring_rank: int, ring_size: in
                              device=None) -> DocumentRingPlan:
     """The plan of ``ring_rank`` for full-sequence segment ids ``[b, S]`` (host numpy).
 
-    ``assignment`` is the micro-batch's chunk assignment (None: the default layout).
+    ``assignment`` is the micro-batch's chunk assignment (None: the default zigzag order).
     """
     seg = np.atleast_2d(np.asarray(segments, dtype=np.int64))
     batch, seq_len = seg.shape

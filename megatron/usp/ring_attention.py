@@ -1,6 +1,6 @@
 """Load-balanced (zigzag) ring attention over the Ring group: forward and backward.
 
-Layout on ring rank ``r`` of ``R`` (legend: ``b`` batch, ``hq``/``hk`` local query / KV heads,
+Shapes on ring rank ``r`` of ``R`` (legend: ``b`` batch, ``hq``/``hk`` local query / KV heads,
 ``c`` tokens per super-chunk, ``d`` head dim)::
 
     q, out, dout : [b, hq, 2c, d]        zigzag order: super-chunk r, then super-chunk 2R-1-r

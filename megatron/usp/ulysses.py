@@ -28,9 +28,9 @@ Heads -> sequence (:func:`start_heads_to_seq`) is the adjoint: ``y_h [b, w, S_r,
 
 The unpack also applies the block permutation :func:`megatron.usp.token_order.ulysses_to_zigzag_order`
 (and the pack of the way back its inverse), so the ring sees super-chunk r then super-chunk
-2R-1-r; the permutation is folded into the copy that the layout change needs anyway. Each
+2R-1-r; the permutation is folded into the copy that the change of memory order needs anyway. Each
 direction costs one pack pass and one unpack pass over the chunk's data; with ``U == 1`` there
-is no all-to-all and a single pass does the layout change.
+is no all-to-all and a single pass does the reorder.
 
 GQA/MQA: K and V travel with their own head count. When the KV heads on this rank are fewer
 than U (``hk < U``, e.g. MQA, or 8 KV heads with TP 2 and U 8), each KV head is replicated
@@ -203,7 +203,7 @@ def start_seq_to_heads(
     """Start moving head chunk ``chunk`` of sequence-sharded tensors to head-sharded zigzag.
 
     Args:
-        xs: tensors [s, b, h_i, d] (local tokens in the layout of megatron.usp.token_order; any
+        xs: tensors [s, b, h_i, d] (local tokens in the order of megatron.usp.token_order; any
             strides), one dtype.
         reps: KV replication factor per tensor (:func:`kv_replication`; 1 for queries).
         group: the Ulysses group (``None``: size 1, no communication).

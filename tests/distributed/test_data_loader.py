@@ -6,10 +6,10 @@ rank-0-first index build behind barriers), iterates its DP slice, and checks tha
 * its full micro-batches are exactly Megatron's DP slice of each global batch;
 * every rank of its CP group got the same full micro-batch;
 * the CP shards gathered over the CP group rebuild the micro-batch (nothing lost or
-  duplicated), and its shard's position_ids are the layout's global positions;
+  duplicated), and its shard's position_ids are the token order's global positions;
 * megatron-core's RotaryEmbedding on the CP group gives this rank the rotary rows of
   exactly those positions (RoPE sees the right global positions);
-* the CP rank is u + U*r, the order the layout assumes;
+* the CP rank is u + U*r, as the token order assumes;
 * an iterator resumed from consumed samples continues the same stream.
 """
 

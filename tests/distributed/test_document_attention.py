@@ -11,7 +11,7 @@ ops in float64, independent of megatron.usp. Tolerance 1e-10 (float64).
 Cases per layout (U x R in 1x2, 2x1, 2x2, 1x4, 4x1, 2x4): MHA, GQA and MQA (K/V replicated when
 KV heads < U); documents with random boundaries (1-token documents included), documents
 shorter than a chunk, documents crossing every rank, one document over the whole sequence, all
-1-token documents, and documents that never cross a ring rank; the zigzag layout, the
+1-token documents, and documents that never cross a ring rank; the zigzag order, the
 balanced assignment of :func:`megatron.usp.load_balance.balance_chunks` and a random one; the
 ``tiles`` kernel (PyTorch's CPU kernel per tile group) and ``math``; batch 2 with different
 documents per sample; one case through megatron-core's module (``USPAttention`` with

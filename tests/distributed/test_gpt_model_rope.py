@@ -1,5 +1,5 @@
 """USPGPTModel (RoPE from position_ids) is bit-identical to megatron-core's GPTModel for the
-default layout, which is why every run uses it (megatron/training/model/gpt_model.py).
+default token order, which is why every run uses it (megatron/training/model/gpt_model.py).
 
 2 gloo ranks, U2xR1 and U1xR2, float32 on the CPU: both models are built from the same seed
 with the USP block spec, get the same CP-rank shard of tokens and positions, and must return
@@ -70,5 +70,5 @@ def _check(rank, world_size):
         destroy_usp_parallel()
 
 
-def test_position_rope_is_bit_identical_for_the_default_layout(dist_run):
+def test_position_rope_is_bit_identical_for_the_default_token_order(dist_run):
     dist_run(_check, 2, timeout=240)

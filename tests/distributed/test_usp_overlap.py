@@ -315,7 +315,7 @@ def test_explicit_overlap_chunks_are_checked():
 
 
 def test_single_rank_chunks_and_module_validation():
-    """U = R = 1 with chunks (pure layout pipeline) is exact; a bad value fails at build."""
+    """U = R = 1 with chunks (pure reorder pipeline) is exact; a bad value fails at build."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -196,7 +196,7 @@ def test_native_cp_is_reported_unavailable_on_cpu():
 
 
 def test_native_cp_load_balancer_matches_usp_token_order():
-    # "Same inputs": torch's head-tail balancer hands rank i the positions USP's layout does.
+    # "Same inputs": torch's head-tail balancer hands rank i the positions USP's token order does.
     mod = pytest.importorskip("torch.distributed.tensor.experimental._attention")
     balancer_cls = getattr(mod, "_HeadTailLoadBalancer", None)
     if balancer_cls is None:

@@ -117,7 +117,7 @@ def test_ulysses_gather_gives_each_ring_rank_its_chunks_in_order(u, r):
             assert ring_positions(s, r, assignment)[ring_rank].tolist() == want
 
 
-def test_zigzag_assignment_is_the_default_layout():
+def test_zigzag_assignment_is_the_default_token_order():
     for u, r in GRIDS:
         a, s = token_order.zigzag_assignment(u, r), 2 * u * r * 4
         assert a.is_zigzag()

@@ -1,7 +1,7 @@
 """RoPE from position_ids (megatron/training/model/gpt_model.py) against megatron-core's own table.
 
 ``rotary_freqs_from_positions`` must give, bit for bit, the rows of megatron-core's
-``RotaryEmbedding.get_emb`` table at the given positions: for the default layout (the table for
+``RotaryEmbedding.get_emb`` table at the given positions: for the default token order (the table for
 ``0..S-1`` sliced as megatron-core's ``get_pos_emb_on_this_cp_rank`` slices it, chunks ``c``
 and ``2CP-1-c`` of ``2CP``, restated here because megatron-core's function pins memory and
 calls ``.cuda()``), for reset positions, interleaved or not, with a rotary percent, an
@@ -41,7 +41,7 @@ ROPES = [dict(kv_channels=16, rotary_percent=1.0),
 
 @pytest.mark.parametrize("kwargs", ROPES)
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_default_layout_is_bit_identical_to_megatron_core(kwargs, cp):
+def test_default_token_order_is_bit_identical_to_megatron_core(kwargs, cp):
     rope = RotaryEmbedding(use_cpu_initialization=True, **kwargs)
     seq = 64
     table = _megatron_table(rope, seq)

@@ -1,9 +1,9 @@
-"""Properties of the load-balanced token layout (megatron/usp/token_order.py), no process group.
+"""Properties of the load-balanced token order (megatron/usp/token_order.py), no process group.
 
 For every (U, R, S) tried: the ranks' positions partition the sequence; sharding then
 unsharding is the identity; the post-all-to-all permutation gives each ring rank its
 zigzag super-chunks; the causal attention work of each ring rank is equal, in total and at
-every ring step (and the contiguous layout, as a control, is not balanced).
+every ring step (and the contiguous order, as a control, is not balanced).
 """
 
 import itertools
@@ -96,7 +96,7 @@ def test_causal_work_is_equal_per_ring_rank_and_step(r):
         assert len(set(naive)) == r
 
 
-def test_layout_rejects_bad_lengths_and_ranks():
+def test_token_order_rejects_bad_lengths_and_ranks():
     with pytest.raises(ValueError, match=r"--seq-length=100 .* 2\*ulysses_degree\*ring_degree = 8"):
         token_order.check_seq_divisible(100, 4, "--seq-length")
     with pytest.raises(ValueError, match="try --seq-length 96 or 104"):
