@@ -9,7 +9,7 @@ For every case (layout U x R over the launched ranks, sequence length S, query /
 3. kernel error: the local kernel USP uses (``megatron.usp.kernels``) on the whole sequence on
    one GPU in the test dtype, against the reference;
 4. USP error: ``megatron.usp.attention.usp_attention`` forward+backward on this rank's tokens
-   (layout of ``megatron.usp.token_layout``), against the reference's slice; statistics summed over
+   (order of ``megatron.usp.token_order``), against the reference's slice; statistics summed over
    ranks;
 5. pass when, for out, dq, dk and dv, the USP relative L2 error is at most
    ``--max-ratio`` (2) times the kernel's own relative L2 error. Max-abs errors are reported.
@@ -257,7 +257,7 @@ def fwd_bwd_flops(cfg: CheckConfig, seq_len: int, heads: int) -> float:
 def run_case(cfg: CheckConfig, layout_ur, seq_len, heads, kv_heads, groups,
              device) -> List[CaseResult]:
     """Check and time one (layout, S, heads) case, once per ``cfg.overlap_chunks`` value."""
-    from megatron.usp import token_layout as layout
+    from megatron.usp import token_order
     from megatron.usp.attention import resolve_overlap_chunks
     from megatron.usp.kernels import get_kernel
 
@@ -272,13 +272,13 @@ def run_case(cfg: CheckConfig, layout_ur, seq_len, heads, kv_heads, groups,
     kernel_err = {f: summarise(error_sums(whole[f], ref[f])) for f in FIELDS}
     del whole
 
-    shard = lambda t: layout.shard_for_cp_rank(t, 0, rank, world).contiguous()  # noqa: E731
+    shard = lambda t: token_order.shard_for_cp_rank(t, 0, rank, world).contiguous()  # noqa: E731
     local = [shard(t) for t in (q, k, v, dout)]
     results = []
     for chunks in cfg.overlap_chunks:
         try:
             resolved = resolve_overlap_chunks(heads, kv_heads, ulysses, ring, chunks)
-        except ValueError as exc:   # e.g. 4 chunks of an MQA layout: skip, keep the run going
+        except ValueError as exc:   # e.g. 4 chunks of an MQA case: skip, keep the run going
             if rank == 0:
                 print(f"U{ulysses}xR{ring} S={seq_len} h={heads}/{kv_heads}: skipped: {exc}")
             continue

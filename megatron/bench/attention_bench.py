@@ -11,8 +11,8 @@ the output gradient, drawn from one seed, identical on every rank), it times, in
 2. ``sdpa``: plain ``F.scaled_dot_product_attention`` with autograd on the whole sequence, the
    cuDNN backend forced on CUDA (the anchors' number), rank 0 only. A sanity anchor.
 3. ``usp``: :func:`megatron.usp.attention.usp_attention` for each U x R split (the requested
-   ones plus pure Ulysses ``N x 1`` and pure ring ``1 x N``), all ranks, on megatron's layout
-   [S/N, b, h, d] (the tokens of :func:`megatron.usp.token_layout.shard_for_cp_rank`).
+   ones plus pure Ulysses ``N x 1`` and pure ring ``1 x N``), all ranks, on megatron's token order
+   [S/N, b, h, d] (the tokens of :func:`megatron.usp.token_order.shard_for_cp_rank`).
 4. ``native-cp``: PyTorch's ``context_parallel`` (ring, load-balanced) for each rotate method,
    all ranks, on [b, h, S/N, d] (:mod:`megatron.bench.native_cp`; CUDA only).
 
@@ -65,7 +65,7 @@ from megatron.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, t
 from megatron.training.observe import profiling
 from megatron.usp.kernels import AttentionBackendUnavailable, get_kernel
 from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
-from megatron.usp.token_layout import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.token_order import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
 
 Tensor = torch.Tensor
 
@@ -104,7 +104,7 @@ class AttentionBenchConfig:
     docs: List[str] = field(default_factory=list)
     doc_kernels: List[str] = field(default_factory=list)
     document_kernel: str = "auto"
-    document_layout: str = "auto"
+    chunk_assignment: str = "auto"
     balance_report: bool = False
     balance_samples: int = 16
 
@@ -225,8 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "dense,tiles,tiles-copy,varlen,per-document,auto (flex: reference only)")
     p.add_argument("--document-attention-kernel", default="auto",
                    help="with --docs: the document kernel USP uses (auto, tiles, varlen, math)")
-    p.add_argument("--document-layout", default="auto", choices=("auto", "zigzag"),
-                   help="with --docs: balanced chunk assignment (auto) or zigzag")
+    p.add_argument("--chunk-assignment", "--document-layout", dest="chunk_assignment",
+                   default="auto", choices=("auto", "zigzag"),
+                   help="with --docs: balanced chunk assignment (auto) or zigzag; "
+                        "--document-layout is an alias")
     p.add_argument("--balance-report", action="store_true",
                    help="with --docs: only compute the per-ring-rank work spread (zigzag and "
                         "balanced) for each --splits U x R; no GPU, no timing")
@@ -252,7 +254,7 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
         out=ns.out, markdown=ns.markdown, overlap_chunks=parse_overlap_chunks(ns.overlap_chunks),
         profile_dir=ns.profile_dir, docs=_doc_mixes(ns.docs),
         doc_kernels=[k.strip() for k in ns.doc_kernels.split(",") if k.strip()],
-        document_kernel=ns.document_attention_kernel, document_layout=ns.document_layout,
+        document_kernel=ns.document_attention_kernel, chunk_assignment=ns.chunk_assignment,
         balance_report=ns.balance_report, balance_samples=ns.balance_samples)
 
 
@@ -603,8 +605,8 @@ class _Sweep:
         self._timed(res, fwd, fwd_bwd, distributed=True)
         res.peak_mem_gib = self._max_over_ranks(res.peak_mem_gib)
         self._profile(res, fwd_bwd)
-        if cp.same_layout_as_usp is False:
-            res.note = "peer's load-balanced layout differs from USP's"
+        if cp.same_order_as_usp is False:
+            res.note = "peer's load-balanced token order differs from USP's"
         if self.checking:
             try:
                 with torch.no_grad():
@@ -618,7 +620,7 @@ class _Sweep:
         """Relative error of the gathered output (rank 0's value; None on other ranks).
 
         ``out_local`` is [b, h, S/N, d]; ``unshard`` rebuilds the full sequence, by default
-        from USP's layout (:func:`megatron.usp.token_layout.unshard_from_cp_ranks`).
+        from USP's token order (:func:`megatron.usp.token_order.unshard_from_cp_ranks`).
         """
         if unshard is None:
             shards = [torch.empty_like(out_local) for _ in range(self.world)]

@@ -6,9 +6,9 @@ documents back to back, the last one cut at the sample end as megatron-core's da
 * **USP** (default; ``torchrun`` with one process per GPU, or gloo on the CPU): for every
   ``--seq-lens`` S, mix and U x R split, :func:`megatron.usp.attention.usp_attention` with the
   document plan of each rank (the chunk assignment of
-  :func:`megatron.usp.load_balance.balance_chunks`, or zigzag with ``--document-layout
+  :func:`megatron.usp.load_balance.balance_chunks`, or zigzag with ``--chunk-assignment
   zigzag``). Reported per case: forward and forward+backward time, *useful* TFLOP/s per GPU
-  (within-document pairs only, below), the per-ring-rank work spread of the chosen layout and of
+  (within-document pairs only, below), the per-ring-rank work spread of the chosen assignment and of
   zigzag, and the ring traffic: K/V messages sent and skipped against the zigzag ring, and the
   bytes skipped per attention call (forward + backward).
 * **Kernel comparison** (``--doc-kernels dense,tiles,...``; one process, one GPU): the local
@@ -60,7 +60,7 @@ from megatron.usp.document_kernels import (
 from megatron.usp.document_ring import needs_matrix, ring_positions
 from megatron.usp.kernels import get_kernel
 from megatron.usp.ring_attention import ring_accum_dtype
-from megatron.usp.token_layout import shard_for_cp_rank
+from megatron.usp.token_order import shard_for_cp_rank
 
 Tensor = torch.Tensor
 PROGRESS_PREFIX = "[bench_attention --docs]"
@@ -153,7 +153,7 @@ class DocCaseResult:
     fwd_tflops_per_gpu: Optional[float] = None
     fwd_bwd_tflops_per_gpu: Optional[float] = None
     vs_dense: Optional[float] = None
-    layout: Optional[str] = None
+    chunk_assignment: Optional[str] = None
     work_spread: Optional[float] = None
     zigzag_work_spread: Optional[float] = None
     kv_messages: Optional[int] = None
@@ -263,9 +263,9 @@ def usp_case(sweep, cfg, seq_len: int, mix: str, split, groups) -> DocCaseResult
         res.status, res.note = "skipped", "the embedded corpus is not built here"
         return res
     choice = lb.balance_chunks(lb.token_work(seg), u, r)
-    assignment = None if (choice.is_zigzag or cfg.document_layout == "zigzag") else \
+    assignment = None if (choice.is_zigzag or cfg.chunk_assignment == "zigzag") else \
         choice.assignment
-    res.layout = "zigzag" if assignment is None else f"balanced m={assignment.group_chunks}"
+    res.chunk_assignment = "zigzag" if assignment is None else f"balanced m={assignment.group_chunks}"
     res.work_spread = choice.zigzag_spread if assignment is None else choice.spread
     res.zigzag_work_spread = choice.zigzag_spread
     res.documents = int(sum(row.max() + 1 for row in seg))

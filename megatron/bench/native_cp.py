@@ -4,9 +4,9 @@ PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` (experiment
 2.5) patches ``F.scaled_dot_product_attention`` inside a context so that each call on
 sequence-sharded inputs runs ring attention over a 1-D ``DeviceMesh``, and shards the
 ``buffers`` it is given in place along their sequence dimension. With causal attention it
-load-balances by the head-tail ("zigzag") layout: rank ``i`` of ``N`` holds chunks ``i`` and
-``2N-1-i`` of ``2N``, the layout of :mod:`megatron.usp.token_layout`, so USP and the peer run on the
-very same local tokens (:meth:`NativeContextParallel.enter` reports whether they match).
+load-balances by the head-tail ("zigzag") token order: rank ``i`` of ``N`` holds chunks ``i``
+and ``2N-1-i`` of ``2N``, the order of :mod:`megatron.usp.token_order`, so USP and the peer run
+on the very same local tokens (:meth:`NativeContextParallel.enter` reports whether they match).
 K/V rotate with an all-gather (default) or an all-to-all per step
 (``set_rotate_method("allgather" | "alltoall")``).
 
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.usp.token_layout import shard_for_cp_rank
+from megatron.usp.token_order import shard_for_cp_rank
 
 Tensor = torch.Tensor
 
@@ -113,7 +113,7 @@ class NativeContextParallel:
         self.backend = backend
         self._stack: Optional[contextlib.ExitStack] = None
         self._mesh = None
-        self.same_layout_as_usp: Optional[bool] = None
+        self.same_order_as_usp: Optional[bool] = None
 
     # ------------------------------------------------------------------ options
     def _set_options(self, stack: contextlib.ExitStack) -> None:
@@ -150,8 +150,8 @@ class NativeContextParallel:
     def enter(self, full: Sequence[Tensor]) -> List[Tensor]:
         """Shard full-sequence [b, h, S, d] tensors the peer's way; enable its SDPA dispatch.
 
-        Returns compact local shards [b, h, S/N, d]. Records in ``same_layout_as_usp`` whether
-        the shards equal :func:`megatron.usp.token_layout.shard_for_cp_rank` of the same inputs.
+        Returns compact local shards [b, h, S/N, d]. Records in ``same_order_as_usp`` whether
+        the shards equal :func:`megatron.usp.token_order.shard_for_cp_rank` of the same inputs.
         """
         from torch.distributed.tensor.experimental import context_parallel
 
@@ -167,7 +167,7 @@ class NativeContextParallel:
         for b in buffers:
             b.set_()                             # release the full-length storage
         if probe is not None:
-            self.same_layout_as_usp = bool(torch.equal(local[0], probe))
+            self.same_order_as_usp = bool(torch.equal(local[0], probe))
         return local
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ What a per-phase profile needs, read from the device events of one rank's trace:
 * the compute stream (the busiest one): total idle gaps longer than ``min_gap_us`` and the
   largest ones with their neighbours and position (exposed communication and CPU-bound
   launches show up here);
-* device time by category: cuDNN attention forward / backward, NCCL, GEMMs, layout copies
+* device time by category: cuDNN attention forward / backward, NCCL, GEMMs, reorder copies
   (PyTorch's strided-copy kernel), other kernels.
 
 ``python -m megatron.bench.trace_summary TRACE.json [...]`` prints it; :func:`summarize`

@@ -23,7 +23,7 @@ for RoPE):
     ``LigerFusedGateUpSiLUMulFunction`` (reads both halves of FC1's ``[.., 2F]`` output in
     place, recomputes ``silu`` in the backward instead of keeping it) and
     ``LigerRopeFunction`` (one kernel for q and k, cos/sin from the layer's own per-token
-    frequencies, so it follows the load-balanced layout's positions); RMSNorm stays
+    frequencies, so it follows the load-balanced token order's positions); RMSNorm stays
     PyTorch's (faster on H200 than ``LigerRMSNormFunction``, which :func:`rms_norm_liger`
     still wraps).
 ``compile``

@@ -12,13 +12,13 @@ at 32K tokens (``docs/perf/issue14/s9_2026-12-02``) puts those at ~8.4 ms per st
 projection output once and writes contiguous ``q [s, b, ng*g, d]``, ``k [s, b, ng, d]`` (both
 rotated) and ``v [s, b, ng, d]``; the backward reads dq, dk, dv once and writes the projection
 output's gradient with the inverse rotation. No library kernel does this for megatron's
-interleaved GQA layout (TransformerEngine's fused QKV RoPE is megatron's only fused path and
+interleaved GQA weight order (TransformerEngine's fused QKV RoPE is megatron's only fused path and
 does not reach our GPU machine; Liger rotates q and k but leaves the split and copies), so it
 is ours; ``tools/bench_fused_kernels.py`` measures it against megatron's split + Liger's RoPE.
 
 RoPE convention: rotate-half (megatron's non-interleaved bshd path), the first ``r`` of ``d``
 dims rotated by the per-token ``freqs [s, b or 1, 1, r]`` the layer receives (so the
-load-balanced layout's positions are used as they are), the rest passed through. Products in
+load-balanced token order's positions are used as they are), the rest passed through. Products in
 float32 from float32 cos/sin, rounded once to the input dtype.
 
 :func:`qkv_split_rope_reference` is the plain PyTorch function of the same thing (the CPU path
@@ -181,7 +181,7 @@ _COS_SIN = _CosSinCache()
 
 def _token_strides(x: Tensor) -> Tuple[Tensor, int, int]:
     """``x [s, b, h, d]`` and its (token, head) strides, with tokens ``t = s_i * b + b_i``;
-    a contiguous copy when the layout does not allow that."""
+    a contiguous copy when the strides do not allow that."""
     s, b = x.shape[:2]
     if x.stride(-1) != 1 or (b > 1 and x.stride(0) != b * x.stride(1)):
         x = x.contiguous()

@@ -10,9 +10,9 @@ from ``Attention.forward`` and rotates q and k itself, right after the QKV proje
 Everything else, including every other call, is megatron-core's code.
 
 The frequencies are the same tensor megatron-core would have used: ``[s, b or 1, 1, r]``
-float32 for this rank's tokens in the token layout's order (megatron-core's
+float32 for this rank's tokens in the token order (megatron-core's
 ``RotaryEmbedding`` picks each context-parallel rank's positions), so the fused kernel
-follows the load-balanced layout with no assumption that positions run 0..S-1.
+follows the load-balanced token order with no assumption that positions run 0..S-1.
 
 Recompute safety: the frequencies are held for the duration of one ``forward`` call only
 (set on entry, cleared on exit), and a recomputed forward receives them again as an

@@ -16,7 +16,7 @@ then :func:`megatron.usp.attention.usp_attention_backward` runs on (q_h, kv_h, o
 it does after a normal forward. Every step of this is a permutation of what the forward had,
 so the gradients are bitwise those of recomputing the attention. Costs per layer: the kept
 bytes (output + lse) until the backward reaches the layer, and the output's all-to-all (for
-U > 1; a local layout copy for U = 1) in place of the attention forward and its output
+U > 1; a local reorder copy for U = 1) in place of the attention forward and its output
 all-to-all.
 
 Which call is which: a :class:`AttentionKeeper` (one per USPAttention module) keeps when its

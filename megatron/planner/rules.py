@@ -60,7 +60,7 @@ RULES: Dict[str, Rule] = {r.id: r for r in (
     Rule("tp-inside-node", "TP inside a node",
          "YC 4D practice 5: TP cannot be set to a high degree; megatron practice"),
     Rule("seq-divisible", "sequence divisible by 2*U*R (and by TP per CP rank)",
-         "megatron/usp/token_layout.py: zigzag layout of 2*CP chunks; sequence parallelism"),
+         "megatron/usp/token_order.py: zigzag order of 2*CP chunks; sequence parallelism"),
     Rule("pp-layers", "PP divides the layers", "megatron-core pipeline stages"),
     Rule("batch", "DP divides the global batch in micro-batches", "megatron batch schedule"),
     Rule("less-recompute", "recompute only what memory requires",

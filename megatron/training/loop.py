@@ -323,7 +323,7 @@ def build_data_iterators(args, rt: Runtime, state: TrainState):
 
         loader_args["collate_fn"] = DocumentBatching(
             int(rt.tokenizer.eod), rt.groups.dims.ulysses, rt.groups.dims.ring,
-            args.document_layout)
+            args.chunk_assignment)
     # The (persistent) DataLoader workers start here; a group-wide SIGTERM is the rank's to
     # handle (it saves at the end of the iteration), not theirs to die of.
     with children_ignore_sigterm():

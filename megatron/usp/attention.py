@@ -5,10 +5,10 @@ pipelined over head chunks so that the all-to-alls overlap attention compute.
 :class:`megatron.usp.core_attention.USPAttention` calls it.
 
 Data flow on one rank for head chunk g of G (Ulysses group of size U, Ring group of size R,
-legend and head-chunk ownership in :mod:`megatron.usp.ulysses`, ring layout in
+legend and head-chunk ownership in :mod:`megatron.usp.ulysses`, ring shapes in
 :mod:`megatron.usp.ring_attention`)::
 
-    q [s, b, h, d], k/v [s, b, hk, d]        local tokens: chunks c and 2CP-1-c (layout.py)
+    q [s, b, h, d], k/v [s, b, hk, d]        local tokens: chunks c and 2CP-1-c (token_order.py)
       -- Ulysses all-to-all of chunk g (Q, K, V in one collective), zigzag permutation -->
     q_h [b, h/(UG), S/R, d], kv_h [2, b, hk'/(UG), S/R, d]    ring rank r's super-chunks
       -- zigzag ring attention over the Ring group (K/V travel, LSE merge in fp32) -->
@@ -198,10 +198,10 @@ def usp_attention_forward(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule
     """Pipelined USP attention forward (module docstring), outside autograd.
 
     Args:
-        q: [s, b, h, d]; k, v: [s, b, hk, d]; local tokens, megatron layout, any strides.
+        q: [s, b, h, d]; k, v: [s, b, hk, d]; local tokens in megatron's order, any strides.
     Returns:
         out [s, b, h, d] contiguous in q's dtype, and per chunk (q_h, kv_h, out_h, lse) for the
-        backward (layouts of :mod:`megatron.usp.ring_attention`).
+        backward (shapes of :mod:`megatron.usp.ring_attention`).
     Communication: per chunk one Q/K/V and one output all-to-all over the Ulysses group and
     R-1 K/V exchanges over the Ring group, each 1/G of the unchunked volume.
     """
@@ -311,10 +311,10 @@ class _LocalAttentionFunction(torch.autograd.Function):
     """U = R = 1: the kernel straight on [b, h, s, d] views of megatron's [s, b, h, d] tensors.
 
     Nothing is communicated, so no head-major copy is needed: cuDNN reads sequence-major
-    operands natively (:func:`megatron.usp.kernels.cudnn_layout`) and PyTorch allocates its
-    output in q's layout, so the returned ``[s, b, h, d]`` output is the very tensor the kernel
+    operands natively (:func:`megatron.usp.kernels.cudnn_strides`) and PyTorch allocates its
+    output with q's strides, so the returned ``[s, b, h, d]`` output is the very tensor the kernel
     keeps for its backward (one copy of it in memory, not two). Kernels that return head-major
-    outputs (the CPU ones) get one relayout copy, as before.
+    outputs (the CPU ones) get one reorder copy, as before.
     """
 
     @staticmethod
@@ -354,8 +354,8 @@ def usp_attention(
     """Unified sequence-parallel attention on this rank's tokens; differentiable.
 
     Args:
-        q: [s, b, h, d] queries of the local tokens (RoPE applied), in the layout of
-            :mod:`megatron.usp.token_layout` (chunks c and 2CP-1-c, c = u + U*r).
+        q: [s, b, h, d] queries of the local tokens (RoPE applied), in the order of
+            :mod:`megatron.usp.token_order` (chunks c and 2CP-1-c, c = u + U*r).
         k, v: [s, b, hk, d]; ``h % hk == 0``; hk and U must divide one another.
         ulysses_group: the Ulysses group (U adjacent ranks), or ``None`` for U = 1.
         ring_group: the Ring group (R ranks strided by U), or ``None`` for R = 1.

@@ -60,7 +60,7 @@ class USPAttention(MegatronModule):
     model construction, so a bad value fails at start-up.
 
     Forward contract (megatron-core's): query [s, b, np, hn], key/value [s, b, ng, hn] for
-    this rank's tokens (layout of :mod:`megatron.usp.token_layout`), RoPE already applied;
+    this rank's tokens (order of :mod:`megatron.usp.token_order`), RoPE already applied;
     returns [s, b, np*hn]. ``np``/``ng`` are the heads on this TP rank (megatron splits
     heads over TP first, and hands one KV head per rank when KV heads < TP).
 

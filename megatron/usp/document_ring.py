@@ -1,10 +1,10 @@
 """Document-masked ring attention: only the K/V blocks that share a document move or compute.
 
-Layout on ring rank ``r`` of ``R`` (after the Ulysses all-to-all; legend of
+Shapes on ring rank ``r`` of ``R`` (after the Ulysses all-to-all; legend of
 :mod:`megatron.usp.ring_attention`)::
 
     q, out, dout : [b, hq, S_r, d]      this ring rank's tokens in the order of
-    kv, dkv      : [2, b, hk, S_r, d]   token_layout.positions_for_ring_rank (any assignment)
+    kv, dkv      : [2, b, hk, S_r, d]   token_order.positions_for_ring_rank (any assignment)
     lse          : [b, hq, S_r]         float32 (float64 for float64 inputs)
 
 Schedule (:class:`DocumentRingPlan`, built once per micro-batch from the batch's segment ids
@@ -36,12 +36,12 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.document_kernels import DocumentBlock, DocumentKernel, build_document_block
 from megatron.usp.kernels import accum_dtype, merge_block_
 from megatron.usp.ring_attention import RingGrads, ring_accum_dtype
 from megatron.usp.ring_comm import PendingExchange, RingComm
-from megatron.usp.token_layout import ChunkAssignment
+from megatron.usp.token_order import ChunkAssignment
 
 Tensor = torch.Tensor
 
@@ -49,8 +49,8 @@ Tensor = torch.Tensor
 # --------------------------------------------------------------------------- plan
 def ring_positions(seq_len: int, ring_size: int, assignment: Optional[ChunkAssignment]
                    ) -> List[np.ndarray]:
-    """Global positions of every ring rank's tokens, in local order (the layout module's)."""
-    return [layout.ring_rank_positions(seq_len, j, ring_size, assignment).numpy()
+    """Global positions of every ring rank's tokens, in local order (the token order module's)."""
+    return [token_order.ring_rank_positions(seq_len, j, ring_size, assignment).numpy()
             for j in range(ring_size)]
 
 
@@ -141,7 +141,7 @@ def build_document_ring_plan(segments: np.ndarray, ring_rank: int, ring_size: in
                              device=None) -> DocumentRingPlan:
     """The plan of ``ring_rank`` for full-sequence segment ids ``[b, S]`` (host numpy).
 
-    ``assignment`` is the micro-batch's chunk assignment (None: the default layout).
+    ``assignment`` is the micro-batch's chunk assignment (None: the default zigzag order).
     """
     seg = np.atleast_2d(np.asarray(segments, dtype=np.int64))
     batch, seq_len = seg.shape

@@ -6,7 +6,7 @@ only through :class:`AttentionKernel`:
 * ``forward(q, k, v, causal, scale) -> (out, lse)``
 * ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``
 
-Layout (legend: ``b`` batch, ``h`` query heads, ``hk`` key/value heads, ``sq``/``sk`` query and
+Shapes (legend: ``b`` batch, ``h`` query heads, ``hk`` key/value heads, ``sq``/``sk`` query and
 key lengths, ``d`` head dim)::
 
     q, dq, out, dout : [b, h,  sq, d]   dtype of the inputs
@@ -181,7 +181,7 @@ def new_accumulators(like_out: Tensor) -> Tuple[Tensor, Tensor]:
 class AttentionKernel(ABC):
     """Local attention on [b, h, s, d] tensors returning (out, lse) and (dq, dk, dv).
 
-    See the module docstring for the full contract (layout, lse dtype, causal convention).
+    See the module docstring for the full contract (shapes, lse dtype, causal convention).
     Implementations are stateless apart from cached capability probes and are safe to share.
     """
 
@@ -347,16 +347,16 @@ def _cpu_backward(kernel, dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-def cudnn_layout(x: Tensor) -> Tensor:
+def cudnn_strides(x: Tensor) -> Tensor:
     """``x [b, h, s, d]`` as cuDNN gets it: unchanged when it is contiguous or a ``[b, h, s, d]``
     view of ``[b, s, h, d]`` storage (sequence-major, e.g. megatron's ``[s, 1, h, d]``), the
-    two layouts cuDNN's attention reads natively; else a contiguous copy."""
+    two memory orders cuDNN's attention reads natively; else a contiguous copy."""
     if x.is_contiguous() or x.transpose(1, 2).is_contiguous():
         return x
     return x.contiguous()
 
 
-def matching_layout(x: Tensor, like: Tensor) -> Tensor:
+def matching_strides(x: Tensor, like: Tensor) -> Tensor:
     """``x`` with exactly ``like``'s strides (a copy only when they differ)."""
     if x.stride() == like.stride():
         return x
@@ -366,9 +366,9 @@ def matching_layout(x: Tensor, like: Tensor) -> Tensor:
 
 def _cudnn_forward(q, k, v, causal, scale):
     # cuDNN takes GQA natively, and reads head-major or sequence-major operands as they are
-    # (:func:`cudnn_layout`); PyTorch allocates the output in q's layout.
+    # (:func:`cudnn_strides`); PyTorch allocates the output with q's strides.
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        cudnn_layout(q), cudnn_layout(k), cudnn_layout(v), None, True, 0.0, causal, False,
+        cudnn_strides(q), cudnn_strides(k), cudnn_strides(v), None, True, 0.0, causal, False,
         scale=scale,
     )
     out, lse = res[0], res[1]                     # lse comes back [b, h, sq, 1]
@@ -380,9 +380,9 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     # without an error (seen on torch 2.11 + cuDNN 9.19), so it is laid out like out.
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     sq, sk = q.shape[2], k.shape[2]
-    out = cudnn_layout(out)
+    out = cudnn_strides(out)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        matching_layout(dout, out), cudnn_layout(q), cudnn_layout(k), cudnn_layout(v), out,
+        matching_strides(dout, out), cudnn_strides(q), cudnn_strides(k), cudnn_strides(v), out,
         lse.float().unsqueeze(-1).contiguous(), zero, zero, None, None, None, sq, sk,
         0.0, causal, scale=scale,
     )
@@ -543,9 +543,9 @@ def _import_flash_attn():
 class TEKernel(AttentionKernel):
     """TransformerEngine >= 2.0 fused attention (cuDNN ``F16_arbitrary_seqlen`` backend).
 
-    Called through ``transformer_engine.pytorch.cpp_extensions.fused_attn_fwd/bwd`` on the
-    ``bshd_bshd_bshd`` layout (transposed views of our [b, h, s, d]); softmax statistics come
-    back as [b, h, s, 1] and are given back, with the global lse, to the backward. GQA native.
+    Called through ``transformer_engine.pytorch.cpp_extensions.fused_attn_fwd/bwd`` with TE's
+    ``qkv_layout="bshd_bshd_bshd"`` (transposed views of our [b, h, s, d]); softmax statistics
+    come back as [b, h, s, 1] and are given back, with the global lse, to the backward. GQA native.
     """
 
     name = "te"

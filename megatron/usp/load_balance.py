@@ -7,7 +7,7 @@ computes attention for every token of its U context-parallel ranks (on ``heads/U
 the work to balance is per *ring rank*; the U ranks of one ring rank share its work equally and
 every rank holds ``S/CP`` tokens, so the per-token parts of the model stay balanced.
 
-With documents the zigzag layout (:func:`megatron.usp.token_layout.zigzag_assignment`) is no
+With documents the zigzag order (:func:`megatron.usp.token_order.zigzag_assignment`) is no
 longer balanced: a 2K-token document in chunk 0 costs as much as one in chunk 2R-1.
 :func:`balance_chunks` first tries contiguous ranges (each ring rank one ``1/R`` of the
 sequence: few documents cross ranks, so the document ring skips most K/V blocks) and keeps
@@ -15,7 +15,7 @@ them when they are within ``target``; else it cuts the sequence into ``2*U*R*m``
 for a few ``m`` and assigns them to ring ranks (``2*U*m`` each) by greedy largest-first
 placement followed by pairwise swaps between the heaviest and the lightest rank, keeping the
 assignment with the smallest spread. Zigzag is returned when it is at least as good. The data loader calls it once per
-micro-batch (``megatron.training.data.documents``); :mod:`megatron.usp.token_layout` describes the
+micro-batch (``megatron.training.data.documents``); :mod:`megatron.usp.token_order` describes the
 result, and everything sharded (tokens, labels, loss mask, positions, segments) follows it.
 
 ``spread`` = ``max |w_r - mean| / mean`` over ring ranks.
@@ -28,11 +28,11 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from megatron.usp.token_layout import ChunkAssignment, zigzag_assignment
+from megatron.usp.token_order import ChunkAssignment, zigzag_assignment
 
 # Prefer the coarsest chunking whose spread is at most this (fewer, longer runs per rank).
 BALANCE_TARGET = 0.02
-# Chunks finer than the default layout's (m > 1) must hold at least this many tokens. Long
+# Chunks finer than the zigzag order's (m > 1) must hold at least this many tokens. Long
 # sequences never get near it (128K tokens over 2*8*16 chunks are 512 each); it keeps short
 # ones from degenerating into single tokens.
 MIN_CHUNK_TOKENS = 4

@@ -250,9 +250,9 @@ class ParallelDims:
                     f"--pipeline-model-parallel-size {self.pp}; use one of "
                     f"{divisors(model.num_layers)}")))
         if seq_length is not None:
-            # Imported here: token_layout needs torch, which `pretrain_gpt.py --help` should
+            # Imported here: token_order needs torch, which `pretrain_gpt.py --help` should
             # not wait for.
-            from megatron.usp.token_layout import seq_length_problem
+            from megatron.usp.token_order import seq_length_problem
 
             problem = seq_length_problem(seq_length, self.cp, "--seq-length")
             if problem:

@@ -1,6 +1,6 @@
 """Load-balanced (zigzag) ring attention over the Ring group: forward and backward.
 
-Layout on ring rank ``r`` of ``R`` (legend: ``b`` batch, ``hq``/``hk`` local query / KV heads,
+Shapes on ring rank ``r`` of ``R`` (legend: ``b`` batch, ``hq``/``hk`` local query / KV heads,
 ``c`` tokens per super-chunk, ``d`` head dim)::
 
     q, out, dout : [b, hq, 2c, d]        zigzag order: super-chunk r, then super-chunk 2R-1-r
@@ -8,7 +8,7 @@ Layout on ring rank ``r`` of ``R`` (legend: ``b`` batch, ``hq``/``hk`` local que
     lse          : [b, hq, 2c]           float32 (float64 for float64 inputs)
 
 The sequence is cut into 2R super-chunks of c tokens; this is what
-:func:`megatron.usp.token_layout.positions_for_ring_rank` gives after the Ulysses all-to-all.
+:func:`megatron.usp.token_order.positions_for_ring_rank` gives after the Ulysses all-to-all.
 
 Block schedule (:func:`zigzag_block_plan`). At step ``i`` (0 <= i < R) rank ``r`` holds the
 K/V of ring rank ``j = (r - i) mod R``; with ``front``/``back`` the two c-token halves:

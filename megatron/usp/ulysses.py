@@ -2,7 +2,7 @@
 head chunk at a time, asynchronously.
 
 Legend: ``U`` Ulysses degree, ``G`` head chunks (``overlap_chunks``), ``s`` local tokens per
-rank (two chunks of ``s/2``, see :mod:`megatron.usp.token_layout`), ``b`` batch, ``h``/``hk`` query /
+rank (two chunks of ``s/2``, see :mod:`megatron.usp.token_order`), ``b`` batch, ``h``/``hk`` query /
 KV heads on this (TP) rank, ``hk'`` KV heads after replication (below), ``d`` head dim,
 ``S_r = U*s`` tokens of the ring rank after the all-to-all.
 
@@ -26,11 +26,11 @@ Sequence -> heads (:func:`start_seq_to_heads`; Q, K and V of one chunk in one al
 Heads -> sequence (:func:`start_heads_to_seq`) is the adjoint: ``y_h [b, w, S_r, d]`` -> send
 ``[U, s, b, w, d]`` -> all-to-all -> written into chunk ``g``'s heads of ``y [s, b, h_y, d]``.
 
-The unpack also applies the block permutation :func:`megatron.usp.token_layout.ulysses_to_zigzag_order`
+The unpack also applies the block permutation :func:`megatron.usp.token_order.ulysses_to_zigzag_order`
 (and the pack of the way back its inverse), so the ring sees super-chunk r then super-chunk
-2R-1-r; the permutation is folded into the copy that the layout change needs anyway. Each
+2R-1-r; the permutation is folded into the copy that the change of memory order needs anyway. Each
 direction costs one pack pass and one unpack pass over the chunk's data; with ``U == 1`` there
-is no all-to-all and a single pass does the layout change.
+is no all-to-all and a single pass does the reorder.
 
 GQA/MQA: K and V travel with their own head count. When the KV heads on this rank are fewer
 than U (``hk < U``, e.g. MQA, or 8 KV heads with TP 2 and U 8), each KV head is replicated
@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.usp.kernels import accum_dtype
-from megatron.usp.token_layout import invert_order, ulysses_to_zigzag_order
+from megatron.usp.token_order import invert_order, ulysses_to_zigzag_order
 
 Tensor = torch.Tensor
 
@@ -203,7 +203,7 @@ def start_seq_to_heads(
     """Start moving head chunk ``chunk`` of sequence-sharded tensors to head-sharded zigzag.
 
     Args:
-        xs: tensors [s, b, h_i, d] (local tokens in the layout of megatron.usp.token_layout; any
+        xs: tensors [s, b, h_i, d] (local tokens in the order of megatron.usp.token_order; any
             strides), one dtype.
         reps: KV replication factor per tensor (:func:`kv_replication`; 1 for queries).
         group: the Ulysses group (``None``: size 1, no communication).

@@ -6,10 +6,10 @@ rank-0-first index build behind barriers), iterates its DP slice, and checks tha
 * its full micro-batches are exactly Megatron's DP slice of each global batch;
 * every rank of its CP group got the same full micro-batch;
 * the CP shards gathered over the CP group rebuild the micro-batch (nothing lost or
-  duplicated), and its shard's position_ids are the layout's global positions;
+  duplicated), and its shard's position_ids are the token order's global positions;
 * megatron-core's RotaryEmbedding on the CP group gives this rank the rotary rows of
   exactly those positions (RoPE sees the right global positions);
-* the CP rank is u + U*r, the order the layout assumes;
+* the CP rank is u + U*r, as the token order assumes;
 * an iterator resumed from consumed samples continues the same stream.
 """
 
@@ -23,7 +23,7 @@ from megatron.training.data.config import DataConfig, validate_data_config
 from megatron.training.data.loader import build_data_iterator, build_gpt_datasets
 from megatron.training.data.tokenizer import build_tokenizer
 from megatron.usp.parallel_dims import ParallelDims
-from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.token_order import positions_for_cp_rank, unshard_from_cp_ranks
 
 SMALL_BYTES = 200_000
 SMALL_VOCAB = 1000

@@ -2,7 +2,7 @@
 
 Every rank draws the same full-sequence float64 q, k, v, output gradient and document
 boundaries (same seed), keeps its tokens under the case's chunk assignment
-(``token_layout.shard_for_cp_rank``), builds its ring rank's plan from the full segment ids
+(``token_order.shard_for_cp_rank``), builds its ring rank's plan from the full segment ids
 (``document_ring.build_document_ring_plan``, what ``get_batch`` does) and runs USP attention
 forward and backward. The reference is attention on the whole sequence with a dense document
 mask written here (same segment and, causally, key position <= query position), plain autograd
@@ -11,7 +11,7 @@ ops in float64, independent of megatron.usp. Tolerance 1e-10 (float64).
 Cases per layout (U x R in 1x2, 2x1, 2x2, 1x4, 4x1, 2x4): MHA, GQA and MQA (K/V replicated when
 KV heads < U); documents with random boundaries (1-token documents included), documents
 shorter than a chunk, documents crossing every rank, one document over the whole sequence, all
-1-token documents, and documents that never cross a ring rank; the zigzag layout, the
+1-token documents, and documents that never cross a ring rank; the zigzag order, the
 balanced assignment of :func:`megatron.usp.load_balance.balance_chunks` and a random one; the
 ``tiles`` kernel (PyTorch's CPU kernel per tile group) and ``math``; batch 2 with different
 documents per sample; one case through megatron-core's module (``USPAttention`` with
@@ -32,8 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.usp import load_balance
-from megatron.usp import token_layout as layout
+from megatron.usp import load_balance, token_order
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.document_ring import build_document_ring_plan
 from megatron.usp.parallel_dims import ParallelDims
@@ -109,7 +108,7 @@ def reference_document_attention(q, k, v, seg, causal=True):
 def random_assignment(ulysses, ring, group_chunks, rng):
     n = 2 * ulysses * ring * group_chunks
     perm = rng.permutation(n).reshape(ring, -1)
-    return layout.ChunkAssignment(ulysses, tuple(tuple(sorted(row.tolist())) for row in perm))
+    return token_order.ChunkAssignment(ulysses, tuple(tuple(sorted(row.tolist())) for row in perm))
 
 
 # --------------------------------------------------------------------------- one case
@@ -143,7 +142,7 @@ def run_case(groups, case, seq_len, batch=2):
     out_ref.backward(dout)
 
     def mine(x):
-        return layout.shard_for_cp_rank(x, 0, groups.cp_rank, cp, assignment)
+        return token_order.shard_for_cp_rank(x, 0, groups.cp_rank, cp, assignment)
 
     plan = build_document_ring_plan(seg, groups.ring_rank, R, assignment)
     q_l, k_l, v_l = (mine(t).clone().requires_grad_() for t in (q, k, v))

@@ -6,7 +6,7 @@ ranks, same seed and global batch, 30 steps, ``pretrain(args)``), with the three
 document flags on every layout. The embedded corpus has real document lengths (median ~260
 tokens, 5 % under 12, a long tail): at 64 tokens per sample many samples hold a boundary,
 some several, and documents continue across samples (``tests/unit/test_documents.py`` checks
-that the data really has boundaries and balanced non-zigzag layouts). DP=4 attends within
+that the data really has boundaries and balanced non-zigzag chunk assignments). DP=4 attends within
 documents with no context parallelism at all (the reference); U2xR2 and U1xR4 (with full
 recompute) shard the documents over the ring with the balanced chunk assignment of each
 micro-batch; TP2xR2 with sequence parallelism rides along. Per-step losses and the final
@@ -63,7 +63,7 @@ def _train_all_layouts(rank, world_size, out_dir):
         moved.clear()
         result = pretrain(parse_args(_argv(name, out_dir)))
         assert result.iteration == STEPS, (name, result.iteration)
-        if name in ("u2r2", "u1r4"):          # the balanced layout really was used
+        if name in ("u2r2", "u1r4"):          # a balanced chunk assignment really was used
             assert any(moved), (name, len(moved))
 
 

@@ -11,9 +11,9 @@ USP: TP*U*R ranks build the same model with :func:`get_usp_gpt_block_spec` (USP 
 Megatron-USP's norms, final norm included) and the groups of :func:`initialize_usp_parallel`
 (``pg_collection``), load the reference weights (TP-sharded the way megatron-core's CPU
 initialisation splits them: ``partition_dim`` / ``partition_stride`` of each parameter), feed
-each CP rank its shard of tokens / labels / position ids (``layout.shard_for_cp_rank``),
+each CP rank its shard of tokens / labels / position ids (``token_order.shard_for_cp_rank``),
 gather the vocab-parallel logits over TP and logits and losses over the CP group, rebuild the
-full sequence (``layout.unshard_from_cp_ranks``) and compare. Each rank back-propagates its
+full sequence (``token_order.unshard_from_cp_ranks``) and compare. Each rank back-propagates its
 (CP, TP) block of the probe functional. Weight gradients are summed over
 the CP group (what DDP's gradient all-reduce over DP x CP does) and, for parameters marked
 ``sequence_parallel`` (the norms, with ``--sequence-parallel``), over the TP group (what
@@ -54,7 +54,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 
@@ -151,7 +151,7 @@ def _gather(x: torch.Tensor, group, size: int) -> list:
 
 def _gather_seq(x: torch.Tensor, groups) -> torch.Tensor:
     """All-gather [b, s_local, ...] over the CP group and rebuild the full sequence."""
-    return layout.unshard_from_cp_ranks(_gather(x, groups.cp, groups.dims.cp), seq_dim=1)
+    return token_order.unshard_from_cp_ranks(_gather(x, groups.cp, groups.dims.cp), seq_dim=1)
 
 
 def _gather_vocab(logits: torch.Tensor, groups) -> torch.Tensor:
@@ -236,7 +236,7 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: di
     where = f"TP={tp} U={ulysses} R={ring} SP={sp} mode={mode}"
 
     def shard(t):
-        return layout.shard_for_cp_rank(t, 1, cp_rank, cp)
+        return token_order.shard_for_cp_rank(t, 1, cp_rank, cp)
 
     def close(got, want, what, tol=TOL):
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{where} {what}: {m}")

@@ -1,5 +1,5 @@
 """USPGPTModel (RoPE from position_ids) is bit-identical to megatron-core's GPTModel for the
-default layout, which is why every run uses it (megatron/training/model/gpt_model.py).
+default token order, which is why every run uses it (megatron/training/model/gpt_model.py).
 
 2 gloo ranks, U2xR1 and U1xR2, float32 on the CPU: both models are built from the same seed
 with the USP block spec, get the same CP-rank shard of tokens and positions, and must return
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 from tests.distributed.test_gpt_forward_parity import SEED, VOCAB, _config
@@ -55,7 +55,7 @@ def _check(rank, world_size):
         position_ids = torch.arange(SEQ).repeat(BATCH, 1)
 
         def shard(t, cp_rank=groups.cp_rank):
-            return layout.shard_for_cp_rank(t, 1, cp_rank, 2)
+            return token_order.shard_for_cp_rank(t, 1, cp_rank, 2)
 
         ref = _run(_build(GPTModel, config, groups), shard(tokens), shard(position_ids),
                    shard(labels))
@@ -70,5 +70,5 @@ def _check(rank, world_size):
         destroy_usp_parallel()
 
 
-def test_position_rope_is_bit_identical_for_the_default_layout(dist_run):
+def test_position_rope_is_bit_identical_for_the_default_token_order(dist_run):
     dist_run(_check, 2, timeout=240)

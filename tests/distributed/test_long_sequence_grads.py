@@ -93,10 +93,10 @@ def _build(variant, layout, groups):
 
 
 def _grads(model, batches, cp_rank, cp):
-    from megatron.usp import token_layout as layout
+    from megatron.usp import token_order
 
     def shard(t):
-        return layout.shard_for_cp_rank(t, 1, cp_rank, cp)
+        return token_order.shard_for_cp_rank(t, 1, cp_rank, cp)
 
     model.train()
     for tokens, labels in batches:

@@ -2,7 +2,7 @@
 
 Every rank draws the same full-sequence float64 q, k, v and output gradient (same seed),
 keeps its TP heads (megatron's split: heads over TP first, one KV head per rank when KV heads
-< TP) and its tokens (``layout.shard_for_cp_rank``), runs USP attention forward and backward,
+< TP) and its tokens (``token_order.shard_for_cp_rank``), runs USP attention forward and backward,
 and compares its out, dq, dk, dv with the matching token slice of a float64 reference computed
 with plain autograd ops on the whole sequence of its TP heads (independent of
 megatron.usp.kernels). Every rank checks its own slice, so together the ranks check the whole
@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
@@ -195,7 +195,7 @@ def run_case(groups, tp, tp_rank, case, seq_len, batch=2):
     cp_rank, cp = groups.cp_rank, groups.dims.cp
 
     def mine(x):   # this rank's tokens
-        return layout.shard_for_cp_rank(x, 0, cp_rank, cp)
+        return token_order.shard_for_cp_rank(x, 0, cp_rank, cp)
 
     q_l, k_l, v_l = (mine(t).clone().requires_grad_() for t in (q, k, v))
     with CommCounter() as comm:

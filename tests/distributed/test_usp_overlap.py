@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.kernels import AttentionKernel, get_kernel
 from megatron.usp.parallel_dims import ParallelDims
@@ -98,7 +98,7 @@ def run_exact_case(groups, case, seq_len, via_module=False, dtype=torch.float64)
     out_ref.backward(dout)
 
     def mine(x):
-        return layout.shard_for_cp_rank(x, 0, groups.cp_rank, groups.dims.cp)
+        return token_order.shard_for_cp_rank(x, 0, groups.cp_rank, groups.dims.cp)
 
     leaves = [mine(t).to(dtype).requires_grad_() for t in (q, k, v)]
     with CommCounter() as comm:
@@ -196,7 +196,7 @@ def check_overlap_schedule(groups, chunks, seq_len):
     """Transfers of neighbouring chunks bracket each chunk's kernel calls (module docstring)."""
     U, R = groups.dims.ulysses, groups.dims.ring
     q, k, v, dout = _inputs(seq_len, NUM_HEADS, seed=7)
-    leaves = [layout.shard_for_cp_rank(t, 0, groups.cp_rank, groups.dims.cp).requires_grad_()
+    leaves = [token_order.shard_for_cp_rank(t, 0, groups.cp_rank, groups.dims.cp).requires_grad_()
               for t in (q, k, v)]
     log = EventLog()
     with log:
@@ -204,7 +204,7 @@ def check_overlap_schedule(groups, chunks, seq_len):
                             causal=True, backend=log, overlap_chunks=chunks)
         fwd_events = list(log.events)
         a2a_fwd, p2p_fwd = log._counts["a2a"], log._counts["p2p"]
-        out.backward(layout.shard_for_cp_rank(dout, 0, groups.cp_rank, groups.dims.cp))
+        out.backward(token_order.shard_for_cp_rank(dout, 0, groups.cp_rank, groups.dims.cp))
     bwd_events = log.events[len(fwd_events):]
     s, b, h, d = leaves[0].shape
     qkv, o = s * b * 3 * h * d // chunks, s * b * h * d // chunks
@@ -315,7 +315,7 @@ def test_explicit_overlap_chunks_are_checked():
 
 
 def test_single_rank_chunks_and_module_validation():
-    """U = R = 1 with chunks (pure layout pipeline) is exact; a bad value fails at build."""
+    """U = R = 1 with chunks (pure reorder pipeline) is exact; a bad value fails at build."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -39,7 +39,7 @@ def one_gpt_step(impl: str, lean: bool = False,
                  fuse_wgrad: bool = False) -> Tuple[float, Dict[str, torch.Tensor]]:
     """(mean loss, {parameter name: gradient}) with fused kernels ``impl``, fixed seed;
     ``lean``: the norm and SwiGLU outputs dropped and recomputed (``--recompute-modules
-    layernorm swiglu``), gradients under the plain layout's parameter names;
+    layernorm swiglu``), gradients under the plain model's parameter names;
     ``fuse_wgrad``: the linear layers add their weight gradients into float32 ``main_grad``
     buffers given as megatron-core's DDP gives them (``--gradient-accumulation-fusion``);
     those parameters' gradients are read from there."""

@@ -15,7 +15,7 @@ import torch
 
 from megatron.bench import attention_bench as ab
 from megatron.bench import cli, e2e, flops, native_cp, report, timing
-from megatron.usp.token_layout import positions_for_cp_rank
+from megatron.usp.token_order import positions_for_cp_rank
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,6 +79,13 @@ def test_command_line_round_trip():
     assert cfg.splits == [(2, 1)] and cfg.causal is False and cfg.peers == []
     assert cfg.native_cp_rotate == ["alltoall"] and cfg.torch_dtype == torch.bfloat16
     assert ab.config_from_args(ab.build_parser().parse_args([])).kv_heads == 32
+
+
+@pytest.mark.parametrize("flag", ["--chunk-assignment", "--document-layout"])
+def test_chunk_assignment_flag_and_its_document_layout_alias(flag):
+    ns = ab.build_parser().parse_args(["--docs", "fixed:2k", flag, "zigzag"])
+    assert ab.config_from_args(ns).chunk_assignment == "zigzag"
+    assert ab.config_from_args(ab.build_parser().parse_args([])).chunk_assignment == "auto"
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -188,8 +195,8 @@ def test_native_cp_is_reported_unavailable_on_cpu():
     assert reason and "CUDA only" in reason
 
 
-def test_native_cp_load_balancer_matches_usp_layout():
-    # "Same inputs": torch's head-tail balancer hands rank i the positions USP's layout does.
+def test_native_cp_load_balancer_matches_usp_token_order():
+    # "Same inputs": torch's head-tail balancer hands rank i the positions USP's token order does.
     mod = pytest.importorskip("torch.distributed.tensor.experimental._attention")
     balancer_cls = getattr(mod, "_HeadTailLoadBalancer", None)
     if balancer_cls is None:

@@ -7,7 +7,7 @@ import textwrap
 import torch
 
 from megatron.training import cpu_shims
-from megatron.usp.token_layout import positions_for_cp_rank
+from megatron.usp.token_order import positions_for_cp_rank
 
 
 class _FakeGroup:
@@ -57,7 +57,7 @@ def test_not_applied_when_cuda_is_available():
     assert "unpatched" in out.stdout
 
 
-def test_rope_cp_slice_matches_layout():
+def test_rope_cp_slice_matches_token_order():
     s, cp = 32, 4
     emb = torch.arange(s, dtype=torch.float64).view(s, 1, 1, 1)
     for c in range(cp):

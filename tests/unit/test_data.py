@@ -29,7 +29,7 @@ from megatron.training.data.loader import (
 )
 from megatron.training.data.preprocess import TokenizerSpec, preprocess_jsonl
 from megatron.training.data.tokenizer import build_tokenizer
-from megatron.usp.token_layout import positions_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.token_order import positions_for_cp_rank, unshard_from_cp_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

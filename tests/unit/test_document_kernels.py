@@ -167,8 +167,8 @@ def test_equal_documents_match_the_oracle(local):
 def test_batched_output_laid_out_like_the_block_is_used_without_a_copy():
     from megatron.usp.document_kernels import _as_block
 
-    block_layout = torch.randn(3, 4 * 5, 2)                     # [h, n*L, d]
-    batched = block_layout.view(3, 4, 5, 2).transpose(0, 1)      # [n, h, L, d] view
+    block_storage = torch.randn(3, 4 * 5, 2)                     # [h, n*L, d]
+    batched = block_storage.view(3, 4, 5, 2).transpose(0, 1)      # [n, h, L, d] view
     viewed = _as_block(batched)
-    assert viewed.data_ptr() == block_layout.data_ptr() and torch.equal(viewed[0], block_layout)
+    assert viewed.data_ptr() == block_storage.data_ptr() and torch.equal(viewed[0], block_storage)
     assert _as_block(torch.randn(4, 3, 5, 2)) is None            # contiguous [n, h, L, d]

@@ -1,5 +1,5 @@
-"""Packed documents without a process group: segments, positions, the layout of every batch
-key under chunk assignments, tiles, the load balance and the document flags.
+"""Packed documents without a process group: segments, positions, the token order of every
+batch key under chunk assignments, tiles, the load balance and the document flags.
 
 References are independent: megatron-core's own ``_get_ltor_masks_and_position_ids`` for
 Megatron-LM's meaning of the three flags (its dense mask and reset positions), brute-force
@@ -13,7 +13,7 @@ from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 from megatron.training.data.batch import SEQUENCE_KEYS, shard_batch_for_cp
 from megatron.usp import load_balance as lb
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.document_mask import (
     dense_document_mask,
     document_offsets,
@@ -57,18 +57,18 @@ def test_batched_segments():
         [0, 1, 0, 1, 2], [0, 0, 0, 1, 2]]
 
 
-# --------------------------------------------------------------------------- layout properties
+# ------------------------------------------------------------------------- token order properties
 GRIDS = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (3, 2)]
 
 
 def _random_assignment(u, r, m, rng):
     perm = rng.permutation(2 * u * r * m).reshape(r, -1)
-    return layout.ChunkAssignment(u, tuple(tuple(sorted(x.tolist())) for x in perm))
+    return token_order.ChunkAssignment(u, tuple(tuple(sorted(x.tolist())) for x in perm))
 
 
 @pytest.mark.parametrize("u,r", GRIDS)
 @pytest.mark.parametrize("m", [1, 2, 3])
-def test_every_key_goes_through_the_same_layout(u, r, m):
+def test_every_key_goes_through_the_same_chunk_assignment(u, r, m):
     """tokens, labels, loss mask, positions and segments: each CP rank's shard is the full
     tensor at its positions, unshard inverts, the ranks partition the sequence."""
     rng = np.random.default_rng(10 * u + r + m)
@@ -80,19 +80,20 @@ def test_every_key_goes_through_the_same_layout(u, r, m):
     _, loss1, pos1 = _get_ltor_masks_and_position_ids(tokens[1], EOD, True, True, True, False)
     full = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1),
             "loss_mask": torch.stack([loss0, loss1]), "position_ids": torch.stack([pos0, pos1]),
-            "segment_ids": segment_ids_from_tokens(tokens, EOD), "layout": assignment,
+            "segment_ids": segment_ids_from_tokens(tokens, EOD),
+            "chunk_assignment": assignment,
             "attention_mask": None}
     shards = [shard_batch_for_cp(full, c, cp) for c in range(cp)]
     seen = []
     for c, shard in enumerate(shards):
-        pos = layout.positions_for_cp_rank(s, c, cp, assignment)
+        pos = token_order.positions_for_cp_rank(s, c, cp, assignment)
         seen.extend(pos)
         for key in SEQUENCE_KEYS:
             assert torch.equal(shard[key], full[key][:, pos]), (key, c)
     assert sorted(seen) == list(range(s))
     for key in SEQUENCE_KEYS:
-        assert torch.equal(layout.unshard_from_cp_ranks([sh[key] for sh in shards], 1,
-                                                        assignment), full[key])
+        assert torch.equal(token_order.unshard_from_cp_ranks([sh[key] for sh in shards], 1,
+                                                             assignment), full[key])
 
 
 @pytest.mark.parametrize("u,r", GRIDS)
@@ -104,42 +105,42 @@ def test_ulysses_gather_gives_each_ring_rank_its_chunks_in_order(u, r):
         cp, s = u * r, 2 * u * r * m * 2
         assignment = _random_assignment(u, r, m, rng)
         x = torch.arange(s)
-        order = layout.ulysses_to_zigzag_order(u)
+        order = token_order.ulysses_to_zigzag_order(u)
         for ring_rank in range(r):
             halves = []
             for uu in range(u):
-                shard = layout.shard_for_cp_rank(x, 0, uu + u * ring_rank, cp, assignment)
+                shard = token_order.shard_for_cp_rank(x, 0, uu + u * ring_rank, cp, assignment)
                 halves.extend(shard.chunk(2))
             gathered = torch.cat([halves[i] for i in order])
-            want = layout.positions_for_ring_rank(s, ring_rank, r, assignment)
+            want = token_order.positions_for_ring_rank(s, ring_rank, r, assignment)
             assert gathered.tolist() == want == sorted(want)
             assert ring_positions(s, r, assignment)[ring_rank].tolist() == want
 
 
-def test_zigzag_assignment_is_the_default_layout():
+def test_zigzag_assignment_is_the_default_token_order():
     for u, r in GRIDS:
-        a, s = layout.zigzag_assignment(u, r), 2 * u * r * 4
+        a, s = token_order.zigzag_assignment(u, r), 2 * u * r * 4
         assert a.is_zigzag()
         for c in range(u * r):
-            assert layout.positions_for_cp_rank(s, c, u * r, a) == \
-                layout.positions_for_cp_rank(s, c, u * r)
+            assert token_order.positions_for_cp_rank(s, c, u * r, a) == \
+                token_order.positions_for_cp_rank(s, c, u * r)
         for rr in range(r):
-            assert layout.positions_for_ring_rank(s, rr, r, a) == \
-                layout.positions_for_ring_rank(s, rr, r)
+            assert token_order.positions_for_ring_rank(s, rr, r, a) == \
+                token_order.positions_for_ring_rank(s, rr, r)
 
 
 def test_bad_assignments_are_refused():
     with pytest.raises(ValueError, match="not a chunk assignment"):
-        layout.ChunkAssignment(1, ((0, 1), (1, 2)))
+        token_order.ChunkAssignment(1, ((0, 1), (1, 2)))
     with pytest.raises(ValueError, match="2\\*U"):
-        layout.ChunkAssignment(2, ((0, 1), (2, 3)))
+        token_order.ChunkAssignment(2, ((0, 1), (2, 3)))
     with pytest.raises(ValueError, match="increasing"):
-        layout.ChunkAssignment(1, ((1, 0), (2, 3)))
-    a = layout.zigzag_assignment(1, 2)
+        token_order.ChunkAssignment(1, ((1, 0), (2, 3)))
+    a = token_order.zigzag_assignment(1, 2)
     with pytest.raises(ValueError, match="not divisible"):
-        layout.positions_for_cp_rank(10, 0, 2, a)
+        token_order.positions_for_cp_rank(10, 0, 2, a)
     with pytest.raises(ValueError, match="for 2 context-parallel ranks, not 4"):
-        layout.shard_for_cp_rank(torch.zeros(8), 0, 0, 4, a)
+        token_order.shard_for_cp_rank(torch.zeros(8), 0, 0, 4, a)
 
 
 # --------------------------------------------------------------------------- tiles
@@ -227,7 +228,7 @@ def test_rank_work_from_document_lengths():
     # and 16 tokens over chunks of 16: ring rank 0 holds chunks 0 and 3 (work 136 + 136),
     # ring rank 1 chunks 1 and 2 (work 164 + 36 and 264).
     s = 64
-    zig = layout.zigzag_assignment(1, 2)
+    zig = token_order.zigzag_assignment(1, 2)
     assert lb.spread(lb.document_rank_work([s], s, zig)) == 0
     work = lb.document_rank_work([24, 24, 16], s, zig)
     assert work.tolist() == [272, 464] and lb.spread(work) == pytest.approx(96 / 368)
@@ -269,8 +270,8 @@ def test_zigzag_is_kept_when_it_is_not_worse():
 # --------------------------------------------------------------------------- the data loader
 def test_document_batching_on_the_corpus(small_corpus, tmp_path):
     """Corpus samples of 64 tokens (the small test corpus: documents of ~1300 tokens on
-    average): boundaries exist, some micro-batches leave zigzag, and the chosen layout is
-    better balanced than zigzag."""
+    average): boundaries exist, some micro-batches leave zigzag, and the chosen chunk
+    assignment is better balanced than zigzag."""
     from megatron.training.data.config import DataConfig
     from megatron.training.data.documents import DocumentBatching
     from megatron.training.data.loader import build_gpt_datasets
@@ -284,15 +285,15 @@ def test_document_batching_on_the_corpus(small_corpus, tmp_path):
     collate = DocumentBatching(int(tok.eod), ulysses=1, ring=4)
     batches = [collate([train[i] for i in range(k, k + 4)]) for k in range(0, 256, 4)]
     boundaries = sum(int((b["tokens"] == tok.eod).sum()) for b in batches)
-    moved = [b for b in batches if b["layout"] is not None]
+    moved = [b for b in batches if b["chunk_assignment"] is not None]
     assert boundaries >= 8 and moved, (boundaries, len(moved))
     for b in batches:
         assert torch.equal(b["segment_ids"], segment_ids_from_tokens(b["tokens"], tok.eod))
         assert torch.equal(b["position_ids"], document_offsets(b["segment_ids"]))
     for b in moved:
         work = lb.token_work(b["segment_ids"].numpy())
-        assert lb.spread(lb.ring_rank_work(work, b["layout"])) < lb.spread(
-            lb.ring_rank_work(work, layout.zigzag_assignment(1, 4)))
+        assert lb.spread(lb.ring_rank_work(work, b["chunk_assignment"])) < lb.spread(
+            lb.ring_rank_work(work, token_order.zigzag_assignment(1, 4)))
 
 
 # --------------------------------------------------------------------------- bad input
@@ -306,8 +307,11 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
      "--document-attention-kernel varlen needs CUDA and --bf16.*tiles"),
     (["--document-attention-kernel", "math"],
      "--document-attention-kernel math has no effect without --reset-attention-mask"),
+    (["--reset-position-ids", "--chunk-assignment", "zigzag"],
+     "--chunk-assignment zigzag has no effect without --reset-attention-mask"),
+    # the former name is an alias: same check, and the message names the current flag
     (["--reset-position-ids", "--document-layout", "zigzag"],
-     "--document-layout zigzag has no effect without --reset-attention-mask"),
+     "--chunk-assignment zigzag has no effect without --reset-attention-mask"),
 ])
 def test_document_flags_that_cannot_combine(extra, match):
     from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
@@ -321,7 +325,21 @@ def test_document_flags_accepted():
 
     args = validate_args(parse_args(BASE + ["--reset-position-ids", "--reset-attention-mask",
                                             "--eod-mask-loss", "--document-attention-kernel",
-                                            "math", "--document-layout", "zigzag"]), 1)
-    assert args.document_attention_kernel == "math" and args.document_layout == "zigzag"
+                                            "math", "--chunk-assignment", "zigzag"]), 1)
+    assert args.document_attention_kernel == "math" and args.chunk_assignment == "zigzag"
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--document-attention-kernel", "dense"])
+
+
+@pytest.mark.parametrize("flag", ["--chunk-assignment", "--document-layout"])
+def test_chunk_assignment_flag_and_its_document_layout_alias(flag):
+    from megatron.training.cli.arguments import build_parser, parse_args
+
+    args = parse_args(BASE + ["--reset-attention-mask", flag, "zigzag"])
+    assert args.chunk_assignment == "zigzag" and not hasattr(args, "document_layout")
+    assert parse_args(BASE).chunk_assignment == "auto"
+    with pytest.raises(SystemExit):
+        parse_args(BASE + [flag, "balanced"])
+    action = next(a for a in build_parser()._actions if flag in a.option_strings)
+    assert action.option_strings == ["--chunk-assignment", "--document-layout"]
+    assert "--document-layout is an alias" in action.help

@@ -1,7 +1,7 @@
 """RoPE from position_ids (megatron/training/model/gpt_model.py) against megatron-core's own table.
 
 ``rotary_freqs_from_positions`` must give, bit for bit, the rows of megatron-core's
-``RotaryEmbedding.get_emb`` table at the given positions: for the default layout (the table for
+``RotaryEmbedding.get_emb`` table at the given positions: for the default token order (the table for
 ``0..S-1`` sliced as megatron-core's ``get_pos_emb_on_this_cp_rank`` slices it, chunks ``c``
 and ``2CP-1-c`` of ``2CP``, restated here because megatron-core's function pins memory and
 calls ``.cuda()``), for reset positions, interleaved or not, with a rotary percent, an
@@ -13,7 +13,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron.training.model.gpt_model import rotary_freqs_from_positions
-from megatron.usp import token_layout as layout
+from megatron.usp import token_order
 from megatron.usp.document_mask import document_offsets, segment_ids_from_tokens
 
 
@@ -41,13 +41,13 @@ ROPES = [dict(kv_channels=16, rotary_percent=1.0),
 
 @pytest.mark.parametrize("kwargs", ROPES)
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_default_layout_is_bit_identical_to_megatron_core(kwargs, cp):
+def test_default_token_order_is_bit_identical_to_megatron_core(kwargs, cp):
     rope = RotaryEmbedding(use_cpu_initialization=True, **kwargs)
     seq = 64
     table = _megatron_table(rope, seq)
     for c in range(cp):
         want = _megatron_cp_slice(table, c, cp)
-        pos = torch.tensor(layout.positions_for_cp_rank(seq, c, cp)).repeat(2, 1)   # [b, s]
+        pos = torch.tensor(token_order.positions_for_cp_rank(seq, c, cp)).repeat(2, 1)   # [b, s]
         got = rotary_freqs_from_positions(rope, pos)                                 # [s, b, 1, d]
         assert got.shape == (seq // cp, 2, 1, table.shape[-1])
         assert torch.equal(got, want.expand(-1, 2, -1, -1))

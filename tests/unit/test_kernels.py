@@ -217,7 +217,7 @@ def test_unavailable_backends_say_what_to_install():
 # flash-attn and TransformerEngine need CUDA and are not installed in CI, so their adapters are
 # exercised against stand-in modules with the real packages' signatures (flash-attn 2.8
 # ``flash_attn.flash_attn_interface``, flash-attn 3 ``flash_attn_interface``, TE 2.x
-# ``cpp_extensions.fused_attn``) and their documented layouts ([b, s, h, d]; TE softmax stats
+# ``cpp_extensions.fused_attn``) and their documented shapes ([b, s, h, d]; TE softmax stats
 # [b, h, s, 1]), computing with the math kernel. This checks the adapters' argument names,
 # transposes and lse handling, not the packages themselves.
 import importlib.machinery  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 IMPORTS = (
-    "import megatron.core, megatron.usp.parallel_dims, megatron.usp.token_layout;"
+    "import megatron.core, megatron.usp.parallel_dims, megatron.usp.token_order;"
     "import megatron.planner, megatron.bench.flops;"
     "import megatron.core.parallel_state;"
     "print(megatron.usp.parallel_dims.__file__)"

@@ -86,7 +86,7 @@ _INTERPRETED = textwrap.dedent("""
             assert got.shape == want.shape and got.is_contiguous()
             assert (got.double() - want).abs().max().item() < 1e-5
         grads = [torch.randn_like(t) for t in (q, k, v)]
-        if strided:   # incoming gradients in another layout ([b, h, s, d] storage)
+        if strided:   # incoming gradients in another memory order ([b, h, s, d] storage)
             grads = [x.permute(2, 1, 0, 3).contiguous().permute(2, 1, 0, 3) for x in grads]
         torch.autograd.backward((q, k, v), grads)
         torch.autograd.backward(ref, [x.double() for x in grads])

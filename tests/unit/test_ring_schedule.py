@@ -13,13 +13,13 @@ import itertools
 import pytest
 
 from megatron.usp.ring_attention import BlockPlan, zigzag_block_plan
-from megatron.usp.token_layout import positions_for_ring_rank
+from megatron.usp.token_order import positions_for_ring_rank
 
 CHUNK = 3  # tokens per super-chunk; odd so that off-by-one slicing would show
 
 
 def _block_pairs(plan: BlockPlan, ring_size: int):
-    """The (query position, key position) pairs a block computes, via the layout module."""
+    """The (query position, key position) pairs a block computes, via the token order module."""
     seq = 2 * ring_size * CHUNK
     q_pos = positions_for_ring_rank(seq, plan.rank, ring_size)
     k_pos = positions_for_ring_rank(seq, plan.source, ring_size)

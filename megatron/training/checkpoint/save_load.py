@@ -6,7 +6,7 @@ state dicts, so a checkpoint loads under another layout: any U x R / DP split at
 TP x PP with either optimizer, and other TP / PP sizes too for the plain optimizer, or for
 the distributed optimizer saved with ``--dist-ckpt-optim-fully-reshardable``.
 
-Directory layout::
+Files on disk::
 
     SAVE/
       latest_checkpointed_iteration.txt    "<iteration>\\n", names only complete checkpoints

@@ -321,8 +321,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="load weights only; iteration, data position, optimizer and RNG "
                         "start fresh")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                   help="distributed-optimizer state in a TP/PP-reshardable layout (gathers "
-                        "on save); the default layout reshards over DP x CP only")
+                   help="distributed-optimizer state in a TP/PP-reshardable format (gathers "
+                        "on save); the default format reshards over DP x CP only")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 from megatron.usp.backend_names import DOCUMENT_KERNEL_NAMES, document_kernel_name_problem
 
-DOCUMENT_LAYOUTS = ("auto", "zigzag")
+CHUNK_ASSIGNMENTS = ("auto", "zigzag")
 
 
 def add_document_args(group) -> None:
@@ -19,10 +19,13 @@ def add_document_args(group) -> None:
                             "batched calls of --attention-backend per tile shape; varlen: "
                             "PyTorch's flash varlen, CUDA bf16; math: exact dense mask, tiny "
                             "shapes; auto: measured choice, docs/performance.md)")
-    group.add_argument("--document-layout", default="auto", choices=DOCUMENT_LAYOUTS,
+    # --document-layout is the flag's former name, kept so existing scripts still run.
+    group.add_argument("--chunk-assignment", "--document-layout", dest="chunk_assignment",
+                       default="auto", choices=CHUNK_ASSIGNMENTS,
                        help="with --reset-attention-mask: auto balances the ring ranks' causal "
                             "work by assigning sequence chunks per micro-batch (zigzag when "
-                            "not better); zigzag keeps the default layout")
+                            "not better); zigzag keeps the zigzag token order on every "
+                            "micro-batch. --document-layout is an alias")
 
 
 def document_flags_problem(args) -> Optional[str]:
@@ -31,8 +34,8 @@ def document_flags_problem(args) -> Optional[str]:
     if args.document_attention_kernel != "auto" and not masked:
         return (f"--document-attention-kernel {args.document_attention_kernel} has no effect "
                 f"without --reset-attention-mask; add --reset-attention-mask or drop the flag")
-    if args.document_layout != "auto" and not masked:
-        return (f"--document-layout {args.document_layout} has no effect without "
+    if args.chunk_assignment != "auto" and not masked:
+        return (f"--chunk-assignment {args.chunk_assignment} has no effect without "
                 f"--reset-attention-mask; add --reset-attention-mask or drop the flag")
     if masked:
         return document_kernel_name_problem(args.document_attention_kernel, args.device,

@@ -1,6 +1,6 @@
 """One micro-batch through the model: CP sharding, ``get_batch``, the loss, the forward step.
 
-Layouts at this boundary (names as in :mod:`megatron.training.data.loader`)::
+Shapes at this boundary (names as in :mod:`megatron.training.data.loader`)::
 
     data iterator      tokens/labels/loss_mask/position_ids  [b, s]      full sequence, the
                        same micro-batch on every rank of a CP group (and of a TP group)
@@ -11,11 +11,11 @@ Layouts at this boundary (names as in :mod:`megatron.training.data.loader`)::
 After :func:`shard_batch_for_cp` every ``[b, s]`` tensor is ``[b, s/CP]``: chunk ``c`` then
 chunk ``2*CP-1-c`` of ``2*CP`` (``c = u + U*r``), and ``position_ids`` hold exactly those
 global positions, which is what megatron-core's ``RotaryEmbedding`` selects on that rank.
-The layout is :mod:`megatron.usp.token_layout`'s (the single source of truth for which global
+The token order is :mod:`megatron.usp.token_order`'s (the single source of truth for which global
 positions a rank holds).
 
 Packed documents (:mod:`megatron.training.data.documents`): with ``--reset-attention-mask`` the
-batch carries ``segment_ids`` and the micro-batch's chunk assignment ``layout``; every key is
+batch carries ``segment_ids`` and the micro-batch's ``chunk_assignment``; every key is
 sharded through that assignment (tokens, labels, loss mask, position ids, segment ids alike),
 and :func:`get_batch` adds ``packed_seq_params``: a
 :class:`~megatron.usp.core_attention.DocumentParams` with this ring rank's document ring plan,
@@ -29,7 +29,7 @@ back-propagates the *sum* over this rank's loss tokens and adds up the token cou
 optimizer step divides the gradients by the global count (``training.guarded_optimizer_step``,
 in place of ``finalize_model_grads``), and the training loop divides the summed losses the
 same way. Hence the reported loss is the mean over every
-loss-masked token of the global batch, for every layout.
+loss-masked token of the global batch, for every parallel layout.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 
 from megatron.training.data.config import DataConfigError
 from megatron.usp.document_kernels import pinned_to_device
-from megatron.usp.token_layout import shard_for_cp_rank
+from megatron.usp.token_order import shard_for_cp_rank
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
 """Batch entries with a sequence dimension (dim 1); the ones CP sharding cuts."""
@@ -52,14 +52,14 @@ def shard_batch_for_cp(batch: Dict, cp_rank: int, cp_size: int) -> Dict:
     """Keep the tokens context-parallel rank ``cp_rank`` holds, on the sequence dim (1).
 
     ``[b, s]`` -> ``[b, s/cp_size]`` for each of :data:`SEQUENCE_KEYS`, through
-    :func:`megatron.usp.token_layout.shard_for_cp_rank` with the batch's chunk assignment
-    ``batch["layout"]`` (None or absent: chunks ``c`` and ``2*cp_size-1-c`` of
+    :func:`megatron.usp.token_order.shard_for_cp_rank` with the batch's chunk assignment
+    ``batch["chunk_assignment"]`` (None or absent: chunks ``c`` and ``2*cp_size-1-c`` of
     ``2*cp_size``); other entries are passed through; ``attention_mask`` must be None.
     Returns a new dict; ``cp_size == 1`` returns the tensors unchanged.
     """
     if batch.get("attention_mask") is not None:
         raise ValueError("shard_batch_for_cp expects attention_mask None (attention is causal)")
-    assignment = batch.get("layout")
+    assignment = batch.get("chunk_assignment")
     out = dict(batch)
     for key in SEQUENCE_KEYS:
         if key in batch and batch[key] is not None:
@@ -92,7 +92,8 @@ def _document_params(full: Dict, ctx: BatchContext):
     from megatron.usp.document_ring import build_document_ring_plan
 
     plan = build_document_ring_plan(full["segment_ids"].numpy(), ctx.ring_rank, ctx.ring_size,
-                                    full.get("layout"), causal=True, device=ctx.device)
+                                    full.get("chunk_assignment"), causal=True,
+                                    device=ctx.device)
     return DocumentParams.for_plan(plan)
 
 

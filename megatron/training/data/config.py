@@ -24,7 +24,7 @@ from megatron.training.data.indexed_files import (
     inspect_indexed_dataset,
     scan_token_ids,
 )
-from megatron.usp.token_layout import check_seq_divisible
+from megatron.usp.token_order import check_seq_divisible
 
 logger = logging.getLogger(__name__)
 

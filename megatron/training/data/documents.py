@@ -7,10 +7,10 @@ Megatron-LM's flags, Megatron-LM's meaning:
 * ``--reset-attention-mask``: a token attends only to its own document (EOD-delimited; the EOD
   closes its document). The batch carries ``segment_ids [b, s]``
   (:func:`megatron.usp.document_mask.segment_ids_from_tokens`) instead of a dense mask, and a
-  chunk assignment ``layout`` chosen here to balance the causal work over the ring ranks
-  (:func:`megatron.usp.load_balance.balance_chunks`; ``--document-layout zigzag`` keeps the
-  default layout). Every sequence key of the batch is then sharded through that one assignment
-  (:func:`megatron.training.data.batch.shard_batch_for_cp`).
+  ``chunk_assignment`` chosen here to balance the causal work over the ring ranks
+  (:func:`megatron.usp.load_balance.balance_chunks`; ``--chunk-assignment zigzag`` keeps the
+  zigzag token order). Every sequence key of the batch is then sharded through that one
+  assignment (:func:`megatron.training.data.batch.shard_batch_for_cp`).
 * ``--eod-mask-loss``: loss mask 0 on EOD tokens (megatron-core's dataset).
 
 :class:`DocumentBatching` is the DataLoader's ``collate_fn`` (it runs in the loader's worker
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 from megatron.training.cli.document_args import (  # noqa: F401  (re-exported)
-    DOCUMENT_LAYOUTS,
+    CHUNK_ASSIGNMENTS,
     add_document_args,
     document_flags_problem,
 )
@@ -36,12 +36,12 @@ from megatron.usp.load_balance import balance_chunks, token_work
 
 @dataclass(frozen=True)
 class DocumentBatching:
-    """``collate_fn`` adding ``segment_ids`` and ``layout`` to each micro-batch (module doc).
+    """``collate_fn`` adding ``segment_ids`` and ``chunk_assignment`` to each micro-batch.
 
     Attributes:
         eod: the tokenizer's EOD id.
-        ulysses, ring: U and R (the layout balances the R ring ranks).
-        balance: ``--document-layout``: ``auto`` (balanced chunks, zigzag when not better) or
+        ulysses, ring: U and R (the assignment balances the R ring ranks).
+        balance: ``--chunk-assignment``: ``auto`` (balanced chunks, zigzag when not better) or
             ``zigzag``.
     """
 
@@ -54,11 +54,11 @@ class DocumentBatching:
         batch = collate_samples(samples)
         seg = segment_ids_from_tokens(batch["tokens"], self.eod)          # [b, s] int32
         batch["segment_ids"] = seg
-        batch["layout"] = None
+        batch["chunk_assignment"] = None
         if self.balance == "auto" and self.ring > 1:
             choice = balance_chunks(token_work(seg.numpy()), self.ulysses, self.ring)
             if not choice.is_zigzag:
-                batch["layout"] = choice.assignment
+                batch["chunk_assignment"] = choice.assignment
         return batch
 
 

@@ -7,7 +7,7 @@ semantics (:class:`PretrainingSampler`, :func:`collate_samples`). Check the inpu
 with :func:`megatron.training.data.config.validate_data_config`; each rank then keeps its
 context-parallel part with :func:`megatron.training.data.batch.shard_batch_for_cp`.
 
-Batch layout (names used throughout)::
+Batch keys (names used throughout)::
 
     tokens       [b, s] int64   input ids
     labels       [b, s] int64   tokens shifted left by one (next-token targets)
@@ -16,7 +16,7 @@ Batch layout (names used throughout)::
                                 each EOD, megatron-core's GPTDataset)
     attention_mask None         attention is causal by construction; no [s, s] mask
     segment_ids  [b, s] int32   --reset-attention-mask only: document index per token, and
-    layout                      the micro-batch's chunk assignment (None: the default layout)
+    chunk_assignment            the micro-batch's chunk assignment (None: zigzag)
                                 (:class:`megatron.training.data.documents.DocumentBatching`)
 """
 

@@ -12,11 +12,11 @@ vocabulary of 32000 that is 16 GiB of bf16 logits plus their 31 GiB float32 copy
 tokens' logits: the forward keeps only the per-token float32 log-sum-exp, and the backward
 recomputes each chunk's logits from ``h`` and ``W``.
 
-Layouts (``N = s * b`` token rows, in the ``[s, b]`` order of megatron's activations)::
+Shapes (``N = s * b`` token rows, in the ``[s, b]`` order of megatron's activations)::
 
     hidden    [s, b, H]      (SP: [s/tp, b, H])  weight dtype; all-gathered over TP with SP
     weight    [V/tp, H]      this TP rank's vocabulary rows [rank*V/tp, (rank+1)*V/tp)
-    labels    [b, s]         int64, global vocabulary ids (megatron's label layout)
+    labels    [b, s]         int64, global vocabulary ids (megatron's labels)
     loss      [b, s]         float32 (float64 for float64 weights)
 
 Tensor parallelism is wired the way megatron-core's ``ColumnParallelLinear`` wires its

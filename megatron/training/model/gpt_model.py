@@ -3,18 +3,18 @@
 megatron-core's ``GPTModel`` ignores ``position_ids`` for RoPE: it builds the table for
 positions ``0..S-1`` and slices it for the CP rank's zigzag chunks. That is wrong for packed
 documents with ``--reset-position-ids`` (positions restart after each EOD) and for a non-zigzag
-chunk assignment (:mod:`megatron.usp.token_layout`). :class:`USPGPTModel` overrides
+chunk assignment (:mod:`megatron.usp.token_order`). :class:`USPGPTModel` overrides
 ``_preprocess`` (megatron-core's step before the decoder) and, whenever ``position_ids`` are
 given (the first and last pipeline stages always; every stage with packed documents), builds
 the rotary embedding per token from them::
 
-    position_ids [b, s_local] (global or per-document positions, in the token layout's order)
+    position_ids [b, s_local] (global or per-document positions, in the token order)
       -> rotary_pos_emb [s_local, b, 1, d]   float32 angles ``position * inv_freq``, halves
                                              repeated (or interleaved) as megatron-core's
                                              ``RotaryEmbedding.get_emb`` lays them out
 
 the format megatron-core's ``apply_rotary_pos_emb`` takes for [s, b, h, d] tensors. For the
-default layout (positions ``0..S-1`` sliced by the CP layout) the angles are the same float32
+default zigzag order (positions ``0..S-1`` sliced by CP rank) the angles are the same float32
 products megatron-core computes, so the result is bit-identical
 (``tests/unit/test_gpt_model.py``); that is why this path is used for every run, not only with
 ``--reset-position-ids``. Without ``position_ids`` (a middle pipeline stage of a run without

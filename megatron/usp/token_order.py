@@ -1,7 +1,7 @@
-"""Token layout: which global sequence positions each (Ulysses rank, Ring rank) holds.
+"""Token order: which global sequence positions each (Ulysses rank, Ring rank) holds.
 
-This module is the single source of truth for the load-balanced layout. It adopts
-megatron-core's context-parallel layout, so megatron-core's ``RotaryEmbedding``
+This module is the single source of truth for the load-balanced token order. It adopts
+megatron-core's context-parallel token order, so megatron-core's ``RotaryEmbedding``
 (which slices its position table with ``get_pos_emb_on_this_cp_rank``) and the
 loss code work unchanged:
 
@@ -19,16 +19,16 @@ USP attention permutes it (see :func:`ulysses_to_zigzag_order`) into::
     [chunk(rU) .. chunk(rU+U-1)] + [chunk((2R-1-r)U) .. chunk((2R-r)U-1)]
 
 i.e. the ring rank holds "super-chunk" ``r`` and super-chunk ``2R-1-r`` of ``2R``
-super-chunks of ``U`` chunks each: exactly the zigzag layout the load-balanced ring
+super-chunks of ``U`` chunks each: exactly the zigzag order the load-balanced ring
 schedule needs, in increasing position order inside each half.
 
-Chunk assignments (packed documents). With a document mask the zigzag layout no longer
+Chunk assignments (packed documents). With a document mask the zigzag order no longer
 balances the causal work, so the data loader may choose another :class:`ChunkAssignment`:
 the sequence is cut into ``N = 2*CP*m`` equal chunks and ring rank ``r`` holds a set of
 ``2*U*m`` of them, in increasing order. Cut that sorted list into ``2U`` groups of ``m``
 chunks ``G_0 .. G_{2U-1}``; CP rank ``c = u + U*r`` holds ``G_u`` then ``G_{2U-1-u}``. The
 Ulysses all-to-all and its permutation (unchanged) then give ring rank ``r`` its chunks in
-increasing position order. :func:`zigzag_assignment` is the default layout above written
+increasing position order. :func:`zigzag_assignment` is the default (zigzag) order above written
 this way (``m = 1``); every function below that takes ``assignment=None`` means it.
 """
 
@@ -60,7 +60,7 @@ def seq_length_problem(seq_len: int, cp_size: int, what: str = "--seq-length") -
         upper = lower + step
         sugg = f"{upper}" if lower == 0 else f"{lower} or {upper}"
         return (f"{what}={seq_len} must be divisible by 2*ulysses_degree*ring_degree = {step} "
-                f"for the load-balanced layout; try {what} {sugg}")
+                f"for the load-balanced token order; try {what} {sugg}")
     return None
 
 
@@ -91,7 +91,7 @@ def positions_for_ring_rank(seq_len: int, ring_rank: int, ring_size: int,
                             assignment: Optional["ChunkAssignment"] = None) -> List[int]:
     """Global positions a ring rank holds after the Ulysses all-to-all and permutation.
 
-    Default layout: super-chunk ``ring_rank`` then super-chunk ``2R-1-ring_rank`` of ``2R``,
+    Default (zigzag) order: super-chunk ``ring_rank`` then super-chunk ``2R-1-ring_rank`` of ``2R``,
     independent of the Ulysses degree. With an ``assignment``: its chunks of ``ring_rank``,
     in increasing order.
     """
@@ -103,7 +103,7 @@ def positions_for_ring_rank(seq_len: int, ring_rank: int, ring_size: int,
 def ring_rank_positions(seq_len: int, ring_rank: int, ring_size: int,
                         assignment: Optional["ChunkAssignment"] = None) -> torch.Tensor:
     """:func:`positions_for_ring_rank` as an int64 tensor (no Python list for long sequences)."""
-    if assignment is None:      # the default layout's ring ranks do not depend on U
+    if assignment is None:      # the zigzag order's ring ranks do not depend on U
         check_seq_divisible(seq_len, ring_size, "seq_len")
         assignment = zigzag_assignment(1, ring_size)
     if assignment.ring_size != ring_size:
@@ -245,12 +245,12 @@ class ChunkAssignment:
         return mine[u * m:(u + 1) * m] + mine[back * m:(back + 1) * m]
 
     def is_zigzag(self) -> bool:
-        """Whether this is the default layout (:func:`zigzag_assignment`)."""
+        """Whether this is the default zigzag order (:func:`zigzag_assignment`)."""
         return self == zigzag_assignment(self.ulysses_size, self.ring_size)
 
 
 def zigzag_assignment(ulysses_size: int, ring_size: int) -> ChunkAssignment:
-    """The default layout as a :class:`ChunkAssignment` (``2*U*R`` chunks, ``m = 1``)."""
+    """The default zigzag order as a :class:`ChunkAssignment` (``2*U*R`` chunks, ``m = 1``)."""
     U, R = ulysses_size, ring_size
     return ChunkAssignment(U, tuple(
         tuple(range(r * U, (r + 1) * U)) + tuple(range((2 * R - 1 - r) * U, (2 * R - r) * U))
