@@ -23,7 +23,10 @@ Which documents go to which kind is chosen per micro-batch from measured costs
 dim, dtype) on documents of 64 to 16K tokens and the costs are interpolated between them; a
 run of equal-length documents goes to whichever kind costs less, and consecutive ``varlen``
 runs share one call. cuDNN wins on long documents and long runs of equal ones, the varlen op
-on many short mixed ones.
+on many short mixed ones. cuDNN also builds an execution plan for every new shape (a length
+and a count), which costs more than the attention of a document it saves on: a shape goes to
+cuDNN only once it has recurred (fixed-length data at once, a random length after it has
+come back a few times), so packed documents of random lengths never pay a build per step.
 
 The plan (:class:`PackedPlan`: segments and the varlen calls' cumulative lengths, copied to the
 device from pinned memory without blocking) is built once per micro-batch and reused by every
@@ -136,7 +139,9 @@ def choose_segments(lengths: Sequence[int], costs: "KernelCosts") -> List[Segmen
     for n, count in equal_runs(lengths):
         batched = costs.batched(n, count)
         varlen = costs.varlen(n) * count if costs.has_varlen else math.inf
-        labelled.append((VARLEN if varlen < batched else BATCHED, n, count))
+        kind = VARLEN if varlen < batched else BATCHED
+        costs.sighted(n, count, built=kind == BATCHED)
+        labelled.append((kind, n, count))
     segments: List[Segment] = []
     start = 0
     for kind, n, count in labelled:
@@ -178,17 +183,33 @@ class KernelCosts:
     a varlen call of many. ``has_varlen``: the varlen kind can run here;
     ``max_varlen_tokens``: the most tokens one varlen call takes (the CPU's masked product
     grows with the square of its tokens).
+
+    ``build_s``: what the first batched call of a new shape costs on top (cuDNN builds an
+    execution plan per shape, then caches it). Packed documents of random lengths bring new
+    shapes every micro-batch, so a shape pays for its build only once it has been seen
+    ``reuse_before_build`` times (:meth:`sighted`): a recurring length (fixed-length data,
+    long runs) moves to the batched kind, a length seen once stays in the varlen call.
     """
 
     def __init__(self, lengths: Sequence[int], batched_one: Sequence[float],
                  batched_many: Sequence[float], varlen_per_doc: Sequence[float],
-                 has_varlen: bool, max_varlen_tokens: float = math.inf) -> None:
+                 has_varlen: bool, max_varlen_tokens: float = math.inf, build_s: float = 0.0,
+                 reuse_before_build: int = 3) -> None:
         self.lengths = [float(n) for n in lengths]
         self._one = list(batched_one)
         self._many = list(batched_many)
         self._var = list(varlen_per_doc)
         self.has_varlen = has_varlen
         self.max_varlen_tokens = max_varlen_tokens
+        self.build_s = build_s
+        self.reuse_before_build = reuse_before_build
+        self._sightings: Dict[Tuple[int, int], int] = {}
+
+    def sighted(self, n: int, count: int, built: bool) -> None:
+        """Record a run of ``count`` documents of ``n`` tokens (``built``: it ran batched, so
+        its plan exists from now on)."""
+        seen = self._sightings.get((n, count), 0) + 1
+        self._sightings[(n, count)] = max(seen, self.reuse_before_build) if built else seen
 
     def _at(self, table: Sequence[float], n: int) -> float:
         xs = self.lengths
@@ -203,8 +224,12 @@ class KernelCosts:
     def batched(self, n: int, count: int) -> float:
         """Seconds for ``count`` documents of ``n`` tokens in one batched call."""
         if count == 1:
-            return self._at(self._one, n)
-        return min(self._at(self._one, n) * count, self._at(self._many, n) * count)
+            cost = self._at(self._one, n)
+        else:
+            cost = min(self._at(self._one, n) * count, self._at(self._many, n) * count)
+        if self._sightings.get((n, count), 0) < self.reuse_before_build:
+            cost += self.build_s
+        return cost
 
     def varlen(self, n: int) -> float:
         """Seconds per document of ``n`` tokens inside a varlen call."""
@@ -278,7 +303,23 @@ def measure_costs(kernel: AttentionKernel, device, dtype, hq: int, hk: int, d: i
         else:
             var.append(math.inf)
         del x
-    return KernelCosts(CALIBRATION_LENGTHS, one, many, var, has_varlen)
+    return KernelCosts(CALIBRATION_LENGTHS, one, many, var, has_varlen,
+                       build_s=_build_cost_s(kernel, device, dtype, hq, hk, d, causal, scale))
+
+
+def _build_cost_s(kernel, device, dtype, hq, hk, d, causal, scale) -> float:
+    """The first call of a shape not run before, less the same call once its plan exists."""
+    n = 3 * 1000 + 7                       # a length no calibration call used
+    x = _synthetic(n, hq, hk, d, device, dtype)
+    run = _round_trip(x, n, build_packed_plan([[n]], causal, _ALWAYS_BATCHED, device), kernel,
+                      scale)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    first = start.elapsed_time(end) / 1e3
+    return max(0.0, first - _time_s(run))
 
 
 def _synthetic(tokens: int, hq: int, hk: int, d: int, device, dtype) -> Dict[str, Tensor]:

@@ -160,3 +160,14 @@ def test_cpu_masks_only_tiny_documents_in_small_segments():
     assert sum(s.tokens for s in segs) == 6000
     assert [s.kind for s in choose_segments([300, 700, 2, 5], cpu_costs())] == [
         BATCHED, BATCHED, VARLEN]
+
+
+def test_a_new_batched_shape_waits_until_it_recurs():
+    """A plan build costs more than one document saves: only recurring shapes go batched."""
+    lengths = [64, 128]
+    costs = KernelCosts(lengths, [1.0, 1.0], [1.0, 1.0], [2.0, 2.0], has_varlen=True,
+                        build_s=10.0, reuse_before_build=2)
+    kinds = [choose_segments([100], costs)[0].kind for _ in range(4)]
+    assert kinds == [VARLEN, VARLEN, BATCHED, BATCHED]
+    # another count of the same length is another shape
+    assert choose_segments([100, 100], costs)[0].kind == VARLEN
