@@ -12,7 +12,8 @@ setup(
     version="0.1.0",
     description="Megatron-style GPT pretraining with Unified Sequence Parallelism (Ulysses x Ring)",
     python_requires=">=3.10",
-    packages=find_namespace_packages(include=["megatron.usp*", "megatron.layers*", "megatron.memory*",
+    packages=find_namespace_packages(include=["megatron.shapes*", "megatron.usp*",
+                                               "megatron.layers*", "megatron.memory*",
                                                "megatron.planner*", "megatron.training*",
                                                "megatron.bench*"]),
     install_requires=[

@@ -20,12 +20,11 @@ TP_SIZE=${TP_SIZE:-1}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
 RUN_DIR=${RUN_DIR:-runs/cpu}
 
-MODEL=(--num-layers 4 --hidden-size 128 --ffn-hidden-size 352
-       --num-attention-heads 8 --group-query-attention --num-query-groups 4
+# The shape comes from the one preset table (megatron/shapes/presets.py).
+MODEL=($(python3 "$ROOT/tools/model_flags.py" cpu-tiny)
        --seq-length 256 --max-position-embeddings 256
-       --position-embedding-type rope --swiglu --normalization RMSNorm
-       --disable-bias-linear --untie-embeddings-and-output-weights
-       --make-vocab-size-divisible-by 32)
+       --position-embedding-type rope --normalization RMSNorm
+       --disable-bias-linear --make-vocab-size-divisible-by 32)
 TRAINING=(--micro-batch-size 2 --global-batch-size 8 --train-iters "$TRAIN_ITERS"
           --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 10
           --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --num-workers 1)

@@ -20,11 +20,11 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 RUN_DIR=${RUN_DIR:-runs/dp}
 PRECISION=${PRECISION:-bf16}
 
-MODEL=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632
-       --num-attention-heads 16 --group-query-attention --num-query-groups 4
+# The shape comes from the one preset table (megatron/shapes/presets.py).
+MODEL=($(python3 "$ROOT/tools/model_flags.py" llama-0.85b)
        --seq-length 4096 --max-position-embeddings 4096
-       --position-embedding-type rope --rotary-base 500000 --swiglu --normalization RMSNorm
-       --disable-bias-linear --untie-embeddings-and-output-weights)
+       --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm
+       --disable-bias-linear)
 TRAINING=(--micro-batch-size 1 --global-batch-size 64 --train-iters 1000
           --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 50
           --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer)

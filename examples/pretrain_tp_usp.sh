@@ -24,11 +24,11 @@ RING_DEGREE=${RING_DEGREE:-2}
 RUN_DIR=${RUN_DIR:-runs/tp_usp}
 PRECISION=${PRECISION:-bf16}
 
-MODEL=(--num-layers 24 --hidden-size 4096 --ffn-hidden-size 11008
-       --num-attention-heads 32 --group-query-attention --num-query-groups 8
+# The shape comes from the one preset table (megatron/shapes/presets.py).
+MODEL=($(python3 "$ROOT/tools/model_flags.py" llama-4.5b)
        --seq-length 32768 --max-position-embeddings 32768
-       --position-embedding-type rope --rotary-base 500000 --swiglu --normalization RMSNorm
-       --disable-bias-linear --untie-embeddings-and-output-weights)
+       --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm
+       --disable-bias-linear)
 TRAINING=(--micro-batch-size 1 --global-batch-size 8 --train-iters 1000
           --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 50
           --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer

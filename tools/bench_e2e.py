@@ -16,7 +16,7 @@ flags and the method are in :mod:`megatron.bench.e2e` and ``docs/performance.md`
 
 import sys
 
-from megatron.bench.e2e import main
+from megatron.bench.e2e.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

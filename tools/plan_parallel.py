@@ -22,7 +22,6 @@ from typing import Any, Dict, List, Optional
 
 from megatron.planner import (
     HARDWARE_PRESETS,
-    MODEL_PRESETS,
     PlannerError,
     Workload,
     apply_calibration,
@@ -36,6 +35,7 @@ from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, Assumptions
 from megatron.planner.explain import format_table
 from megatron.planner.plan import plan_from, result_to_json
 from megatron.planner.validate import DEFAULT_TOLERANCE, validate_measurements
+from megatron.shapes import PRESETS
 
 
 def _degree(value: str) -> Optional[int]:
@@ -51,7 +51,7 @@ def _degree(value: str) -> Optional[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help=f"preset ({', '.join(sorted(MODEL_PRESETS))}) or JSON/YAML file")
+    p.add_argument("--model", help=f"preset ({', '.join(sorted(PRESETS))}) or JSON/YAML file")
     p.add_argument("--seq-length", type=int)
     p.add_argument("--gpus", type=int, help="world size")
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -125,7 +125,7 @@ def fixed_from_args(args: argparse.Namespace) -> Dict[str, Any]:
 
 def _list_presets() -> str:
     lines = ["models:"]
-    for name, m in sorted(MODEL_PRESETS.items()):
+    for name, m in sorted(PRESETS.items()):
         lines.append(f"  {name:<12} {m.total_params() / 1e9:6.2f}B  L={m.num_layers} "
                      f"h={m.hidden_size} heads={m.num_attention_heads}/{m.num_query_groups} "
                      f"ffn={m.ffn_hidden_size} V={m.vocab_size}")

@@ -2,8 +2,10 @@
 
 One module per concern:
 
-* :mod:`~megatron.bench.flops`: FLOP counting (attention; the whole GPT model the way
-  Megatron-LM counts it) and MFU.
+* :mod:`~megatron.bench.flops`: FLOP counting of attention, and TFLOP/s per GPU (the whole
+  model's count is :mod:`megatron.shapes.flops`).
+* :mod:`~megatron.bench.models`: the models the benchmarks train (shapes from
+  :data:`megatron.shapes.PRESETS`) and their ``pretrain_gpt.py`` flags.
 * :mod:`~megatron.bench.timing`: device-aware timing (CUDA events or ``perf_counter``),
   peak memory, freeing memory between cases.
 * :mod:`~megatron.bench.report`: run metadata (device, versions, date, command), JSON and
@@ -14,7 +16,7 @@ One module per concern:
 * :mod:`~megatron.bench.attention_bench`: the attention sweep (USP splits, the single-GPU
   kernel, the SDPA anchor, the native-CP peer) and its command line.
 * :mod:`~megatron.bench.e2e`: end-to-end training throughput through ``pretrain_gpt.py``
-  and the longest-sequence search, and its command line.
+  and the longest-sequence search, one module per job (see its docstring).
 
 Nothing here runs at import time; benchmarks are never asserted in tests (the CPU smoke tests
 only check that the tools run and write valid output).

@@ -62,9 +62,10 @@ from megatron.bench.cli import (
     seq_label,
 )
 from megatron.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, tflops_per_gpu
+from megatron.shapes import attention_shape
 from megatron.training.observe import profiling
 from megatron.usp.kernels import AttentionBackendUnavailable, get_kernel
-from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
+from megatron.usp.parallel_dims import ParallelDims, USPConfigError
 from megatron.usp.token_order import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
 
 Tensor = torch.Tensor
@@ -160,7 +161,8 @@ def validate_config(cfg: AttentionBenchConfig, world: int) -> None:
             raise BenchConfigError(str(exc)) from None
     for u, r in all_splits(cfg.splits, world):
         try:
-            ParallelDims(world, ulysses=u, ring=r).check(ModelShape(cfg.heads, cfg.kv_heads))
+            ParallelDims(world, ulysses=u, ring=r).check(
+                attention_shape(cfg.heads, cfg.kv_heads, cfg.head_dim))
         except USPConfigError as exc:
             raise BenchConfigError(
                 f"--splits {u}x{r} does not fit {world} processes with --heads {cfg.heads} "

@@ -12,7 +12,7 @@ shapes, on this GPU, in this run:
 * once, the output layer ``[N, H] x [H, V]`` forward and backward.
 
 ``ceiling_s = L * (linears + attention) + output layer``, and the ceiling MFU is the step's
-Megatron FLOP count (:func:`megatron.training.observe.metrics.training_flops_per_iteration`) over
+FLOP count (:func:`megatron.shapes.dense_training_flops`, the training loop's too) over
 ``ceiling_s`` and the peak. Norms, RoPE, the activation, the loss, the optimizer and every
 copy count as overhead, so ``share = ceiling_s / measured step time`` is the fraction of
 the ideal a stack reaches. Timings are medians of CUDA-event timed repeats on random bf16
@@ -33,7 +33,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron.bench.flops import attention_fwd_bwd_flops
+from megatron.bench.models import MODELS
 from megatron.bench.timing import median_ms_alone
+from megatron.shapes import dense_training_flops
 
 
 @dataclass
@@ -88,20 +91,18 @@ def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int,
 
 def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
                     repeats: int = 5) -> Ceiling:
-    """Time the step's matmuls and attention for ``shape`` (a ``ModelPreset``) at ``seq_len``."""
-    from megatron.bench.flops import attention_fwd_bwd_flops
-    from megatron.training.observe.metrics import training_flops_per_iteration
-
+    """Time the step's matmuls and attention for ``shape`` (a
+    :class:`megatron.shapes.ModelShape`) at ``seq_len``."""
     device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     h, n, g, d = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, \
-        shape.kv_channels
+        shape.head_dim
     f, v = shape.ffn_hidden_size, shape.vocab_size
     linears = [(h, (n + 2 * g) * d), (n * d, h), (h, 2 * f), (f, h)]
     lin_ms = sum(linear_fwd_bwd_ms(seq_len, a, b, device, dtype, repeats) for a, b in linears)
     attn_ms = attention_fwd_bwd_ms(seq_len, n, g, d, device, dtype, repeats)
     out_ms = linear_fwd_bwd_ms(seq_len, h, v, device, dtype, repeats)
     ceiling_ms = shape.num_layers * (lin_ms + attn_ms) + out_ms
-    flops = training_flops_per_iteration(shape.flops_shape(seq_len), 1)
+    flops = dense_training_flops(shape, seq_len, 1)
     gemm_flops = 6.0 * seq_len * (sum(a * b for a, b in linears) * shape.num_layers + h * v)
     tflops = flops / (ceiling_ms / 1e3) / 1e12
     if peak_tflops is None:
@@ -120,7 +121,6 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.bench.cli import BenchConfigError, parse_seq_lens
-    from megatron.bench.e2e import MODELS
 
     p = argparse.ArgumentParser(prog="python -m megatron.bench.ceiling",
                                 description="Zero-overhead step time of a benchmark model.")
@@ -136,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(exc))
     if not torch.cuda.is_available():
         p.error("the ceiling is measured on a CUDA GPU; none is visible")
-    results: List[Dict] = [asdict(measure_ceiling(MODELS[ns.model], s, ns.peak_tflops,
+    results: List[Dict] = [asdict(measure_ceiling(MODELS[ns.model].shape, s, ns.peak_tflops,
                                                   ns.repeats)) for s in seq_lens]
     with open(ns.out, "w") as fh:
         json.dump(results, fh, indent=1)

@@ -1,6 +1,6 @@
 """What checkpoint checksums cost at save and at load: ``tools/bench_checkpoint.py``.
 
-One process (one GPU, or the CPU) builds a benchmark model (:data:`megatron.bench.e2e.MODELS`,
+One process (one GPU, or the CPU) builds a benchmark model (:data:`megatron.bench.models.MODELS`,
 default the Llama-style 0.85B), trains one step so the distributed optimizer holds its Adam
 state, then saves the same state ``--saves`` times with checksums and as often without,
 alternately (after one warm-up save, which starts the writer's Manager and caches the
@@ -27,7 +27,7 @@ import time
 from functools import partial
 from typing import Dict, List, Optional
 
-from megatron.bench.e2e import MODELS, model_flags
+from megatron.bench.models import MODELS, model_flags
 
 
 def _pretrain_args(model: str, seq_length: int, save_dir: str, device: str) -> List[str]:

@@ -10,10 +10,8 @@ FlashAttention's benchmarks: with ``b`` batch, ``h`` query heads, ``S`` sequence
 
 Counts are for the whole problem; a per-GPU rate divides by the number of GPUs that share it.
 
-The whole model's count (``tools/bench_e2e.py``) is the training loop's own,
-:func:`megatron.training.observe.metrics.training_flops_per_iteration` (Megatron-LM's
-``num_floating_point_operations`` with causal attention at half), so the benchmark and the
-training logs can never disagree.
+The whole model's count (``tools/bench_e2e.py``, the ceiling, the peers, the training logs
+and the planner) is the one in :mod:`megatron.shapes.flops`, so none can disagree.
 """
 
 from __future__ import annotations

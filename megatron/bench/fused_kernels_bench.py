@@ -1,6 +1,6 @@
 """``tools/bench_fused_kernels.py``: the ``--fused-kernels`` implementations side by side.
 
-For a model preset (:data:`megatron.bench.e2e.MODELS`) and a number of tokens ``N`` it times,
+For a model preset (:data:`megatron.bench.models.MODELS`) and a number of tokens ``N`` it times,
 forward and backward together (median of CUDA-event timed repeats), each implementation of
 :mod:`megatron.layers.fused_kernels` on the model's shapes, and measures its error against a
 float64 reference computed from the same bf16 inputs:
@@ -103,7 +103,7 @@ def _qkv_impls(available: Sequence[str], g: int, d: int) -> Dict[str, Callable]:
 def _impls(op: str, available: Sequence[str], shape=None) -> Dict[str, Callable]:
     if op == "qkv_rope":
         g = shape.num_attention_heads // shape.num_query_groups
-        return _qkv_impls(available, g, shape.kv_channels)
+        return _qkv_impls(available, g, shape.head_dim)
     table = {
         "rms_norm": {i: (lambda impl: lambda x, w: fk.rms_norm(x, w, 1e-5, impl))(i)
                      for i in available},
@@ -123,7 +123,7 @@ def _case(op: str, shape, tokens: int, device):
     """(inputs needing grad, extra inputs, float64 reference fn, bytes moved per fwd+bwd)."""
     bf16 = torch.bfloat16
     h, f, a, g, d = (shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads,
-                     shape.num_query_groups, shape.kv_channels)
+                     shape.num_query_groups, shape.head_dim)
     if op == "rms_norm":
         x = torch.randn(tokens, h, device=device, dtype=bf16)
         w = (1 + 0.1 * torch.randn(h, device=device)).to(bf16)
@@ -193,7 +193,7 @@ def run(shape, tokens: int, repeats: int, impls: Sequence[str]) -> List[OpResult
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron.bench.e2e import MODELS
+    from megatron.bench.models import MODELS
 
     p = argparse.ArgumentParser(prog="bench_fused_kernels.py",
                                 description="RMSNorm, SwiGLU and RoPE kernels side by side.")
@@ -207,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     impls = ["torch", "compile", "usp"] + (["liger"] if fk.liger_importable() else [])
     results: List[OpResult] = []
     for tokens in (int(t) for t in ns.tokens.split(",")):
-        results += run(MODELS[ns.model], tokens, ns.repeats, impls)
+        results += run(MODELS[ns.model].shape, tokens, ns.repeats, impls)
     print(f"{'op':9} {'impl':9} {'tokens':>7} {'ms':>8} {'GB/s':>7} {'err out':>9} "
           f"{'err grad':>9}")
     for r in results:

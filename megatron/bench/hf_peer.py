@@ -6,7 +6,7 @@ process of its own (one GPU, so its memory is measured alone)::
     python -m megatron.bench.hf_peer --peer hf-liger --model llama-0.85b --seq-len 32768 \
         --iters 6 --warmup 3 --recompute none --out peer.json
 
-It builds ``LlamaForCausalLM`` with the preset's shape (:data:`megatron.bench.e2e.MODELS`:
+It builds ``LlamaForCausalLM`` with the preset's shape (:data:`megatron.bench.models.MODELS`:
 RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, no biases), SDPA attention restricted to
 the cuDNN backend on CUDA (the kernel USP uses), and trains it on random tokens the way a
 Hugging Face user does on one GPU: bf16 weights, ``torch.optim.AdamW(fused=True)`` (so bf16
@@ -16,7 +16,7 @@ Adam states, and no float32 master copy: about 8.5 GiB less than mixed precision
 Triton kernels (``apply_liger_kernel_to_llama``: RoPE, RMSNorm, SwiGLU and the fused linear
 cross-entropy, so no full-sequence logits).
 
-The FLOP count is this project's (:func:`megatron.training.observe.metrics.training_flops_per_iteration`
+The FLOP count is this project's one count (:func:`megatron.shapes.dense_training_flops`
 for batch 1 of ``--seq-len`` tokens), so MFU and TFLOP/s compare one to one. The JSON written to
 ``--out`` has the keys of :class:`PeerResult`; a peer whose packages are missing reports
 ``status = "missing"`` with the ``pip install`` line, an out-of-memory run ``status = "oom"``.
@@ -34,6 +34,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Sequence
+
+from megatron.bench.models import MODELS
+from megatron.shapes import dense_training_flops
 
 PEERS = ("hf", "hf-liger")
 PEER_INSTALL = "pip install -e .[peers]"   # transformers and liger-kernel (setup.py extras)
@@ -75,7 +78,7 @@ def missing_packages(peer: str, cuda: bool) -> Optional[str]:
 
 
 def llama_config(shape, seq_len: int):
-    """``transformers.LlamaConfig`` of a :class:`megatron.bench.e2e.ModelPreset`.
+    """``transformers.LlamaConfig`` of a :class:`megatron.shapes.ModelShape`.
 
     RoPE base 10000 and RMSNorm epsilon 1e-5: ``pretrain_gpt.py``'s defaults
     (``--rotary-base``, ``--norm-epsilon``), which the benchmark does not change.
@@ -86,7 +89,7 @@ def llama_config(shape, seq_len: int):
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+        num_key_value_heads=shape.num_query_groups, head_dim=shape.head_dim,
         max_position_embeddings=seq_len, rms_norm_eps=1e-5, rope_theta=10000.0,
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
         hidden_act="silu", use_cache=False, attn_implementation="sdpa")
@@ -132,11 +135,9 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
     """Train ``iters`` steps of batch 1 and time each; see the module docstring."""
     import torch
 
-    from megatron.training.observe.metrics import training_flops_per_iteration
-
     cuda = torch.cuda.is_available()
     res = PeerResult(peer, seq_len, recompute, "ok")
-    res.flops_per_iteration = training_flops_per_iteration(shape.flops_shape(seq_len), 1)
+    res.flops_per_iteration = dense_training_flops(shape, seq_len, 1)
     why = missing_packages(peer, cuda)
     if why:
         res.status, res.note = "missing", why
@@ -208,8 +209,6 @@ def _versions(peer: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron.bench.e2e import MODELS
-
     p = argparse.ArgumentParser(prog="python -m megatron.bench.hf_peer",
                                 description="Train the benchmark model with Hugging Face "
                                             "transformers (a peer of tools/bench_e2e.py).")
@@ -226,14 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron.bench.e2e import MODELS
-
     ns = build_parser().parse_args(argv)
     if ns.iters <= ns.warmup or ns.warmup < 0 or ns.seq_len < 2:
         print(f"hf_peer: --iters {ns.iters} must exceed --warmup {ns.warmup} >= 0 and "
               f"--seq-len {ns.seq_len} must be >= 2", file=sys.stderr)
         return 2
-    res = train(ns.peer, MODELS[ns.model], ns.seq_len, ns.iters, ns.warmup, ns.recompute,
+    res = train(ns.peer, MODELS[ns.model].shape, ns.seq_len, ns.iters, ns.warmup, ns.recompute,
                 ns.seed, ns.peak_tflops)
     with open(ns.out, "w") as f:
         json.dump(asdict(res), f, indent=1)

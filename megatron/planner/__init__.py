@@ -3,7 +3,7 @@ sequence length and a cluster.
 
 Modules, one concern each:
 
-* :mod:`.models`     model shapes and presets (:class:`ModelSpec`).
+* :mod:`.models`     ``--model``: a preset of :data:`megatron.shapes.PRESETS` or a file.
 * :mod:`.hardware`   kernel rates, memory, link levels, presets, calibration files.
 * :mod:`.cost_model` per-layer FLOPs, communication volumes, memory; step-time model.
 * :mod:`.rules`      the USP paper's practice as constraints and tie-breakers.
@@ -36,7 +36,7 @@ from megatron.planner.hardware import (
     load_calibration,
     with_overrides,
 )
-from megatron.planner.models import MODEL_PRESETS, ModelSpec, load_model
+from megatron.planner.models import check_model, load_model
 from megatron.planner.plan import Plan, choose_layout
 from megatron.planner.search import SearchResult, plan_layouts
 
@@ -50,13 +50,12 @@ __all__ = [
     "HardwareSpec",
     "Layout",
     "LinkLevel",
-    "MODEL_PRESETS",
-    "ModelSpec",
     "Plan",
     "PlannerError",
     "SearchResult",
     "Workload",
     "apply_calibration",
+    "check_model",
     "choose_layout",
     "estimate",
     "get_hardware",

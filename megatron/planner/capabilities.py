@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, FrozenSet, List, Optional, Tuple
 
 from megatron.planner.cost_model import ZERO_STAGES, Layout
-from megatron.planner.models import ModelSpec
+from megatron.shapes import ModelShape
 
 ZERO_FLAGS = {0: [], 1: ["--use-distributed-optimizer"]}
 
@@ -100,7 +100,7 @@ def loss_flags(loss_chunk_tokens: Optional[int]) -> List[str]:
             str(loss_chunk_tokens)]
 
 
-def model_flags(model: ModelSpec, seq_length: int) -> List[str]:
+def model_flags(model: ModelShape, seq_length: int) -> List[str]:
     """The model's shape as ``pretrain_gpt.py`` flags (the vocabulary comes from the
     tokenizer; position embeddings, norms and biases are the user's choice)."""
     flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),

@@ -1,8 +1,8 @@
 """Per-layer cost model of one training step under a TP x Ulysses x Ring x DP x PP layout.
 
 Everything here is a pure function of integers and floats: the model shape
-(:class:`ModelSpec`), the layout (:class:`Layout`), the workload (:class:`Workload`) and
-the hardware (:class:`HardwareSpec`). It follows the accounting of the USP paper
+(:class:`~megatron.shapes.ModelShape`), the layout (:class:`Layout`), the workload
+(:class:`Workload`) and the hardware (:class:`HardwareSpec`). It follows the accounting of the USP paper
 (Fang & Zhao 2024, "USP: A Unified Sequence Parallelism Approach for Long Context
 Generative AI", the communication/memory comparison of SP-Ulysses, SP-Ring, TP, TP-sp
 and ZeRO), made exact for this code base's layout and megatron-core's training step.
@@ -39,7 +39,8 @@ from megatron.planner.hardware import (
     bottleneck_level,
     peers_per_level,
 )
-from megatron.planner.models import ModelSpec
+from megatron.planner.models import check_model
+from megatron.shapes import ModelShape, attention_shape, dense_training_flops
 from megatron.usp.parallel_dims import ParallelDims
 
 GIB = float(2**30)
@@ -101,7 +102,7 @@ class Layout:
 class Workload:
     """What is trained where: model, sequence, batch and the cluster's shape."""
 
-    model: ModelSpec
+    model: ModelShape
     seq_length: int
     world_size: int
     gpus_per_node: int
@@ -109,6 +110,7 @@ class Workload:
     global_batch_size: Optional[int] = None
 
     def __post_init__(self) -> None:
+        check_model(self.model)
         for key, flag in (("seq_length", "--seq-length"), ("world_size", "--gpus"),
                           ("gpus_per_node", "--gpus-per-node"),
                           ("micro_batch_size", "--micro-batch-size")):
@@ -204,7 +206,7 @@ class RankShapes:
     layers: int     # layers per pipeline stage
 
 
-def rank_shapes(model: ModelSpec, layout: Layout, b: int, s: int, a: Assumptions) -> RankShapes:
+def rank_shapes(model: ModelShape, layout: Layout, b: int, s: int, a: Assumptions) -> RankShapes:
     n = b * s / layout.cp
     return RankShapes(
         n=n,
@@ -218,7 +220,7 @@ def rank_shapes(model: ModelSpec, layout: Layout, b: int, s: int, a: Assumptions
 # ============================================================================ FLOPs
 
 
-def layer_matmul_flops_fwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> Tuple[float, float]:
+def layer_matmul_flops_fwd(model: ModelShape, layout: Layout, sh: RankShapes) -> Tuple[float, float]:
     """Forward GEMM FLOPs of one layer on one rank: ``(attention projections, MLP)``.
 
     * QKV: ``2 * n * h * (h/t + 2*kv_t*d)`` (a GEMM is 2 FLOPs per multiply-add);
@@ -235,7 +237,7 @@ def layer_matmul_flops_fwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> 
     return qkv + proj, mlp
 
 
-def attention_flops_fwd(model: ModelSpec, layout: Layout, b: int, s: int) -> float:
+def attention_flops_fwd(model: ModelShape, layout: Layout, b: int, s: int) -> float:
     """Forward FLOPs of causal core attention for one layer on one rank.
 
     ``Q K^T`` and ``P V`` are ``2 * b * a * s^2 * d`` FLOPs each for the full square;
@@ -246,7 +248,7 @@ def attention_flops_fwd(model: ModelSpec, layout: Layout, b: int, s: int) -> flo
     return 2.0 * b * s * s * model.hidden_size / (layout.tp * layout.cp)
 
 
-def logits_flops_fwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> float:
+def logits_flops_fwd(model: ModelShape, layout: Layout, sh: RankShapes) -> float:
     """Output layer on the last stage: ``2 * n * h * V/t``."""
     return 2 * sh.n * model.hidden_size * model.vocab_size / layout.tp
 
@@ -254,7 +256,7 @@ def logits_flops_fwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> float:
 # ============================================================================ memory-bound work
 
 
-def layer_elementwise_bytes_fwd(model: ModelSpec, layout: Layout, sh: RankShapes,
+def layer_elementwise_bytes_fwd(model: ModelShape, layout: Layout, sh: RankShapes,
                                 a: Assumptions) -> float:
     """HBM bytes read+written by one layer's memory-bound kernels outside USP attention
     (see :func:`usp_attention_elementwise_bytes_fwd` for those), forward, one rank.
@@ -275,7 +277,7 @@ def layer_elementwise_bytes_fwd(model: ModelSpec, layout: Layout, sh: RankShapes
     return per_sp_token * sh.n_sp + per_token * sh.n
 
 
-def usp_attention_elementwise_bytes_fwd(model: ModelSpec, layout: Layout, sh: RankShapes,
+def usp_attention_elementwise_bytes_fwd(model: ModelShape, layout: Layout, sh: RankShapes,
                                         a: Assumptions) -> float:
     """HBM bytes of USP attention's own memory-bound work, forward, one rank, per token
     of the CP rank (``n`` tokens):
@@ -295,7 +297,7 @@ def usp_attention_elementwise_bytes_fwd(model: ModelSpec, layout: Layout, sh: Ra
     return per_token * sh.n
 
 
-def ring_merge_bytes_bwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> float:
+def ring_merge_bytes_bwd(model: ModelShape, layout: Layout, sh: RankShapes) -> float:
     """Ring backward: ``R-1`` accumulations of dq (fp32, read+write 8 bytes per element)
     and of dk, dv into fp32 accumulators: ``8 * (R-1) * n * (h/t + 2*kv_u*d)``."""
     if layout.ring == 1:
@@ -304,7 +306,7 @@ def ring_merge_bytes_bwd(model: ModelSpec, layout: Layout, sh: RankShapes) -> fl
                                             + 2 * sh.kv_u * model.head_dim)
 
 
-def loss_elementwise_bytes(model: ModelSpec, layout: Layout, sh: RankShapes) -> float:
+def loss_elementwise_bytes(model: ModelShape, layout: Layout, sh: RankShapes) -> float:
     """Vocab-parallel cross entropy, forward + backward: reads bf16 logits and writes the
     fp32 softmax (6 B), then reads it back and writes bf16 grads (6 B): ``12 * n * V/t``."""
     return 12 * sh.n * model.vocab_size / layout.tp
@@ -319,7 +321,7 @@ def optimizer_step_bytes(local_params: float) -> float:
 # ============================================================================ communication volumes
 
 
-def ulysses_a2a_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
+def ulysses_a2a_bytes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
     """Bytes one rank sends to other Ulysses ranks in one pass of one layer.
 
     Forward moves q, k, v (sequence-sharded -> head-sharded) and o (back): per rank the
@@ -339,7 +341,7 @@ def ulysses_a2a_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assum
     return (U - 1) / U * sh.n * (2 * h / layout.tp + 2 * sh.kv_u * d) * a.act_bytes
 
 
-def ring_step_bytes(model: ModelSpec, layout: Layout, sh: RankShapes,
+def ring_step_bytes(model: ModelShape, layout: Layout, sh: RankShapes,
                     a: Assumptions) -> Tuple[float, float]:
     """Bytes one rank sends to its ring neighbour per ring step: ``(forward, backward)``.
 
@@ -364,7 +366,7 @@ def ring_acc_bytes(layout: Layout, a: Assumptions) -> int:
     return a.act_bytes if layout.ring <= 2 else a.ring_dkv_bytes
 
 
-def ring_last_hop_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
+def ring_last_hop_bytes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
     """The R-th hop of the dK/dV accumulator after the last backward step: ``2 * n*kv_u*d``
     elements. The sum is final by then, so megatron/usp/ring_attention.py casts it to the
     activation dtype before sending (``act_bytes``, not ``ring_dkv_bytes``); nothing is left
@@ -374,7 +376,7 @@ def ring_last_hop_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Ass
     return 2 * sh.n * sh.kv_u * model.head_dim * a.act_bytes
 
 
-def tp_collective_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
+def tp_collective_bytes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
     """Bytes one rank moves in ONE TP collective of a layer.
 
     With sequence parallelism a layer does, per pass, 2 all-gathers (before QKV and
@@ -390,7 +392,7 @@ def tp_collective_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Ass
     return (t - 1) / t * sh.n * model.hidden_size * a.act_bytes
 
 
-def pp_send_bytes(model: ModelSpec, sh: RankShapes, a: Assumptions) -> float:
+def pp_send_bytes(model: ModelShape, sh: RankShapes, a: Assumptions) -> float:
     """Activation (or its gradient) sent between two pipeline stages per micro-batch:
     ``n_sp * h * 2`` bytes (sharded over TP with sequence parallelism)."""
     return sh.n_sp * model.hidden_size * a.act_bytes
@@ -442,7 +444,7 @@ def dp_traffic(zero_stage: int, local_params: float, group: int, m: int, a: Assu
 # ============================================================================ memory
 
 
-def stage_params(model: ModelSpec, layout: Layout, first: bool, last: bool) -> float:
+def stage_params(model: ModelShape, layout: Layout, first: bool, last: bool) -> float:
     """Parameters one rank holds on a PP stage: its TP shard of the layer matrices
     (norm weights are replicated over TP), plus the embedding on the first stage and the
     output layer (untied) on the last, both vocab-sharded over TP."""
@@ -490,7 +492,7 @@ def model_state_bytes(zero_stage: int, local_params: float, layer_params: float,
     return ModelStateBytes(pb * P / N, gb * P / N, ob * P / N, 2 * pb * layer_params)
 
 
-def layer_activation_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, recompute: str,
+def layer_activation_bytes(model: ModelShape, layout: Layout, sh: RankShapes, recompute: str,
                            a: Assumptions) -> float:
     """Activations one layer keeps for backward, per micro-batch, on one rank.
 
@@ -530,7 +532,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, rec
     return (4 * sp + attn + mlp) * ab + lse
 
 
-def layer_transient_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, recompute: str,
+def layer_transient_bytes(model: ModelShape, layout: Layout, sh: RankShapes, recompute: str,
                           a: Assumptions) -> float:
     """Peak extra memory while one layer runs backward, one rank.
 
@@ -548,7 +550,7 @@ def layer_transient_bytes(model: ModelSpec, layout: Layout, sh: RankShapes, reco
     return full + (full - kept) + attn_ws
 
 
-def logits_bytes(model: ModelSpec, layout: Layout, sh: RankShapes,
+def logits_bytes(model: ModelShape, layout: Layout, sh: RankShapes,
                  a: Optional[Assumptions] = None) -> Tuple[float, float]:
     """Last stage: ``(kept, transient)`` bytes of the output layer and the loss.
 
@@ -755,7 +757,7 @@ class AttentionTimes:
     bwd: float
 
 
-def usp_attention_times(model: ModelSpec, layout: Layout, sh: RankShapes, hw: HardwareSpec,
+def usp_attention_times(model: ModelShape, layout: Layout, sh: RankShapes, hw: HardwareSpec,
                         links: Dict[str, object], a: Assumptions, b: int, s: int,
                         backward: bool = True, recompute_forward: bool = False) -> AttentionTimes:
     """Core attention under U x R: all-to-alls, ring passes, kernels, copies.
@@ -932,7 +934,7 @@ def estimate(w: Workload, layout: Layout, hw: HardwareSpec,
         global_batch=gbs,
         num_micro_batches=m,
         tokens_per_step=gbs * w.seq_length,
-        model_flops_per_step=_model_flops(w, layout, sh, gbs),
+        model_flops_per_step=dense_training_flops(w.model, w.seq_length, gbs),  # no recompute
         peak_tflops=hw.peak_tflops,
         links=names,
         link_levels=levels,
@@ -941,7 +943,7 @@ def estimate(w: Workload, layout: Layout, hw: HardwareSpec,
     )
 
 
-def _heaviest_stage_params(model: ModelSpec, layout: Layout) -> float:
+def _heaviest_stage_params(model: ModelShape, layout: Layout) -> float:
     """Parameters per rank on the pipeline stage that holds the most."""
     single = layout.pp == 1
     return max(stage_params(model, layout, True, single), stage_params(model, layout, single, True))
@@ -987,19 +989,7 @@ def _step_time(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes, a:
     )
 
 
-def _model_flops(w: Workload, layout: Layout, sh: RankShapes, gbs: int) -> float:
-    """MFU numerator for a step: 3x the forward FLOPs of the whole model on every
-    sequence (no recompute; the KV projections replicated over TP when g < t count once
-    per TP rank, a small overcount)."""
-    model, b = w.model, w.micro_batch_size
-    mm_attn, mm_mlp = layer_matmul_flops_fwd(model, layout, sh)
-    per_rank_fwd = (model.num_layers * (mm_attn + mm_mlp
-                                        + attention_flops_fwd(model, layout, b, w.seq_length))
-                    + logits_flops_fwd(model, layout, sh))
-    return 3 * per_rank_fwd * layout.tp * layout.cp * gbs / b
-
-
-def _volumes(model: ModelSpec, layout: Layout, sh: RankShapes, a: Assumptions, m: int,
+def _volumes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions, m: int,
              traffic: DPTraffic) -> Dict[str, float]:
     """Bytes one rank sends per step, by axis (full recompute repeats forward traffic)."""
     full = layout.recompute == "full"
@@ -1072,10 +1062,9 @@ class AttentionWorkload:
     batch: int = 1
     backward: bool = True
 
-    def model(self) -> ModelSpec:
+    def model(self) -> ModelShape:
         """The attention as a one-layer model (no MLP, no vocabulary)."""
-        return ModelSpec("attention", 1, self.heads * self.head_dim, self.heads,
-                         self.kv_heads, 1, 1)
+        return attention_shape(self.heads, self.kv_heads, self.head_dim)
 
 
 @dataclass

@@ -92,7 +92,7 @@ def _max_ulysses(result: SearchResult, tp: int) -> int:
     """The largest Ulysses degree the heads allow at this TP (ParallelDims' head rules)."""
     m = result.workload.model
     return max(u for u in divisors(m.num_attention_heads // tp)
-               if not ParallelDims(tp * u, tp=tp, ulysses=u).violations(m.shape))
+               if not ParallelDims(tp * u, tp=tp, ulysses=u).violations(m))
 
 
 def _reason_cp(result: SearchResult, e: Estimate) -> List[str]:

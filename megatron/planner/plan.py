@@ -21,8 +21,8 @@ from megatron.planner.capabilities import (
 from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, Assumptions, Estimate, Workload
 from megatron.planner.explain import reasons_for
 from megatron.planner.hardware import HardwareSpec
-from megatron.planner.models import ModelSpec
 from megatron.planner.search import RankedLayout, SearchResult, plan_layouts
+from megatron.shapes import ModelShape
 
 
 @dataclass
@@ -141,7 +141,7 @@ def plan_from(result: SearchResult, ranked: RankedLayout) -> Plan:
 
 
 def choose_layout(
-    model: ModelSpec,
+    model: ModelShape,
     seq_length: int,
     world_size: int,
     gpus_per_node: int,

@@ -97,7 +97,7 @@ def _structural_reject(w: Workload, fixed: Dict[str, Any], tp: int, u: int, r: i
         if msg:
             return "tp-inside-node", msg
     dims = ParallelDims(w.world_size, tp=tp, ulysses=u, ring=r, pp=pp)
-    broken = dims.violations(w.model.shape, w.seq_length, w.micro_batch_size,
+    broken = dims.violations(w.model, w.seq_length, w.micro_batch_size,
                              w.global_batch_size, sequence_parallel=a.tp_sequence_parallel)
     return (broken[0].rule, broken[0].message) if broken else None
 
@@ -204,7 +204,7 @@ def rank_attention_layouts(aw: AttentionWorkload, hardware: Union[HardwareSpec, 
     cands = []
     for u in divisors(aw.world_size):
         r = aw.world_size // u
-        if ParallelDims(aw.world_size, ulysses=u, ring=r).violations(model.shape,
+        if ParallelDims(aw.world_size, ulysses=u, ring=r).violations(model,
                                                                    aw.seq_length):
             continue
         cands.append(estimate_attention(aw, u, r, hw, assumptions))

@@ -37,7 +37,8 @@ from megatron.planner.hardware import (
     load_calibration,
     read_json,
 )
-from megatron.planner.models import ModelSpec, load_model, model_from_mapping
+from megatron.planner.models import load_model, model_from_mapping
+from megatron.shapes import ModelShape
 from megatron.usp.parallel_dims import MEGATRON_NAMES
 
 MEASUREMENTS_SCHEMA = "megatron-usp-measurements/1"
@@ -158,7 +159,7 @@ def _num(x: Optional[float]) -> str:
     return f"{x:8.1f}" if x is not None else f"{'-':>8}"
 
 
-def _model_of(run: Dict[str, Any], where: str) -> ModelSpec:
+def _model_of(run: Dict[str, Any], where: str) -> ModelShape:
     spec = run.get("model")
     if isinstance(spec, str):
         return load_model(spec)

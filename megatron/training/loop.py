@@ -53,12 +53,12 @@ from megatron.training.checkpoint.save_load import (
     start_writer_manager,
     zero_adam_state,
 )
+from megatron.training.cli.arguments import model_shape_from_args
 from megatron.training.data import batch as batch_mod
 from megatron.training.initialize import Runtime, initialize, shutdown
 from megatron.training.model.build import build_model, count_parameters, reserve_offload_buffers
 from megatron.training.observe.memory_snapshot import MemoryHistory
 from megatron.training.observe.metrics import (
-    GPTShape,
     MetricsWriter,
     StepStats,
     Throughput,
@@ -663,8 +663,8 @@ def _log_setup(args, rt: Runtime, model, loaded: Optional[str], state: TrainStat
 
 def _make_writer(args, rt: Runtime) -> MetricsWriter:
     peak = args.peak_tflops or peak_tflops_for_device(rt.device_name)
-    throughput = Throughput(GPTShape.from_args(args), args.global_batch_size, rt.world_size,
-                            peak)
+    throughput = Throughput(model_shape_from_args(args), args.seq_length,
+                            args.global_batch_size, rt.world_size, peak)
     return MetricsWriter(rt.is_logging_rank, args.train_iters, args.log_interval, throughput,
                          metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir)
 

@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron.shapes.model import ModelShape
+
 ORDER: Tuple[str, ...] = ("tp", "ulysses", "ring", "dp", "pp")
 
 FLAGS: Dict[str, str] = {
@@ -75,19 +77,6 @@ class USPConfigError(ValueError):
 def divisors(n: int) -> List[int]:
     """The positive divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the layout rules need to know of a model (megatron's names)."""
-
-    num_attention_heads: int
-    num_query_groups: Optional[int] = None   # None: multi-head attention
-    num_layers: Optional[int] = None
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
 
 
 @dataclass(frozen=True)

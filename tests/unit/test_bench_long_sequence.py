@@ -5,14 +5,16 @@ import json
 
 import pytest
 
-from megatron.bench import depth, e2e
+from megatron.bench import depth
+from megatron.bench.e2e import cli as e2e_cli
+from megatron.bench.e2e import command, config, output, summary, sweep
 
 
 def _cfg(**kw):
     base = dict(seq_lens=[65536], splits=[(1, 1)], nproc_per_node=1, iters=2, warmup=1,
                 device="cuda", model="llama3-8b")
     base.update(kw)
-    return e2e.E2EConfig(**base)
+    return config.E2EConfig(**base)
 
 
 def _records(times_ms, gpu=(10.0, 12.0), host=(30.0, 31.0)):
@@ -27,7 +29,7 @@ def _records(times_ms, gpu=(10.0, 12.0), host=(30.0, 31.0)):
 def test_llama3_8b_preset_is_valid_pretrain_gpt_flags():
     arguments = pytest.importorskip("megatron.training.cli.arguments")
     cfg = _cfg(extra_args=["--recompute-keep-core-attn", "--mlp-tile-tokens", "8192"])
-    args = arguments.parse_args(e2e.pretrain_args(cfg, e2e.RunSpec(262144, 1, 1, "full", 2),
+    args = arguments.parse_args(command.pretrain_args(cfg, config.RunSpec(262144, 1, 1, "full", 2),
                                                   "m.jsonl"))
     arguments.validate_args(args, world_size=1, cuda_available=True)
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (32, 4096, 32)
@@ -42,20 +44,20 @@ def test_llama3_8b_preset_is_valid_pretrain_gpt_flags():
 
 def test_a_slice_changes_the_flags_and_the_flop_count():
     arguments = pytest.importorskip("megatron.training.cli.arguments")
-    spec = e2e.RunSpec(262144, 1, 1, "full", 2)
+    spec = config.RunSpec(262144, 1, 1, "full", 2)
     whole, sliced = _cfg(), _cfg(num_layers=2)
-    args = arguments.parse_args(e2e.pretrain_args(sliced, spec, "m.jsonl"))
+    args = arguments.parse_args(command.pretrain_args(sliced, spec, "m.jsonl"))
     assert args.num_layers == 2 and sliced.shape.hidden_size == 4096
-    outcome = e2e.RunOutcome("ok", 0, _records([1000.0, 1000.0]), "l", [])
-    r_whole, r_slice = e2e.summarize(whole, spec, outcome), e2e.summarize(sliced, spec, outcome)
+    outcome = config.RunOutcome("ok", 0, _records([1000.0, 1000.0]), "l", [])
+    r_whole, r_slice = summary.summarize(whole, spec, outcome), summary.summarize(sliced, spec, outcome)
     assert r_slice.num_layers == 2 and r_whole.num_layers == 32
     assert r_slice.flops_per_iteration < r_whole.flops_per_iteration / 8
     assert r_slice.peak_mem_gib == 12.0 and r_slice.peak_host_gib == 31.0
-    assert "host peak 31.0 GiB" in e2e.progress_line(r_slice)
+    assert "host peak 31.0 GiB" in output.progress_line(r_slice)
     from megatron.bench.cli import BenchConfigError
 
     with pytest.raises(BenchConfigError, match="--num-layers 40"):
-        e2e.validate_config(_cfg(num_layers=40, pretrain_script=__file__))
+        e2e_cli.validate_config(_cfg(num_layers=40, pretrain_script=__file__))
 
 
 def test_find_max_seq_uses_selective_recompute_when_asked():
@@ -64,11 +66,11 @@ def test_find_max_seq_uses_selective_recompute_when_asked():
     def run(cfg, spec):
         calls.append(spec)
         ok = spec.seq_len <= 131072
-        return e2e.RunOutcome("ok" if ok else "oom", 0 if ok else 1,
+        return config.RunOutcome("ok" if ok else "oom", 0 if ok else 1,
                               _records([1.0, 1.0]) if ok else [], "l", [])
 
     cfg = _cfg(find_max_seq=True, start_seq=65536, max_seq=1 << 20, recompute="selective")
-    results, longest = e2e.find_max_seq(cfg, runner=run)
+    results, longest = sweep.find_max_seq(cfg, runner=run)
     assert [c.recompute for c in calls] == ["selective"] * 3 and longest == {"1x1": 131072}
     assert results[0].peak_host_gib == 31.0 and results[0].mfu is not None
 

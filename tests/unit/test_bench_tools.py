@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from megatron.bench import attention_bench as ab
-from megatron.bench import cli, e2e, flops, native_cp, report, timing
+from megatron.bench import cli, flops, models, native_cp, report, timing
+from megatron.bench.e2e import cli as e2e_cli
+from megatron.bench.e2e import command, config, launch, output, pairing, peers, summary, sweep
 from megatron.usp.token_order import positions_for_cp_rank
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,7 +225,7 @@ def _e2e_cfg(tmp_path=None, **kw):
     if tmp_path is not None:
         base["log_dir"] = str(tmp_path)
     base.update(kw)
-    return e2e.E2EConfig(**base)
+    return config.E2EConfig(**base)
 
 
 @pytest.mark.parametrize("device,split,recompute", [("cuda", (2, 1), "none"),
@@ -234,8 +236,8 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     """The command bench_e2e builds parses and validates with pretrain_gpt.py's own code."""
     arguments = pytest.importorskip("megatron.training.cli.arguments")
     cfg = _e2e_cfg(device=device)
-    spec = e2e.RunSpec(65536, *split, recompute, 5)
-    args = arguments.parse_args(e2e.pretrain_args(cfg, spec, "/tmp/m.jsonl"))
+    spec = config.RunSpec(65536, *split, recompute, 5)
+    args = arguments.parse_args(command.pretrain_args(cfg, spec, "/tmp/m.jsonl"))
     arguments.validate_args(args, world_size=2, cuda_available=device == "cuda")
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (16, 2048, 16)
     assert (args.num_query_groups, args.kv_channels, args.ffn_hidden_size) == (4, 128, 5632)
@@ -254,22 +256,22 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
 
 
 def test_only_presets_that_ask_use_the_fused_loss():
-    assert "--fused-linear-cross-entropy" in e2e.model_flags(e2e.MODELS["llama-0.85b"])
-    assert "--fused-linear-cross-entropy" not in e2e.model_flags(e2e.MODELS["tiny"])
+    assert "--fused-linear-cross-entropy" in models.model_flags(models.MODELS["llama-0.85b"])
+    assert "--fused-linear-cross-entropy" not in models.model_flags(models.MODELS["tiny"])
     cfg = _e2e_cfg(find_max_seq=True, start_seq=131072)
-    assert "--fused-linear-cross-entropy" in e2e.pretrain_args(
-        cfg, e2e.RunSpec(131072, 1, 2, "full", 2), "m.jsonl")
+    assert "--fused-linear-cross-entropy" in command.pretrain_args(
+        cfg, config.RunSpec(131072, 1, 2, "full", 2), "m.jsonl")
 
 
 def test_launch_command_is_torchrun_of_pretrain_gpt():
     cfg = _e2e_cfg(extra_args=["--num-workers", "0"])
-    cmd = e2e.launch_command(cfg, e2e.RunSpec(32768, 2, 1, "none", 5), "m.jsonl", 29500)
+    cmd = command.launch_command(cfg, config.RunSpec(32768, 2, 1, "none", 5), "m.jsonl", 29500)
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"]
     assert cmd[cmd.index("--master-port") + 1] == "29500"
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
     assert cmd[cmd.index(cfg.pretrain_script) + 1] == "--num-layers"
     assert cmd[-2:] == ["--num-workers", "0"]
-    assert e2e.global_batch_size(_e2e_cfg(nproc_per_node=4), e2e.RunSpec(1, 2, 1, "none", 1)) == 2
+    assert config.global_batch_size(_e2e_cfg(nproc_per_node=4), config.RunSpec(1, 2, 1, "none", 1)) == 2
 
 
 def _records(times_ms, mem=10.0, loss=9.0, mfu_peak=989.0):
@@ -285,24 +287,24 @@ def _records(times_ms, mem=10.0, loss=9.0, mfu_peak=989.0):
 
 def test_classify_outcomes():
     recs = _records([1.0] * 5)
-    assert e2e.classify(0, "", recs, "l", [], 5).status == "ok"
-    assert e2e.classify(1, "torch.OutOfMemoryError: CUDA out of memory", recs[:1], "l", [],
+    assert launch.classify(0, "", recs, "l", [], 5).status == "ok"
+    assert launch.classify(1, "torch.OutOfMemoryError: CUDA out of memory", recs[:1], "l", [],
                         5).status == "oom"
-    err = e2e.classify(1, "Traceback\nValueError: --foo bad\n", [], "l", [], 5)
+    err = launch.classify(1, "Traceback\nValueError: --foo bad\n", [], "l", [], 5)
     assert err.status == "error" and "--foo bad" in err.note and "0/5" in err.note
     # exit 0 but iterations missing from the metrics file is not a success
-    assert e2e.classify(0, "", recs[:3], "l", [], 5).status == "error"
-    assert e2e.classify(None, "", [], "l", [], 5).status == "timeout"
+    assert launch.classify(0, "", recs[:3], "l", [], 5).status == "error"
+    assert launch.classify(None, "", [], "l", [], 5).status == "timeout"
 
 
 def test_summarize_excludes_warmup_and_counts_megatron_flops():
     pytest.importorskip("megatron.training.observe.metrics")
     cfg = _e2e_cfg(warmup=2)
-    spec = e2e.RunSpec(32768, 2, 1, "none", 5)
+    spec = config.RunSpec(32768, 2, 1, "none", 5)
     recs = _records([5000.0, 900.0, 100.0, 100.0, 130.0])
     recs.append({"kind": "valid", "iteration": 5, "lm_loss": 1.0})     # not a train step
-    outcome = e2e.RunOutcome("ok", 0, recs, "l", ["python"])
-    r = e2e.summarize(cfg, spec, outcome)
+    outcome = config.RunOutcome("ok", 0, recs, "l", ["python"])
+    r = summary.summarize(cfg, spec, outcome)
     assert r.iterations_measured == 3 and r.iter_ms == pytest.approx(110.0)
     assert r.iter_ms_each == pytest.approx([100.0, 100.0, 130.0])
     assert r.tokens_per_s == pytest.approx(32768 / 0.110)
@@ -319,18 +321,18 @@ def test_summarize_excludes_warmup_and_counts_megatron_flops():
     assert r.peak_tflops == pytest.approx(989.0) and r.mfu == pytest.approx(r.tflops_per_gpu / 989)
     assert r.peak_mem_gib == 14.0 and r.last_loss == 5.0
     # --peak-tflops overrides; no peak anywhere (CPU): MFU is n/a, not a made-up number
-    assert e2e.summarize(_e2e_cfg(peak_tflops=500.0), spec, outcome).mfu == pytest.approx(
+    assert summary.summarize(_e2e_cfg(peak_tflops=500.0), spec, outcome).mfu == pytest.approx(
         r.tflops_per_gpu / 500)
-    cpu = e2e.RunOutcome("ok", 0, _records([100.0] * 5, mfu_peak=None), "l", [])
-    assert e2e.summarize(_e2e_cfg(device="cpu"), spec, cpu).mfu is None
-    failed = e2e.summarize(cfg, spec, e2e.RunOutcome("oom", 1, [], "l", [], "out of memory"))
+    cpu = config.RunOutcome("ok", 0, _records([100.0] * 5, mfu_peak=None), "l", [])
+    assert summary.summarize(_e2e_cfg(device="cpu"), spec, cpu).mfu is None
+    failed = summary.summarize(cfg, spec, config.RunOutcome("oom", 1, [], "l", [], "out of memory"))
     assert failed.status == "oom" and failed.tokens_per_s is None
 
 
 def test_train_steps_keep_the_last_record_of_each_iteration():
     recs = _records([100.0, 200.0])
     recs.append(dict(recs[2], step_time_s=0.5))          # iteration 2 again (a resumed run)
-    steps = e2e.train_steps(recs)
+    steps = summary.train_steps(recs)
     assert [r["iteration"] for r in steps] == [1, 2] and steps[1]["step_time_s"] == 0.5
 
 
@@ -342,8 +344,8 @@ def _fake_runner(fails):
         calls.append(spec)
         status = fails(spec)
         if status:
-            return e2e.RunOutcome(status, 1, [], "l", [], status)
-        return e2e.RunOutcome("ok", 0, _records([100.0] * spec.iters), "l", [])
+            return config.RunOutcome(status, 1, [], "l", [], status)
+        return config.RunOutcome("ok", 0, _records([100.0] * spec.iters), "l", [])
 
     return run, calls
 
@@ -351,7 +353,7 @@ def _fake_runner(fails):
 def test_auto_recompute_retries_after_oom():
     run, calls = _fake_runner(lambda s: "oom" if s.seq_len > 32768 and s.recompute == "none"
                               else None)
-    results = e2e.throughput_sweep(_e2e_cfg(seq_lens=[32768, 65536, 131072]), runner=run)
+    results = sweep.throughput_sweep(_e2e_cfg(seq_lens=[32768, 65536, 131072]), runner=run)
     assert [(c.seq_len, c.ring, c.recompute) for c in calls] == [
         (32768, 1, "none"), (32768, 2, "none"),
         (65536, 1, "none"), (65536, 1, "full"), (65536, 2, "none"), (65536, 2, "full"),
@@ -360,33 +362,33 @@ def test_auto_recompute_retries_after_oom():
     assert [r.status for r in results] == ["ok", "ok", "oom", "ok", "oom", "ok", "ok", "ok"]
     assert [r.recompute for r in results[2:4]] == ["none", "full"]
     run, calls = _fake_runner(lambda s: None)
-    e2e.throughput_sweep(_e2e_cfg(recompute="full", seq_lens=[32768]), runner=run)
+    sweep.throughput_sweep(_e2e_cfg(recompute="full", seq_lens=[32768]), runner=run)
     assert [c.recompute for c in calls] == ["full", "full"]
     run, calls = _fake_runner(lambda s: "error")     # not a memory problem: no retry
-    assert [r.status for r in e2e.throughput_sweep(_e2e_cfg(seq_lens=[32768]), runner=run)] == [
+    assert [r.status for r in sweep.throughput_sweep(_e2e_cfg(seq_lens=[32768]), runner=run)] == [
         "error", "error"]
 
 
 def test_find_max_seq_doubles_until_failure():
     run, calls = _fake_runner(lambda s: "oom" if s.seq_len > 512 * 1024 else None)
     cfg = _e2e_cfg(find_max_seq=True, start_seq=131072, max_seq=4 << 20, iters=2, warmup=1)
-    results, longest = e2e.find_max_seq(cfg, runner=run)
+    results, longest = sweep.find_max_seq(cfg, runner=run)
     assert [c.seq_len for c in calls[:4]] == [131072, 262144, 524288, 1048576]
     assert all(c.recompute == "full" for c in calls)
     assert longest == {"2x1": 524288, "1x2": 524288}
     assert [r.status for r in results[:4]] == ["ok", "ok", "ok", "oom"]
     run, _ = _fake_runner(lambda s: "error")
-    assert e2e.find_max_seq(cfg, runner=run)[1] == {"2x1": None, "1x2": None}
+    assert sweep.find_max_seq(cfg, runner=run)[1] == {"2x1": None, "1x2": None}
     run, calls = _fake_runner(lambda s: None)         # never fails: stops at --max-seq
     cfg.max_seq = 262144
-    assert e2e.find_max_seq(cfg, runner=run)[1]["2x1"] == 262144
+    assert sweep.find_max_seq(cfg, runner=run)[1]["2x1"] == 262144
 
 
 def test_e2e_bad_input_names_the_flag(tmp_path):
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("")
     ok = dict(pretrain_script=str(script))
-    e2e.validate_config(_e2e_cfg(**ok))
+    e2e_cli.validate_config(_e2e_cfg(**ok))
     for kw, flag in [(dict(splits=[(4, 1)]), "--splits 4x1"),
                      (dict(iters=2, warmup=2), "--iters"),
                      (dict(seq_lens=[1002], splits=[(2, 1)]), "--seq-lens"),
@@ -394,16 +396,16 @@ def test_e2e_bad_input_names_the_flag(tmp_path):
                      (dict(find_max_seq=True, start_seq=4096, max_seq=2048), "--max-seq"),
                      (dict(splits=[]), "--splits")]:
         with pytest.raises(cli.BenchConfigError, match=flag):
-            e2e.validate_config(_e2e_cfg(**dict(ok, **kw)))
+            e2e_cli.validate_config(_e2e_cfg(**dict(ok, **kw)))
     with pytest.raises(cli.BenchConfigError, match="--pretrain-script"):
-        e2e.validate_config(_e2e_cfg(pretrain_script=str(tmp_path / "missing.py")))
-    ns = e2e.build_parser().parse_args(["--seq-lens", "32k", "--start-seq", "256k",
+        e2e_cli.validate_config(_e2e_cfg(pretrain_script=str(tmp_path / "missing.py")))
+    ns = e2e_cli.build_parser().parse_args(["--seq-lens", "32k", "--start-seq", "256k",
                                         "--extra-args", "--num-workers 0"])
-    cfg = e2e.config_from_args(ns)
+    cfg = e2e_cli.config_from_args(ns)
     assert cfg.seq_lens == [32768] and cfg.start_seq == 262144
     assert cfg.extra_args == ["--num-workers", "0"] and cfg.splits == [(2, 1), (1, 2)]
     with pytest.raises(cli.BenchConfigError, match="--max-seq"):
-        e2e.config_from_args(e2e.build_parser().parse_args(["--max-seq", "lots"]))
+        e2e_cli.config_from_args(e2e_cli.build_parser().parse_args(["--max-seq", "lots"]))
 
 
 def _peer_runner(fails, ms=lambda round_: 200.0):
@@ -418,7 +420,7 @@ def _peer_runner(fails, ms=lambda round_: 200.0):
         data = ({"status": status, "note": status} if status else
                 {"status": "ok", "iter_ms": t, "tokens_per_s": seq_len / (t / 1e3),
                  "peak_mem_gib": 20.0, "mfu": 0.3, "iterations_measured": 2})
-        return e2e.peer_result(peer, seq_len, recompute, data, "l", "cmd", round_)
+        return peers.peer_result(peer, seq_len, recompute, data, "l", "cmd", round_)
 
     return run, calls
 
@@ -428,7 +430,7 @@ def test_peers_follow_each_length_and_retry_after_oom():
     peer_run, calls = _peer_runner(lambda p, s, r: "oom" if s > 32768 and r == "none" else None)
     cfg = _e2e_cfg(seq_lens=[32768, 65536], splits=[(1, 1)], nproc_per_node=1,
                    peers=["hf-liger", "hf"])
-    results = e2e.throughput_sweep(cfg, runner=run, peer_runner=peer_run,
+    results = sweep.throughput_sweep(cfg, runner=run, peer_runner=peer_run,
                                    ceilings={32768: {"ceiling_ms": 50.0, "ceiling_mfu": 0.55}})
     assert calls == [("hf-liger", 32768, "none"), ("hf", 32768, "none"),
                      ("hf-liger", 65536, "none"), ("hf-liger", 65536, "full"),
@@ -439,22 +441,22 @@ def test_peers_follow_each_length_and_retry_after_oom():
     assert ours.tokens_per_s_per_gpu == pytest.approx(32768 / 0.1)
     assert ours.ceiling_share == pytest.approx(0.5) and ours.ceiling_mfu == 0.55
     assert results[3].ceiling_share is None                        # no ceiling measured
-    ratios = e2e.peer_ratios(results)
+    ratios = pairing.peer_ratios(results)
     assert [(x["seq_len"], x["peer"], x["peer_recompute"]) for x in ratios] == [
         (32768, "hf-liger", "none"), (32768, "hf", "none"),
         (65536, "hf-liger", "full"), (65536, "hf", "full")]
     assert ratios[0]["tokens_per_s_ratio"] == pytest.approx(2.0)   # 100 ms vs 200 ms
     assert ratios[0]["peak_mem_ratio"] == pytest.approx(ours.peak_mem_gib / 20.0)
-    assert "2.000x tokens/s per GPU" in e2e.ratio_line(ratios[0])
+    assert "2.000x tokens/s per GPU" in output.ratio_line(ratios[0])
     meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 1)
-    md = e2e.results_markdown(meta, cfg, results)
+    md = output.results_markdown(meta, cfg, results)
     assert (f"| 32K | 1x1 | none | hf-liger | none | 2.000x | "
             f"{ours.peak_mem_gib / 20.0:.2f}x |") in md
-    assert e2e.COLD_FIRST_STEP not in md                            # --warmup 2
-    cold = e2e.results_markdown(meta, _e2e_cfg(iters=1, warmup=0), results)
-    assert e2e.COLD_FIRST_STEP in cold and "mean of iterations 1..1" in cold
-    assert e2e.peer_recompute_order("selective") == ["none"]
-    assert e2e.peer_recompute_order("full") == ["full"]
+    assert output.COLD_FIRST_STEP not in md                            # --warmup 2
+    cold = output.results_markdown(meta, _e2e_cfg(iters=1, warmup=0), results)
+    assert output.COLD_FIRST_STEP in cold and "mean of iterations 1..1" in cold
+    assert peers.peer_recompute_order("selective") == ["none"]
+    assert peers.peer_recompute_order("full") == ["full"]
 
 
 def test_rounds_alternate_the_stacks_and_pool_the_ratios(tmp_path):
@@ -463,7 +465,7 @@ def test_rounds_alternate_the_stacks_and_pool_the_ratios(tmp_path):
     def run(cfg, spec):      # ours: 100 ms per iteration in round 1, 120 ms in round 2
         calls.append(("ours", spec.seq_len, spec.round, spec.name))
         t = 100.0 if spec.round == 1 else 120.0
-        return e2e.RunOutcome("ok", 0, _records([t] * spec.iters), "l", [])
+        return config.RunOutcome("ok", 0, _records([t] * spec.iters), "l", [])
 
     peer_run, peer_calls = _peer_runner(lambda p, s, r: None,
                                         ms=lambda round_: 200.0 if round_ == 1 else 180.0)
@@ -474,7 +476,7 @@ def test_rounds_alternate_the_stacks_and_pool_the_ratios(tmp_path):
 
     cfg = _e2e_cfg(seq_lens=[32768, 65536], splits=[(1, 1)], nproc_per_node=1,
                    peers=["hf-liger"], rounds=2, recompute="lean")
-    results = e2e.throughput_sweep(cfg, runner=run, peer_runner=peer,
+    results = sweep.throughput_sweep(cfg, runner=run, peer_runner=peer,
                                    ceilings={32768: {"ceiling_ms": 50.0, "ceiling_mfu": 0.5}})
     # per length: ours, peer, ours, peer; each of our runs has a log of its own
     assert [c[:3] for c in calls] == [
@@ -483,11 +485,11 @@ def test_rounds_alternate_the_stacks_and_pool_the_ratios(tmp_path):
     assert [c[3] for c in calls if c[0] == "ours"][:2] == ["S32768_U1xR1_lean",
                                                             "S32768_U1xR1_lean_r2"]
     assert [r.round for r in results[:4]] == [1, 1, 2, 2]
-    ratios = e2e.peer_ratios(results)    # within a round only: 2 per length, not 4
+    ratios = pairing.peer_ratios(results)    # within a round only: 2 per length, not 4
     assert [(x["seq_len"], x["round"]) for x in ratios] == [(32768, 1), (32768, 2),
                                                            (65536, 1), (65536, 2)]
     assert [x["tokens_per_s_ratio"] for x in ratios[:2]] == pytest.approx([2.0, 1.5])
-    pooled = e2e.pooled_ratios(results)
+    pooled = pairing.pooled_ratios(results)
     assert [(x["seq_len"], x["rounds"]) for x in pooled] == [(32768, 2), (65536, 2)]
     first = pooled[0]
     # the mean tokens/s over the rounds: (1/0.1 + 1/0.12) / (1/0.2 + 1/0.18)
@@ -497,59 +499,59 @@ def test_rounds_alternate_the_stacks_and_pool_the_ratios(tmp_path):
     assert first["peer_iter_ms"] == pytest.approx(190.0)
     assert first["ceiling_share"] == pytest.approx(50.0 / 110.0)
     assert pooled[1]["ceiling_share"] is None                     # no ceiling at 64K
-    line = e2e.pooled_line(first)
+    line = output.pooled_line(first)
     assert "over 2 round(s): 1.737x" in line and "1.500-2.000x" in line
     assert "45.5% of the ceiling" in line
-    assert " round 2 " in e2e.progress_line(results[2])
-    assert " round " not in e2e.progress_line(results[0])
+    assert " round 2 " in output.progress_line(results[2])
+    assert " round " not in output.progress_line(results[0])
     meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 1)
-    md = e2e.results_markdown(meta, cfg, results)
+    md = output.results_markdown(meta, cfg, results)
     assert "| 32K | 2 | megatron-usp | 1x1 | lean | ok |" in md
     assert "| 32K | 2 | 1x1 | lean | hf-liger | none | 1.500x |" in md
     assert "| 32K | 1x1 | lean | hf-liger | 2 | 110.0 / 190.0 | 1.737x | 1.500-2.000x |" in md
     # one round: the report keeps its columns, and the pooled entry equals the one ratio
-    one = e2e.throughput_sweep(_e2e_cfg(seq_lens=[32768], splits=[(1, 1)], nproc_per_node=1,
+    one = sweep.throughput_sweep(_e2e_cfg(seq_lens=[32768], splits=[(1, 1)], nproc_per_node=1,
                                         peers=["hf-liger"]), runner=run, peer_runner=peer)
-    assert e2e.pooled_ratios(one)[0]["tokens_per_s_ratio"] == pytest.approx(2.0)
-    assert "| round |" not in e2e.results_markdown(meta, _e2e_cfg(), one)
+    assert pairing.pooled_ratios(one)[0]["tokens_per_s_ratio"] == pytest.approx(2.0)
+    assert "| round |" not in output.results_markdown(meta, _e2e_cfg(), one)
 
 
 def test_rounds_flag():
     script = REPO / "pretrain_gpt.py"
-    ns = e2e.build_parser().parse_args(["--rounds", "3", "--seq-lens", "32k"])
-    assert e2e.config_from_args(ns).rounds == 3
+    ns = e2e_cli.build_parser().parse_args(["--rounds", "3", "--seq-lens", "32k"])
+    assert e2e_cli.config_from_args(ns).rounds == 3
     for kw, needle in [(dict(rounds=0), "--rounds 0"),
                        (dict(rounds=2, find_max_seq=True), "--find-max-seq")]:
         with pytest.raises(cli.BenchConfigError, match=needle):
-            e2e.validate_config(_e2e_cfg(pretrain_script=str(script), **kw))
+            e2e_cli.validate_config(_e2e_cfg(pretrain_script=str(script), **kw))
 
 
 def test_peer_rows_keep_the_measured_iterations():
     data = {"status": "ok", "iter_ms": 150.0, "iterations_measured": 2,
             "step_times_s": [3.0, 0.1, 0.2]}
-    row = e2e.peer_result("hf-liger", 32768, "none", data, "l", "cmd")
+    row = peers.peer_result("hf-liger", 32768, "none", data, "l", "cmd")
     assert row.iter_ms_each == pytest.approx([100.0, 200.0])
-    assert e2e.peer_result("hf", 1, "none", {"status": "oom"}, "l", "c").iter_ms_each is None
+    assert peers.peer_result("hf", 1, "none", {"status": "oom"}, "l", "c").iter_ms_each is None
 
 
 def test_a_missing_peer_is_reported_not_retried():
     run, _ = _fake_runner(lambda s: None)
     peer_run, calls = _peer_runner(lambda p, s, r: "missing" if p == "hf-liger" else None)
     cfg = _e2e_cfg(seq_lens=[32768], splits=[(1, 1)], nproc_per_node=1, peers=["hf-liger"])
-    results = e2e.throughput_sweep(cfg, runner=run, peer_runner=peer_run)
+    results = sweep.throughput_sweep(cfg, runner=run, peer_runner=peer_run)
     assert calls == [("hf-liger", 32768, "none")] and results[-1].status == "missing"
-    assert e2e.peer_ratios(results) == []
-    assert "missing" in e2e.progress_line(results[-1])
+    assert pairing.peer_ratios(results) == []
+    assert "missing" in output.progress_line(results[-1])
 
 
 def test_peer_flags():
-    assert e2e.parse_peers("hf,hf-liger") == ["hf", "hf-liger"] and e2e.parse_peers("none") == []
+    assert peers.parse_peers("hf,hf-liger") == ["hf", "hf-liger"] and peers.parse_peers("none") == []
     for bad, needle in [("hf,transformers", "unknown"), ("hf,hf", "twice")]:
         with pytest.raises(cli.BenchConfigError, match=needle):
-            e2e.parse_peers(bad)
+            peers.parse_peers(bad)
     script = REPO / "pretrain_gpt.py"
     with pytest.raises(cli.BenchConfigError, match="--find-max-seq"):
-        e2e.validate_config(_e2e_cfg(peers=["hf"], find_max_seq=True,
+        e2e_cli.validate_config(_e2e_cfg(peers=["hf"], find_max_seq=True,
                                      pretrain_script=str(script)))
 
 
@@ -569,16 +571,16 @@ def test_hf_peer_reports_missing_packages(monkeypatch):
 def test_e2e_markdown_and_progress():
     pytest.importorskip("megatron.training.observe.metrics")
     cfg = _e2e_cfg()
-    spec = e2e.RunSpec(65536, 1, 2, "full", 5)
-    ok = e2e.summarize(cfg, spec, e2e.RunOutcome("ok", 0, _records([100.0] * 5), "l", []))
-    oom = e2e.summarize(cfg, spec, e2e.RunOutcome("oom", 1, [], "l", [], "out of memory"))
+    spec = config.RunSpec(65536, 1, 2, "full", 5)
+    ok = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, _records([100.0] * 5), "l", []))
+    oom = summary.summarize(cfg, spec, config.RunOutcome("oom", 1, [], "l", [], "out of memory"))
     meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 2)
-    md = e2e.results_markdown(meta, cfg, [ok, oom], {"1x2": 524288})
+    md = output.results_markdown(meta, cfg, [ok, oom], {"1x2": 524288})
     assert "| 64K | megatron-usp | 1x2 | full | ok |" in md and "oom: out of memory" in md
     assert "MFU against 989 TFLOP/s" in md
     assert "1x2: 512K" in md
-    assert "MFU" in e2e.progress_line(ok) and "oom" in e2e.progress_line(oom)
-    assert "100.0 (100.0-100.0) ms/iter" in e2e.progress_line(ok)   # mean (min-max)
+    assert "MFU" in output.progress_line(ok) and "oom" in output.progress_line(oom)
+    assert "100.0 (100.0-100.0) ms/iter" in output.progress_line(ok)   # mean (min-max)
 
 
 def _alive(pid):
@@ -597,7 +599,7 @@ def test_a_run_past_its_timeout_is_stopped_with_its_children(tmp_path):
               "print(p.pid, flush=True); time.sleep(120)")
     log_path = tmp_path / "run.log"
     with open(log_path, "w") as log:
-        rc = e2e._run_to_end([sys.executable, "-c", parent], dict(os.environ), log, timeout_s=3)
+        rc = launch.run_to_end([sys.executable, "-c", parent], dict(os.environ), log, timeout_s=3)
     assert rc is None
     worker = int(log_path.read_text().split()[0])
     deadline = time.monotonic() + 10
@@ -605,7 +607,7 @@ def test_a_run_past_its_timeout_is_stopped_with_its_children(tmp_path):
         time.sleep(0.1)
     assert not _alive(worker)
     with open(log_path, "w") as log:
-        assert e2e._run_to_end([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ),
+        assert launch.run_to_end([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ),
                                log, timeout_s=30) == 3
 
 
@@ -630,7 +632,7 @@ def test_metadata_says_when_the_tree_differs_from_the_commit(tmp_path):
 
 
 def test_a_failed_run_is_explained_by_its_cause_not_torchruns_summary():
-    from megatron.bench.e2e import failure_cause
+    from megatron.bench.e2e.launch import failure_cause
 
     torchrun_tail = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
                      "====\n/work/pretrain_gpt.py FAILED\n  traceback : To enable traceback see: "

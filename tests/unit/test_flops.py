@@ -5,13 +5,13 @@ import json
 import pytest
 
 from megatron.planner.hardware import peak_tflops_for_device, preset_for_device
-from megatron.training.observe.metrics import (
-    GPTShape,
-    MetricsWriter,
-    StepStats,
-    Throughput,
-    training_flops_per_iteration,
-)
+from megatron.shapes import ModelShape, dense_training_flops
+from megatron.training.observe.metrics import MetricsWriter, StepStats, Throughput
+
+
+def _shape(L, h, f, n, g, d, V, swiglu):
+    return ModelShape(num_layers=L, hidden_size=h, ffn_hidden_size=f, num_attention_heads=n,
+                      num_query_groups=g, kv_channels=d, vocab_size=V, swiglu=swiglu)
 
 
 def _hand_count(L, h, n, g, d, f, s, V, swiglu, causal, B):
@@ -42,11 +42,9 @@ def _hand_count(L, h, n, g, d, f, s, V, swiglu, causal, B):
 @pytest.mark.parametrize("swiglu,causal,groups", [(True, True, 2), (False, False, 8),
                                                   (True, False, 1)])
 def test_flops_match_a_hand_count(swiglu, causal, groups):
-    shape = GPTShape(num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attention_heads=8,
-                     num_query_groups=groups, kv_channels=8, seq_length=32,
-                     padded_vocab_size=1000, swiglu=swiglu, causal=causal)
+    shape = _shape(3, 64, 176, 8, groups, 8, 1000, swiglu)
     want = _hand_count(3, 64, 8, groups, 8, 176, 32, 1000, swiglu, causal, B=5)
-    got = training_flops_per_iteration(shape, 5)
+    got = dense_training_flops(shape, 32, 5, causal=causal)
     # The hand count of causal attention includes the diagonal (s(s+1)/2 pairs), the
     # formula counts exactly s^2/2: s/2 pairs per sequence and head, 4d FLOPs per pair
     # (scores and context), times 3 for forward + backward.
@@ -62,16 +60,15 @@ def test_full_attention_equals_megatron_lms_formula():
     B, s, L, h, n, g, d, f, V = 4, 2048, 32, 4096, 32, 8, 128, 14336, 128256
     megatron = 12 * B * s * L * h * h * (
         (1 + g / n + s / h) * (n * d / h) + (f / h) * 1.5) + 6 * B * s * h * V
-    shape = GPTShape(L, h, f, n, g, d, s, V, swiglu=True, causal=False)
-    assert training_flops_per_iteration(shape, B) == pytest.approx(megatron, rel=1e-12)
-    causal = GPTShape(L, h, f, n, g, d, s, V, swiglu=True, causal=True)
+    shape = _shape(L, h, f, n, g, d, V, swiglu=True)
+    assert dense_training_flops(shape, s, B, causal=False) == pytest.approx(megatron, rel=1e-12)
     halved_attention = 12 * B * s * L * h * h * (s / h) * (n * d / h) / 2
-    assert training_flops_per_iteration(causal, B) == pytest.approx(megatron - halved_attention,
-                                                                    rel=1e-12)
+    assert dense_training_flops(shape, s, B) == pytest.approx(megatron - halved_attention,
+                                                              rel=1e-12)
 
 
 def test_shape_from_args_uses_gqa_only_when_asked():
-    from megatron.training.cli.arguments import parse_args, validate_args
+    from megatron.training.cli.arguments import model_shape_from_args, parse_args, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
             "--seq-length", "64", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
@@ -79,8 +76,8 @@ def test_shape_from_args_uses_gqa_only_when_asked():
     for extra, groups in ((["--group-query-attention", "--num-query-groups", "2"], 2), ([], 8)):
         args = validate_args(parse_args(base + extra), 1, cuda_available=False)
         args.padded_vocab_size = 128
-        shape = GPTShape.from_args(args)
-        assert (shape.num_query_groups, shape.kv_channels, shape.padded_vocab_size) == \
+        shape = model_shape_from_args(args)
+        assert (shape.num_query_groups, shape.kv_channels, shape.vocab_size) == \
             (groups, 8, 128)
 
 
@@ -104,26 +101,26 @@ def test_device_preset(name, preset):
 
 
 def test_throughput_and_mfu():
-    shape = GPTShape(2, 64, 256, 4, 4, 16, 128, 1024, swiglu=False)
-    flops = training_flops_per_iteration(shape, 8)
-    t = Throughput(shape, 8, world_size=4, peak_tflops=100.0)
+    shape = _shape(2, 64, 256, 4, 4, 16, 1024, swiglu=False)
+    flops = dense_training_flops(shape, 128, 8)
+    t = Throughput(shape, 128, 8, world_size=4, peak_tflops=100.0)
     rates = t.of(2.0)
     assert rates["tokens_per_s"] == pytest.approx(8 * 128 / 2.0)
     assert rates["tokens_per_s_per_gpu"] == pytest.approx(8 * 128 / 2.0 / 4)
     assert rates["tflops_per_gpu"] == pytest.approx(flops / 2.0 / 4 / 1e12)
     assert rates["mfu"] == pytest.approx(rates["tflops_per_gpu"] / 100.0)
-    assert Throughput(shape, 8, 4, None).of(2.0)["mfu"] is None
+    assert Throughput(shape, 128, 8, 4, None).of(2.0)["mfu"] is None
 
 
 def test_metrics_writer(tmp_path):
     import io
 
-    shape = GPTShape(2, 64, 256, 4, 4, 16, 128, 1024, swiglu=False)
+    shape = _shape(2, 64, 256, 4, 4, 16, 1024, swiglu=False)
     out = io.StringIO()
     metrics = tmp_path / "m" / "metrics.jsonl"
     tb = tmp_path / "tb"
     w = MetricsWriter(True, train_iters=4, log_interval=2,
-                      throughput=Throughput(shape, 8, 4, 989.0), metrics_file=str(metrics),
+                      throughput=Throughput(shape, 128, 8, 4, 989.0), metrics_file=str(metrics),
                       tensorboard_dir=str(tb), stream=out)
     w.run_header("TP1 U2 R2 DP1 PP1", 4, {"seed": 1})
     for it in range(1, 5):
@@ -152,8 +149,8 @@ def test_metrics_writer(tmp_path):
 
 
 def test_disabled_writer_writes_nothing(tmp_path):
-    shape = GPTShape(2, 64, 256, 4, 4, 16, 128, 1024, swiglu=False)
-    w = MetricsWriter(False, 4, 2, Throughput(shape, 8, 4, None),
+    shape = _shape(2, 64, 256, 4, 4, 16, 1024, swiglu=False)
+    w = MetricsWriter(False, 4, 2, Throughput(shape, 128, 8, 4, None),
                       metrics_file=str(tmp_path / "x.jsonl"), tensorboard_dir=str(tmp_path / "tb"))
     w.train_step(StepStats(1, 8, 1.0, 1.0, 1e-3, 0.1, False, 1.0))
     w.close()

@@ -6,8 +6,8 @@ import itertools
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
+from megatron.shapes import ModelShape
 from megatron.usp.parallel_dims import (
-    ModelShape,
     ParallelDims,
     USPConfigError,
     group_containing,
@@ -135,9 +135,15 @@ def dims(world=1, **kw):
     return ParallelDims(world, **kw)
 
 
+def heads(n, groups=None, num_layers=4):
+    """A model of ``n`` query heads (of dim 64) and ``groups`` KV heads (None: MHA)."""
+    return ModelShape(num_layers=num_layers, hidden_size=64 * n, num_attention_heads=n,
+                      num_query_groups=groups)
+
+
 def test_valid_layouts_pass_and_dp_is_derived():
     d = dims(16, tp=2, ulysses=2, ring=2)
-    assert d.violations(ModelShape(32, 8), seq_length=4096) == []
+    assert d.violations(heads(32, 8), seq_length=4096) == []
     assert (d.dp, d.cp) == (2, 4)
 
 
@@ -172,26 +178,26 @@ def _first(d, *a, **kw):
 
 
 def test_heads_not_divisible_by_ulysses_lists_valid_values():
-    v = _first(dims(8, ulysses=4, tp=2), ModelShape(12))
+    v = _first(dims(8, ulysses=4, tp=2), heads(12))
     assert v.rule == "ulysses-heads"
     assert "--ulysses-degree 4" in v.message and "[1, 2, 3, 6]" in v.message
     with pytest.raises(USPConfigError, match="--ulysses-degree 4"):
-        dims(8, ulysses=4, tp=2).check(ModelShape(12))
+        dims(8, ulysses=4, tp=2).check(heads(12))
 
 
 def test_heads_not_divisible_by_tp():
-    assert "--tensor-model-parallel-size" in _first(dims(4, tp=4), ModelShape(6)).message
+    assert "--tensor-model-parallel-size" in _first(dims(4, tp=4), heads(6)).message
 
 
 def test_kv_heads_fewer_than_ulysses_allowed_when_they_divide():
     # Llama-3-8B: 32 heads, 8 KV groups, TP 2 -> 4 KV heads per TP rank, U 8 replicates.
-    assert dims(16, tp=2, ulysses=8).violations(ModelShape(32, 8)) == []
+    assert dims(16, tp=2, ulysses=8).violations(heads(32, 8)) == []
     assert dims(16, tp=2, ulysses=8).kv_heads_into_all_to_all(8) == 8
-    assert dims(4, ulysses=4).violations(ModelShape(8, 1)) == []     # MQA
+    assert dims(4, ulysses=4).violations(heads(8, 1)) == []     # MQA
 
 
 def test_kv_heads_and_ulysses_must_divide_each_other():
-    v = _first(dims(4, ulysses=4), ModelShape(24, 6))
+    v = _first(dims(4, ulysses=4), heads(24, 6))
     assert v.rule == "ulysses-kv-heads"
     assert "--ulysses-degree" in v.message and "KV heads" in v.message
 
@@ -212,10 +218,10 @@ def test_sequence_parallel_split():
 
 def test_layers_and_batch():
     d = dims(8, pp=2, ulysses=2)          # DP 2
-    assert _first(d, ModelShape(8, num_layers=3)).rule == "pp-layers"
+    assert _first(d, heads(8, num_layers=3)).rule == "pp-layers"
     v = _first(d, micro_batch_size=1, global_batch_size=3)
     assert v.rule == "batch" and "--global-batch-size 2 or 4" in v.message
-    assert d.violations(ModelShape(8, num_layers=4), micro_batch_size=1,
+    assert d.violations(heads(8, num_layers=4), micro_batch_size=1,
                         global_batch_size=4) == []
 
 
@@ -228,7 +234,7 @@ def test_conflicting_context_parallel_size():
 
 
 def test_num_query_groups_must_divide_heads():
-    assert "--num-query-groups" in _first(dims(), ModelShape(8, 3)).message
+    assert "--num-query-groups" in _first(dims(), heads(8, 3)).message
 
 
 def test_megatron_kwargs_and_short():

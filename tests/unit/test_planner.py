@@ -10,13 +10,12 @@ import pytest
 
 from megatron.planner import (
     HARDWARE_PRESETS,
-    MODEL_PRESETS,
     Assumptions,
     Layout,
-    ModelSpec,
     PlannerError,
     Workload,
     apply_calibration,
+    check_model,
     choose_layout,
     estimate,
     get_hardware,
@@ -34,9 +33,10 @@ from megatron.planner.hardware import bottleneck_level, peers_per_level
 from megatron.planner.plan import result_to_json
 from megatron.planner.search import rank_attention_layouts
 from megatron.planner.validate import MEASUREMENTS_SCHEMA, validate_measurements
+from megatron.shapes import PRESETS, ModelShape
 from megatron.usp.parallel_dims import ParallelDims
 
-M = MODEL_PRESETS
+M = PRESETS
 SP_ONLY = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
            "data_parallel_size": 1}
 
@@ -52,8 +52,9 @@ def test_preset_parameter_counts_match_the_model_cards():
     assert M["llama-0.85b"].total_params() == pytest.approx(0.8527e9, rel=2e-3)
 
 
-def test_from_megatron_args_defaults_are_megatrons():
-    m = ModelSpec.from_megatron_args(24, 1024, 16, None, None, 50304, swiglu=False)
+def test_shape_defaults_are_megatrons():
+    m = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50304,
+                   swiglu=False)
     assert m.num_query_groups == 16 and m.ffn_hidden_size == 4096
     assert m.params_per_layer() == 12 * 1024 * 1024 + 2 * 1024
 
@@ -76,7 +77,8 @@ def test_load_model_from_json_and_yaml(tmp_path):
     with pytest.raises(PlannerError, match="presets: .*llama2-7b"):
         load_model("no-such-model")
     with pytest.raises(PlannerError, match="not divisible by num_attention_heads"):
-        ModelSpec("x", 2, 100, 3, 3, 10, 10)
+        check_model(ModelShape(name="x", num_layers=2, hidden_size=100, num_attention_heads=3,
+                               num_query_groups=3, ffn_hidden_size=10, vocab_size=10))
 
 
 # ============================================================================ hardware
@@ -363,7 +365,7 @@ def test_every_enumerated_layout_tiles_the_world_and_obeys_the_rules():
     for e in result.evaluated:
         lay = e.layout
         assert lay.world_size == 32
-        assert lay.dims.violations(w.model.shape, w.seq_length, sequence_parallel=True) == []
+        assert lay.dims.violations(w.model, w.seq_length, sequence_parallel=True) == []
         assert 8 % lay.dp == 0 and lay.tp <= 8
         assert not (lay.cp > 1 and lay.zero_stage == 0)      # SP always with ZeRO-1/2
     assert result.rejections.counts["sp-with-zero"] > 0
@@ -394,7 +396,8 @@ def test_ulysses_inside_fast_links_and_ring_across_slow_ones():
 
 
 def test_ulysses_degree_is_limited_by_heads():
-    model = ModelSpec("eight-heads", 8, 1024, 8, 8, 4096, 32000)
+    model = ModelShape(name="eight-heads", num_layers=8, hidden_size=1024, num_attention_heads=8,
+                       num_query_groups=8, ffn_hidden_size=4096, vocab_size=32000)
     plan = choose_layout(model, 65536, 16, 16, "h100", fixed=SP_ONLY)
     assert (plan.ulysses_degree, plan.ring_degree) == (8, 2)
     assert any("Ulysses stops at 8" in r and "Ulysses degree limited by heads" in r

@@ -12,10 +12,11 @@ import importlib.util
 
 import pytest
 
-from megatron.planner import MODEL_PRESETS, Workload, plan_layouts
+from megatron.planner import Workload, plan_layouts
 from megatron.planner.capabilities import FULL_MEGATRON, Capabilities, runnable
 from megatron.planner.cost_model import Layout
 from megatron.planner.plan import plan_from
+from megatron.shapes import PRESETS
 from megatron.training.cli.arguments import parse_args, validate_args
 
 # (model, sequence, GPUs, GPUs per node, hardware): the Llama-3-8B at 128K on 8
@@ -28,7 +29,7 @@ RUN = ["--lr", "1e-4", "--train-iters", "10", "--mock-data", "--eval-iters", "0"
 @pytest.mark.parametrize("model,seq,gpus,per_node,hw", CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
 def test_every_ranked_layout_passes_pretrain_validation(model, seq, gpus, per_node, hw):
-    result = plan_layouts(Workload(MODEL_PRESETS[model], seq, gpus, per_node), hw, top=10)
+    result = plan_layouts(Workload(PRESETS[model], seq, gpus, per_node), hw, top=10)
     assert result.ranked
     te = importlib.util.find_spec("transformer_engine") is not None
     for ranked in result.ranked:
@@ -42,7 +43,7 @@ def test_every_ranked_layout_passes_pretrain_validation(model, seq, gpus, per_no
         # the loss the memory model assumed is in the flags (the fused one, 8192-token chunks)
         assert flags[flags.index("--fused-linear-cross-entropy") + 1:][:2] == [
             "--linear-cross-entropy-chunk-tokens", "8192"]
-        vocab = ["--vocab-size", str(MODEL_PRESETS[model].vocab_size)]
+        vocab = ["--vocab-size", str(PRESETS[model].vocab_size)]
         args = validate_args(parse_args(flags + RUN + vocab), gpus, cuda_available=True)
         assert (args.ulysses_degree, args.ring_degree, args.data_parallel_size) == (
             plan.ulysses_degree, plan.ring_degree, plan.data_parallel_size)
@@ -58,7 +59,7 @@ def test_capability_table_refuses_what_has_no_flag():
         assert reason and "Megatron-FSDP" in reason and "--use-distributed-optimizer" in reason
     # A study of the full Megatron stack keeps them, but gets no flags to run here.
     assert runnable(Layout.of(1, 2, 1, 1, 1, 3, "none"), FULL_MEGATRON) is None
-    result = plan_layouts(Workload(MODEL_PRESETS["llama2-7b"], 262144, 8, 8), "l20",
+    result = plan_layouts(Workload(PRESETS["llama2-7b"], 262144, 8, 8), "l20",
                           fixed={"zero_stage": 3}, top=1, capabilities=FULL_MEGATRON)
     assert "not runnable" in plan_from(result, result.best).command()
 
@@ -70,7 +71,7 @@ def test_selective_recompute_memory_follows_the_modules():
     from megatron.planner import DEFAULT_ASSUMPTIONS, get_hardware
     from megatron.planner.cost_model import estimate
 
-    w = Workload(MODEL_PRESETS["llama3-8b"], 131072, 8, 8)
+    w = Workload(PRESETS["llama3-8b"], 131072, 8, 8)
     lay = Layout.of(1, 8, 1, 1, 1, 1, "selective")
     with_norms = estimate(w, lay, get_hardware("h200"), DEFAULT_ASSUMPTIONS)
     mlp_only = estimate(w, lay, get_hardware("h200"),

@@ -20,12 +20,12 @@ derived values (``data_parallel_size``, ``ffn_hidden_size``, ``kv_channels``, ..
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
 from typing import List, Optional, Sequence
 
+from megatron.shapes import ModelShape, default_ffn_hidden_size, padded_vocab_size
 from megatron.training.cli.document_args import add_document_args, document_flags_problem
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
 from megatron.usp.backend_names import (
@@ -35,7 +35,7 @@ from megatron.usp.backend_names import (
     backend_problem,
     resolve_fused_kernels,
 )
-from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
+from megatron.usp.parallel_dims import ParallelDims, USPConfigError
 
 DEFAULT_LOSS_CHUNK_TOKENS = 8192
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -442,19 +442,6 @@ def _check_positive(args, names: List[str], allow_zero: bool = False) -> None:
             raise ArgumentsError(f"{flag} {v} must be {'>= 0' if allow_zero else '> 0'}")
 
 
-def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
-    """Megatron-LM's default MLP width: 4h, or int(8h/3 / 64) * 64 with SwiGLU."""
-    if swiglu:
-        return int((4 * hidden_size * 2 / 3) / 64) * 64
-    return 4 * hidden_size
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's vocabulary padding: up to a multiple of ``divisible_by * tp``."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
 def _validate_model(args) -> None:
     _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length"])
     _check_positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -513,12 +500,19 @@ def _validate_overlap_chunks(args, dims: ParallelDims) -> None:
             .replace("(or None for auto)", "(or auto)")) from None
 
 
-def model_shape_from_args(args) -> ModelShape:
-    """What the layout rules read of the model flags."""
+def model_shape_from_args(args, vocab_size: Optional[int] = None) -> ModelShape:
+    """The model flags as a shape (after :func:`_validate_model` filled in the defaults).
+
+    The vocabulary is ``vocab_size``, else ``args.padded_vocab_size`` once the tokenizer
+    has set it, else unknown (the layout rules do not read it).
+    """
     return ModelShape(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        num_layers=args.num_layers)
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+        vocab_size=vocab_size or getattr(args, "padded_vocab_size", None),
+        swiglu=args.swiglu, untied_embeddings=args.untie_embeddings_and_output_weights)
 
 
 def _validate_parallel(args, world_size: int) -> None:
@@ -815,15 +809,10 @@ def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: i
     """
     from dataclasses import replace
 
-    from megatron.planner import DEFAULT_ASSUMPTIONS, ModelSpec, PlannerError, choose_layout
+    from megatron.planner import DEFAULT_ASSUMPTIONS, PlannerError, choose_layout
     from megatron.planner.hardware import preset_for_device
 
-    model = ModelSpec.from_megatron_args(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab_size, swiglu=args.swiglu,
-        untied_embeddings=args.untie_embeddings_and_output_weights)
+    model = model_shape_from_args(args, vocab_size)
     hardware = args.hardware or preset_for_device(device_name)
     if hardware is None:
         raise ArgumentsError(

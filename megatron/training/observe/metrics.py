@@ -1,8 +1,8 @@
 """Training metrics: FLOPs per iteration, MFU, memory, and where they are written.
 
-* :func:`training_flops_per_iteration` counts model FLOPs the way Megatron-LM's
-  ``num_floating_point_operations`` does for a dense GPT (GQA, SwiGLU, the output layer),
-  except that causal attention is counted at half (the upper triangle is never computed).
+* model FLOPs per iteration are the one count, :func:`megatron.shapes.dense_training_flops`
+  (Megatron-LM's ``num_floating_point_operations`` for a dense GPT with causal attention at
+  half; the formula is in :mod:`megatron.shapes.flops`).
 * the MFU denominator is the device's dense bf16 peak from the one device table,
   :func:`megatron.planner.hardware.peak_tflops_for_device` (``--peak-tflops`` overrides it;
   on the CPU MFU is reported as n/a without it).
@@ -39,63 +39,7 @@ from typing import Dict, Optional
 
 import torch
 
-
-@dataclass(frozen=True)
-class GPTShape:
-    """The model dimensions FLOPs depend on (Megatron-LM argument names)."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    seq_length: int
-    padded_vocab_size: int
-    swiglu: bool
-    causal: bool = True
-
-    @classmethod
-    def from_args(cls, args) -> "GPTShape":
-        return cls(
-            num_layers=args.num_layers, hidden_size=args.hidden_size,
-            ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
-            num_query_groups=(args.num_query_groups if args.group_query_attention
-                              else args.num_attention_heads),
-            kv_channels=args.kv_channels, seq_length=args.seq_length,
-            padded_vocab_size=args.padded_vocab_size, swiglu=args.swiglu)
-
-
-def training_flops_per_iteration(shape: GPTShape, global_batch_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward) over the global batch.
-
-    With h = hidden, n = query heads, g = KV groups, d = head dim, f = MLP width,
-    s = sequence length, V = padded vocabulary, L = layers, and 2 FLOPs per multiply-add,
-    one token's forward pass costs::
-
-        per layer:  QKV projection      2*h*(n + 2g)*d
-                    scores Q.K^T        2*s*n*d * c        (c = 1/2 causal, 1 full)
-                    context P.V         2*s*n*d * c
-                    output projection   2*n*d*h
-                    MLP                 2*h*f*(3 if SwiGLU else 2)   (gate+up+down / up+down)
-        output layer (logits)           2*h*V
-
-    Backward costs twice the forward, so the iteration costs::
-
-        3 * B * s * (L * (2hd(n+2g) + 4snd*c + 2ndh + 2hf*m) + 2hV)
-
-    which is Megatron-LM's ``num_floating_point_operations`` for a dense GPT with the
-    attention term halved for causal masks. Normalisations, softmax, RoPE and the
-    embedding lookup are not counted (they are not matrix multiplies).
-    """
-    h, n, g = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups
-    d, f, s = shape.kv_channels, shape.ffn_hidden_size, shape.seq_length
-    c = 0.5 if shape.causal else 1.0
-    mlp_mats = 3 if shape.swiglu else 2
-    per_layer = (2 * h * (n + 2 * g) * d + 4 * s * n * d * c + 2 * n * d * h
-                 + 2 * h * f * mlp_mats)
-    per_token_forward = shape.num_layers * per_layer + 2 * h * shape.padded_vocab_size
-    return 3.0 * global_batch_size * s * per_token_forward
+from megatron.shapes import ModelShape, dense_training_flops
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -167,13 +111,13 @@ class StepStats:
 
 class Throughput:
     """Rates of a step from its wall time: tokens/s of the whole job and per device,
-    model TFLOP/s per device (:func:`training_flops_per_iteration`), MFU (None without a
-    peak)."""
+    model TFLOP/s per device (:func:`megatron.shapes.dense_training_flops` of
+    ``global_batch_size`` causal sequences of ``seq_length``), MFU (None without a peak)."""
 
-    def __init__(self, shape: GPTShape, global_batch_size: int, world_size: int,
-                 peak_tflops: Optional[float]) -> None:
-        self.tokens_per_iter = global_batch_size * shape.seq_length
-        self.flops_per_iter = training_flops_per_iteration(shape, global_batch_size)
+    def __init__(self, shape: ModelShape, seq_length: int, global_batch_size: int,
+                 world_size: int, peak_tflops: Optional[float]) -> None:
+        self.tokens_per_iter = global_batch_size * seq_length
+        self.flops_per_iter = dense_training_flops(shape, seq_length, global_batch_size)
         self.world_size = world_size
         self.peak_tflops = peak_tflops
 

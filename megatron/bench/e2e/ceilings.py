@@ -1,0 +1,44 @@
+"""The zero-overhead ceiling of each length (:mod:`megatron.bench.ceiling`, timed in a
+process of its own before the training runs) and its place in the report rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Dict
+
+from megatron.bench.e2e.config import PROGRESS_PREFIX, E2EConfig, E2EResult
+from megatron.bench.e2e.launch import run_to_end
+
+
+def run_ceiling(cfg: E2EConfig) -> Dict[int, dict]:
+    """:mod:`megatron.bench.ceiling` for every length, in a process of its own; by length."""
+    log_dir = Path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out, log_path = log_dir / "ceiling.json", log_dir / "ceiling.log"
+    lengths = ",".join(str(s) for s in cfg.seq_lens)
+    cmd = [sys.executable, "-m", "megatron.bench.ceiling", "--model", cfg.model,
+           "--seq-lens", lengths, "--out", str(out)]
+    if cfg.peak_tflops is not None:
+        cmd += ["--peak-tflops", str(cfg.peak_tflops)]
+    with open(log_path, "w") as log:
+        rc = run_to_end(cmd, dict(os.environ), log, cfg.timeout_s)
+    if rc != 0 or not out.exists():
+        print(f"{PROGRESS_PREFIX} ceiling measurement failed (log {log_path})", flush=True)
+        return {}
+    return {int(c["seq_len"]): c for c in json.loads(out.read_text())}
+
+
+def apply_ceiling(res: E2EResult, ceilings: Dict[int, dict]) -> None:
+    """Ceiling MFU and the share of it reached, for rows of one GPU that trained."""
+    c = ceilings.get(res.seq_len)
+    if c is None or res.gpus != 1 or res.status != "ok" or not res.iter_ms:
+        return
+    res.ceiling_mfu = c.get("ceiling_mfu")
+    res.ceiling_share = c["ceiling_ms"] / res.iter_ms
+
+
+def ceiling_enabled(cfg: E2EConfig) -> bool:
+    return cfg.ceiling == "on" or (cfg.ceiling == "auto" and cfg.use_cuda())

@@ -1,0 +1,129 @@
+"""Launching one configuration: run ``torchrun pretrain_gpt.py`` to its end (or its
+timeout), keep its log, read its metrics file and say how it ended (ok, oom, error,
+timeout) and why."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+from pathlib import Path
+from typing import List, Optional
+
+from megatron.bench.e2e.command import launch_command
+from megatron.bench.e2e.config import REPO_ROOT, E2EConfig, RunOutcome, RunSpec
+from megatron.bench.e2e.summary import train_steps
+from megatron.training.launch import free_port
+
+# Log lines that mean "out of memory" (CUDA caching allocator, NCCL, host).
+OOM_MARKERS = ("outofmemoryerror", "out of memory", "cudaerrormemoryallocation",
+               "cannot allocate memory")
+
+
+def is_oom_log(text: str) -> bool:
+    low = text.lower()
+    return any(m in low for m in OOM_MARKERS)
+
+
+def read_metrics(path: str) -> List[dict]:
+    """Per-iteration records of a JSONL metrics file (missing file: none)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    records = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue                         # a line cut short by a crash
+    return records
+
+
+def run_to_end(cmd: List[str], env: dict, log, timeout_s: float) -> Optional[int]:
+    """Run ``cmd`` in its own session; its exit code, or None after killing it on timeout.
+
+    torchrun's workers are its children: on timeout the whole session is stopped (SIGTERM,
+    then SIGKILL), so no worker is left holding a GPU.
+    """
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None
+
+
+def run_training(cfg: E2EConfig, spec: RunSpec) -> RunOutcome:
+    """Launch one run, wait for it, classify how it ended; the log goes to ``--log-dir``."""
+    log_dir = Path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    metrics = log_dir / f"{spec.name}.metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    log_path = log_dir / f"{spec.name}.log"
+    cmd = launch_command(cfg, spec, str(metrics), free_port())
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+        log.flush()
+        rc = run_to_end(cmd, env, log, cfg.timeout_s)
+    records = read_metrics(str(metrics))
+    return classify(rc, Path(log_path).read_text(errors="replace"), records, str(log_path), cmd,
+                    spec.iters)
+
+
+def classify(returncode: Optional[int], log_text: str, records: List[dict], log_path: str,
+             cmd: List[str], iters: int) -> RunOutcome:
+    """ok: exit 0 and every iteration logged; oom / timeout / error otherwise."""
+    if returncode is None:
+        return RunOutcome("timeout", None, records, log_path, cmd, "timed out (--timeout)")
+    if returncode == 0 and _iterations(records) >= iters:
+        return RunOutcome("ok", 0, records, log_path, cmd)
+    if is_oom_log(log_text):
+        return RunOutcome("oom", returncode, records, log_path, cmd, "out of memory")
+    note = (f"exit {returncode}, {_iterations(records)}/{iters} iterations logged: "
+            + failure_cause(log_text))
+    return RunOutcome("error", returncode, records, log_path, cmd, note)
+
+
+def _iterations(records: List[dict]) -> int:
+    return len(train_steps(records))
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception)\b(?::|$)")
+
+
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")   # torchrun's per-rank log prefix
+
+
+def failure_cause(log_text: str) -> str:
+    """The line of a failed run's log that says why: a bad-input message
+    (``pretrain_gpt.py: error: ...``), else the last exception line of a traceback other than
+    torchrun's own ``ChildFailedError`` (which ends every failed log and says nothing), else
+    the last three lines."""
+    lines = [_RANK_PREFIX.sub("", ln).strip() for ln in log_text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    for ln in lines:
+        if ": error: " in ln and ln.split(": error: ", 1)[0].endswith(".py"):
+            return ln[:300]
+    causes = [ln for ln in lines if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln]
+    if causes:
+        return causes[-1][:300]
+    return " / ".join(t[:160] for t in lines[-3:])

@@ -1,0 +1,80 @@
+"""One run's report row from its metrics records: the mean iteration time after
+``--warmup``, tokens/s, TFLOP/s and MFU (the one FLOP count,
+:func:`megatron.shapes.dense_training_flops`), and the memory peaks."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from typing import List, Optional
+
+from megatron.bench.e2e.config import E2EConfig, E2EResult, RunOutcome, RunSpec, global_batch_size
+from megatron.bench.flops import tflops_per_gpu
+from megatron.shapes import dense_training_flops
+
+
+def train_steps(records: List[dict]) -> List[dict]:
+    """The ``kind == "train"`` records in iteration order, the last one of each iteration.
+
+    Schema of :mod:`megatron.training.observe.metrics`: ``iteration``, ``step_time_s``, ``lm_loss``,
+    ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``, ``mem_gib`` (peak allocated so far on the
+    logging rank); a resumed run appends, so a later record of an iteration wins.
+    """
+    last = {r["iteration"]: r for r in records
+            if r.get("kind") == "train" and isinstance(r.get("iteration"), int)}
+    return [last[i] for i in sorted(last)]
+
+
+def _number(record: dict, key: str) -> Optional[float]:
+    v = record.get(key)
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _peak(steps: List[dict], key: str) -> Optional[float]:
+    values = [v for v in (_number(r, key) for r in steps) if v is not None]
+    return max(values) if values else None
+
+
+def peak_tflops_of_run(steps: List[dict]) -> Optional[float]:
+    """The MFU denominator the training loop used (its device table): tflops / mfu."""
+    for r in steps:
+        tflops, mfu = _number(r, "tflops_per_gpu"), _number(r, "mfu")
+        if tflops and mfu:
+            return tflops / mfu
+    return None
+
+
+def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
+    """Turn a run into a report row: the mean iteration time after ``--warmup``.
+
+    FLOPs per iteration are the one count (:func:`megatron.shapes.dense_training_flops`,
+    the training loop's too); MFU uses
+    ``--peak-tflops`` or else the peak the training loop itself used (none on the CPU).
+    """
+    gbs = global_batch_size(cfg, spec)
+    res = E2EResult(spec.seq_len, spec.ulysses, spec.ring, spec.recompute, cfg.nproc_per_node,
+                    gbs, outcome.status, outcome.note, log_path=outcome.log_path,
+                    command=" ".join(shlex.quote(c) for c in outcome.command),
+                    round=spec.round)
+    res.flops_per_iteration = dense_training_flops(cfg.shape, spec.seq_len, gbs)
+    steps = train_steps(outcome.records)
+    if steps:
+        res.last_loss = _number(steps[-1], "lm_loss")
+    res.num_layers = cfg.shape.num_layers
+    res.peak_mem_gib = _peak(steps, "mem_gib")
+    res.peak_host_gib = _peak(steps, "host_mem_gib")
+    times = [t for t in (_number(r, "step_time_s") for r in steps[cfg.warmup:]) if t]
+    if outcome.status != "ok" or not times:
+        if outcome.status == "ok":
+            res.status, res.note = "error", "no timed iterations after --warmup"
+        return res
+    res.iterations_measured = len(times)
+    seconds = sum(times) / len(times)
+    res.iter_ms = 1e3 * seconds
+    res.iter_ms_each = [1e3 * t for t in times]
+    res.tokens_per_s = gbs * spec.seq_len / seconds
+    res.tokens_per_s_per_gpu = res.tokens_per_s / cfg.nproc_per_node
+    res.tflops_per_gpu = tflops_per_gpu(res.flops_per_iteration, seconds, cfg.nproc_per_node)
+    res.peak_tflops = cfg.peak_tflops or peak_tflops_of_run(steps)
+    res.mfu = res.tflops_per_gpu / res.peak_tflops if res.peak_tflops else None
+    return res

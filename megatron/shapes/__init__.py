@@ -1,0 +1,37 @@
+"""Model shapes, their presets and their FLOP count: the floor every other package reads.
+
+* :mod:`.model`   :class:`ModelShape` and Megatron's sizing rules (the SwiGLU MLP width,
+  the vocabulary padding);
+* :mod:`.presets` :data:`PRESETS`, the one table of named models;
+* :mod:`.flops`   :func:`training_flops`, the one MFU numerator;
+* :mod:`.flags`   a shape as ``pretrain_gpt.py`` flags.
+
+Standard library only: nothing here imports torch or another package of this project.
+"""
+
+from megatron.shapes.flops import (
+    causal_pairs,
+    dense_training_flops,
+    full_pairs,
+    training_flops,
+)
+from megatron.shapes.model import (
+    ModelShape,
+    attention_shape,
+    default_ffn_hidden_size,
+    padded_vocab_size,
+)
+from megatron.shapes.presets import PRESETS, get_preset
+
+__all__ = [
+    "ModelShape",
+    "PRESETS",
+    "attention_shape",
+    "causal_pairs",
+    "default_ffn_hidden_size",
+    "dense_training_flops",
+    "full_pairs",
+    "get_preset",
+    "padded_vocab_size",
+    "training_flops",
+]

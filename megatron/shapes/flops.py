@@ -1,0 +1,73 @@
+"""The one count of model FLOPs per training iteration (the MFU numerator).
+
+Every place that reports TFLOP/s or MFU calls :func:`training_flops`: the training loop's
+metrics, ``tools/bench_e2e.py`` and its Hugging Face peers, the zero-overhead ceiling and
+the planner's cost model.
+
+With ``h`` hidden, ``a`` query heads, ``g`` KV groups, ``d`` head dim, ``f`` MLP width,
+``V`` vocabulary, ``L`` layers and 2 FLOPs per multiply-add, one token's forward pass
+costs, per layer::
+
+    QKV projection      2*h*(a + 2g)*d
+    output projection   2*a*d*h
+    MLP                 2*h*f*(3 if SwiGLU else 2)      (gate+up+down / up+down)
+
+and the output layer ``2*h*V``. Core attention is counted per (query, key) pair that is
+computed: ``Q.K^T`` and ``P.V`` are ``2*a*d`` FLOPs each, so ``4*a*d`` per pair and layer.
+A dense causal sequence of ``S`` tokens has ``S^2/2`` pairs (:func:`causal_pairs`; the
+diagonal's ``S/2`` is left out, as Megatron-LM's convention halved), a full one ``S^2``
+(:func:`full_pairs`); packed documents have the sum of ``n^2/2`` over their documents.
+Backward costs twice the forward, so an iteration of ``T`` tokens and ``P`` pairs costs::
+
+    3 * ( T * (L * (2hd(a+2g) + 2adh + 2hf*m) + 2hV)  +  L * 4ad * P )
+
+which is Megatron-LM's ``num_floating_point_operations`` for a dense GPT with causal
+attention at half. Normalisations, softmax, RoPE and the embedding lookup are not counted
+(they are not matrix multiplies), nor is recomputation.
+"""
+
+from __future__ import annotations
+
+from megatron.shapes.model import ModelShape
+
+# The formula as the benchmark's JSON records it (B sequences of S tokens, causal,
+# q = a*d).
+FORMULA = ("B*S*(18*L*H*F + 12*L*H*q*(1+g/a) + 6*L*q*S + 6*H*V) "
+           "(Megatron-LM, causal attention at half)")
+
+
+def causal_pairs(seq_len: int, sequences: int = 1) -> float:
+    """Attention pairs of ``sequences`` dense causal sequences of ``seq_len``: ``S^2/2`` each."""
+    return sequences * seq_len * seq_len / 2
+
+
+def full_pairs(seq_len: int, sequences: int = 1) -> float:
+    """Attention pairs of ``sequences`` unmasked sequences of ``seq_len``: ``S^2`` each."""
+    return float(sequences * seq_len * seq_len)
+
+
+def dense_flops_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs of one token outside core attention: the layers' GEMMs and the logits."""
+    h, a, g = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups
+    d, f = shape.head_dim, shape.ffn_hidden_size
+    per_layer = 2 * h * (a + 2 * g) * d + 2 * a * d * h + 2 * h * f * (3 if shape.swiglu else 2)
+    return shape.num_layers * per_layer + 2 * h * shape.vocab_size
+
+
+def attention_flops_per_pair(shape: ModelShape) -> float:
+    """Forward FLOPs of core attention per (query, key) pair over all layers: ``4*a*d*L``."""
+    return 4 * shape.num_attention_heads * shape.head_dim * shape.num_layers
+
+
+def training_flops(shape: ModelShape, tokens: int, attention_pairs: float) -> float:
+    """Model FLOPs of one training iteration (forward + backward) over ``tokens`` tokens
+    whose core attention computes ``attention_pairs`` (query, key) pairs."""
+    return 3.0 * (tokens * dense_flops_per_token(shape)
+                  + attention_pairs * attention_flops_per_pair(shape))
+
+
+def dense_training_flops(shape: ModelShape, seq_len: int, sequences: int,
+                         causal: bool = True) -> float:
+    """:func:`training_flops` of ``sequences`` dense sequences of ``seq_len`` tokens."""
+    pairs = (causal_pairs if causal else full_pairs)(seq_len, sequences)
+    return training_flops(shape, sequences * seq_len, pairs)
