@@ -47,13 +47,14 @@ def preflight(args):
     ``pretrain`` repeats them (``validate_args`` is idempotent)."""
     import os
 
-    from megatron.training.cli.arguments import ArgumentsError, USPConfigError, validate_args
+    from megatron.errors import UsageError
+    from megatron.training.cli.arguments import validate_args
     from megatron.training.cli.output_paths import check_output_paths
 
     try:
         validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
         check_output_paths(args)
-    except (ArgumentsError, USPConfigError) as exc:
+    except UsageError as exc:
         from megatron.training.cli.arguments import launch_rank
 
         if launch_rank() == 0:

@@ -43,6 +43,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.errors import UsageError
 from megatron.planner.hardware import peak_tflops_for_device
 from megatron.training.checkpoint.save_load import (
     TrainState,
@@ -78,34 +79,16 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; the message names the iteration."""
 
 
-def _input_errors():
-    from megatron.training.checkpoint.save_load import CheckpointError
-    from megatron.training.cli.arguments import ArgumentsError
-    from megatron.training.data.config import DataConfigError
-    from megatron.training.data.tokenizer import TokenizerError
-    from megatron.usp.parallel_dims import USPConfigError
-
-    return (ArgumentsError, USPConfigError, DataConfigError, TokenizerError, CheckpointError)
-
-
-INPUT_ERRORS = _input_errors()
-"""Start-up errors caused by the user's input (flags, layout, data, ``--save``, ``--load``);
-raised identically on every rank before any collective that could hang."""
-
-
-def _run_errors():
-    from megatron.training.checkpoint.save_load import CheckpointSaveError
-
-    return INPUT_ERRORS + (NonFiniteLossError, CheckpointSaveError)
-
-
-RUN_ERRORS = _run_errors()
-"""Every error ``pretrain_gpt.py`` reports in one line instead of a traceback."""
+RUN_ERRORS = (UsageError, NonFiniteLossError)
+"""Every error ``pretrain_gpt.py`` reports in one line instead of a traceback: bad input
+from any subsystem (flags, layout, data, ``--save``, ``--load``; raised identically on every
+rank before any collective that could hang, or a failed save), and a non-finite loss."""
 
 
 def exit_status(exc: BaseException) -> int:
-    """2 for bad input (:data:`INPUT_ERRORS`), 1 for the other :data:`RUN_ERRORS`."""
-    return 2 if isinstance(exc, INPUT_ERRORS) else 1
+    """A :class:`~megatron.errors.UsageError`'s own status (2 for bad input, 1 for a failed
+    save), 1 for the other :data:`RUN_ERRORS`."""
+    return exc.exit_status if isinstance(exc, UsageError) else 1
 
 
 def reported_here(exc: BaseException, rank: int) -> bool:

@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron.errors import UsageError
+
 ORDER: Tuple[str, ...] = ("tp", "ulysses", "ring", "dp", "pp")
 
 FLAGS: Dict[str, str] = {
@@ -68,7 +70,7 @@ GROUP_AXES: Dict[str, Tuple[str, ...]] = {
 }
 
 
-class USPConfigError(ValueError):
+class USPConfigError(UsageError, ValueError):
     """Bad parallel-layout input. The message names the flag and a valid value."""
 
 

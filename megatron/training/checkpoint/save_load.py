@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.errors import UsageError
 from megatron.training.checkpoint import checksums
 from megatron.training.checkpoint.faults import (
     CheckpointSaveError,
@@ -78,7 +79,7 @@ TMP_SUFFIX = ".tmp"
 CHECKPOINT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UsageError, RuntimeError):
     """An unreadable ``--load`` (missing, incomplete, corrupt) or a failed save."""
 
 

@@ -26,6 +26,7 @@ import re
 import sys
 from typing import List, Optional, Sequence
 
+from megatron.errors import UsageError
 from megatron.training.cli.document_args import add_document_args, document_flags_problem
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
 from megatron.usp.backend_names import (
@@ -42,7 +43,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
-class ArgumentsError(ValueError):
+class ArgumentsError(UsageError, ValueError):
     """A bad or conflicting flag. The message names the flag and suggests a valid value."""
 
 

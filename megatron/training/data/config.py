@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from megatron.errors import UsageError
 from megatron.training.data.indexed_files import (
     IndexedDatasetInfo,
     inspect_indexed_dataset,
@@ -29,7 +30,7 @@ from megatron.usp.token_layout import check_seq_divisible
 logger = logging.getLogger(__name__)
 
 
-class DataConfigError(ValueError):
+class DataConfigError(UsageError, ValueError):
     """Bad data input found at start-up. The message names the flag or file, and a fix."""
 
 
