@@ -26,8 +26,8 @@ import re
 import sys
 from typing import List, Optional, Sequence
 
-from megatron.errors import UsageError
 from megatron.training.cli.document_args import add_document_args, document_flags_problem
+from megatron.training.cli.errors import ArgumentsError
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
 from megatron.usp.backend_names import (
     BACKEND_NAMES,
@@ -41,10 +41,6 @@ from megatron.usp.parallel_dims import ModelShape, ParallelDims, USPConfigError
 DEFAULT_LOSS_CHUNK_TOKENS = 8192
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
-
-
-class ArgumentsError(UsageError, ValueError):
-    """A bad or conflicting flag. The message names the flag and suggests a valid value."""
 
 
 def _degree(value: str):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.cli.errors import ArgumentsError
 from megatron.usp.backend_names import OFFLOAD_CHOICES, backend_installed
 
 FSDP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -72,9 +73,6 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _error(msg: str) -> Exception:
-    # Imported here: megatron.training.cli.arguments imports this module.
-    from megatron.training.cli.arguments import ArgumentsError
-
     return ArgumentsError(msg)
 
 

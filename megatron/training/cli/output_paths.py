@@ -17,7 +17,7 @@ import os
 import tempfile
 from typing import List, Optional, Tuple
 
-from megatron.training.cli.arguments import ArgumentsError
+from megatron.training.cli.errors import ArgumentsError
 
 
 def directory_problem(path: str) -> Optional[str]:
