@@ -176,14 +176,6 @@ class ParallelDims:
                 f"--context-parallel-size {dims.cp}")
         return dims
 
-    @classmethod
-    def from_args(cls, args, world_size: Optional[int] = None) -> "ParallelDims":
-        """From a ``pretrain_gpt.py`` namespace (integer degrees)."""
-        return cls.from_flags(
-            world_size if world_size is not None else args.world_size,
-            args.tensor_model_parallel_size, args.ulysses_degree, args.ring_degree,
-            args.pipeline_model_parallel_size, getattr(args, "context_parallel_size", None))
-
     # ------------------------------------------------------------------ sizes
     @property
     def cp(self) -> int:

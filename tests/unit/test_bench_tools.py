@@ -229,9 +229,9 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     cfg = _e2e_cfg(device=device)
     spec = e2e.RunSpec(65536, *split, recompute, 5)
     args = arguments.parse_args(e2e.pretrain_args(cfg, spec, "/tmp/m.jsonl"))
-    arguments.validate_args(args, world_size=2, cuda_available=device == "cuda")
+    config = arguments.validate_args(args, world_size=2, cuda_available=device == "cuda")
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (16, 2048, 16)
-    assert (args.num_query_groups, args.kv_channels, args.ffn_hidden_size) == (4, 128, 5632)
+    assert (args.num_query_groups, config.kv_channels, args.ffn_hidden_size) == (4, 128, 5632)
     assert args.swiglu and args.untie_embeddings_and_output_weights and args.mock_data
     assert args.normalization == "RMSNorm" and args.position_embedding_type == "rope"
     # NullTokenizer adds the EOD id: the embedding has exactly 32000 rows, no padding
@@ -243,7 +243,7 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     assert args.recompute_granularity == {"none": None}.get(recompute, recompute)
     assert args.recompute_modules == (["mlp"] if recompute == "selective" else None)
     # the chunked output-layer loss (no full-sequence logits), for throughput and max length
-    assert args.fused_linear_cross_entropy and args.linear_cross_entropy_chunk_tokens == 8192
+    assert args.fused_linear_cross_entropy and config.loss_chunk_tokens == 8192
 
 
 def test_only_presets_that_ask_use_the_fused_loss():

@@ -321,7 +321,7 @@ def test_document_flags_accepted():
 
     args = validate_args(parse_args(BASE + ["--reset-position-ids", "--reset-attention-mask",
                                             "--eod-mask-loss", "--document-attention-kernel",
-                                            "math", "--document-layout", "zigzag"]), 1)
+                                            "math", "--document-layout", "zigzag"]), 1).args
     assert args.document_attention_kernel == "math" and args.document_layout == "zigzag"
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--document-attention-kernel", "dense"])

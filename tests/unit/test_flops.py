@@ -70,16 +70,15 @@ def test_full_attention_equals_megatron_lms_formula():
                                                                     rel=1e-12)
 
 
-def test_shape_from_args_uses_gqa_only_when_asked():
+def test_shape_from_config_uses_gqa_only_when_asked():
     from megatron.training.cli.arguments import parse_args, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
             "--seq-length", "64", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
             "--vocab-size", "100"]
     for extra, groups in ((["--group-query-attention", "--num-query-groups", "2"], 2), ([], 8)):
-        args = validate_args(parse_args(base + extra), 1, cuda_available=False)
-        args.padded_vocab_size = 128
-        shape = GPTShape.from_args(args)
+        config = validate_args(parse_args(base + extra), 1, cuda_available=False)
+        shape = GPTShape.from_config(config.with_padded_vocab(128))
         assert (shape.num_query_groups, shape.kv_channels, shape.padded_vocab_size) == \
             (groups, 8, 128)
 

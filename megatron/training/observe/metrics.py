@@ -56,14 +56,16 @@ class GPTShape:
     causal: bool = True
 
     @classmethod
-    def from_args(cls, args) -> "GPTShape":
+    def from_config(cls, config) -> "GPTShape":
+        """The shape of a validated run (a :class:`~megatron.training.cli.config.RunConfig`
+        whose vocabulary is padded)."""
+        args = config.args
         return cls(
             num_layers=args.num_layers, hidden_size=args.hidden_size,
-            ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
-            num_query_groups=(args.num_query_groups if args.group_query_attention
-                              else args.num_attention_heads),
-            kv_channels=args.kv_channels, seq_length=args.seq_length,
-            padded_vocab_size=args.padded_vocab_size, swiglu=args.swiglu)
+            ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+            num_query_groups=config.shape.kv_heads, kv_channels=config.kv_channels,
+            seq_length=args.seq_length, padded_vocab_size=config.padded_vocab_size,
+            swiglu=args.swiglu)
 
 
 def training_flops_per_iteration(shape: GPTShape, global_batch_size: int) -> float:
