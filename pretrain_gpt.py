@@ -44,16 +44,16 @@ def main(argv=None) -> int:
 def preflight(args):
     """The flag and output-directory checks, before megatron-core is imported (seconds of
     imports and its warnings); exit status 2 after one line from rank 0, else None.
-    ``pretrain`` repeats them (``validate_args`` is idempotent)."""
+    ``pretrain`` repeats them (``validate_args`` only reads ``args``)."""
     import os
 
-    from megatron.training.cli.arguments import ArgumentsError, USPConfigError, validate_args
+    from megatron.errors import UsageError
+    from megatron.training.cli.arguments import validate_args
     from megatron.training.cli.output_paths import check_output_paths
 
     try:
-        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-        check_output_paths(args)
-    except (ArgumentsError, USPConfigError) as exc:
+        check_output_paths(validate_args(args, int(os.environ.get("WORLD_SIZE", "1"))))
+    except UsageError as exc:
         from megatron.training.cli.arguments import launch_rank
 
         if launch_rank() == 0:

@@ -38,12 +38,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from megatron.errors import UsageError
 from megatron.training.observe import loss_drift
 
 DEFAULT_TOLERANCE = 1e-5
 
 
-class InputError(ValueError):
+class InputError(UsageError, ValueError):
     """A metrics file that cannot be compared (missing, not JSONL, no records)."""
 
 

@@ -51,8 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     args = parse_args(argv)
-    from megatron.training.data.preprocess import PreprocessError, TokenizerSpec, preprocess_jsonl
-    from megatron.training.data.tokenizer import TokenizerError
+    from megatron.errors import UsageError
+    from megatron.training.data.preprocess import TokenizerSpec, preprocess_jsonl
 
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     if args.workers < 1:
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             log_interval=args.log_interval, progress=sys.stderr,
             warn=lambda msg: print(msg, file=sys.stderr),
         )
-    except (PreprocessError, TokenizerError) as exc:
+    except UsageError as exc:
         print(f"error: {exc}\nnothing was written.", file=sys.stderr)
         return 1
     for key, prefix in summary.output_prefixes.items():

@@ -42,12 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     args = parse_args(argv)
-    from megatron.training.data.preprocess import PreprocessError, iter_jsonl_texts
-    from megatron.training.data.tokenizer import (
-        TokenizerError,
-        train_sentencepiece,
-        training_sentences,
-    )
+    from megatron.errors import UsageError
+    from megatron.training.data.preprocess import iter_jsonl_texts
+    from megatron.training.data.tokenizer import train_sentencepiece, training_sentences
 
     counts: dict = {}
     t0 = time.perf_counter()
@@ -62,7 +59,7 @@ def main(argv=None) -> int:
             character_coverage=args.character_coverage,
             byte_fallback=not args.no_byte_fallback, num_threads=args.num_threads,
         )
-    except (PreprocessError, TokenizerError) as exc:
+    except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     out = args.output_prefix + ".model"

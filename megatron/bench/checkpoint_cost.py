@@ -71,15 +71,16 @@ def measure(model: str = "llama-0.85b", seq_length: int = 4096, saves: int = 2,
     shutil.rmtree(save_dir, ignore_errors=True)
     args = parse_args(_pretrain_args(model, seq_length, save_dir, device))
     rt = initialize(args)
+    config = rt.config
     try:
-        model_chunks = build_model(args, rt.groups)
+        model_chunks = build_model(config, rt.groups)
         _wire_grad_sync(model_chunks)
-        optimizer = build_optimizer(args, model_chunks)
-        scheduler = build_scheduler(args, optimizer)
+        optimizer = build_optimizer(config, model_chunks)
+        scheduler = build_scheduler(config, optimizer)
         state = TrainState()
-        train_iter, _ = build_data_iterators(args, rt, state)
-        step_fn = partial(batch_mod.forward_step, batch_context(rt, args))
-        train_step(args, rt, step_fn, train_iter, model_chunks, optimizer, 1)
+        train_iter, _ = build_data_iterators(config, rt, state)
+        step_fn = partial(batch_mod.forward_step, batch_context(rt, config))
+        train_step(config, rt, step_fn, train_iter, model_chunks, optimizer, 1)
         state.iteration = 1
 
         path = os.path.join(save_dir, "iter_0000001")
@@ -91,7 +92,7 @@ def measure(model: str = "llama-0.85b", seq_length: int = 4096, saves: int = 2,
                 shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
             t0 = time.perf_counter()
-            save_checkpoint(args, state, model_chunks, optimizer, scheduler, rt.groups,
+            save_checkpoint(config, state, model_chunks, optimizer, scheduler, rt.groups,
                             rt.device, with_checksums=with_checksums)
             return time.perf_counter() - t0
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+from megatron.errors import UsageError
 
-class BenchConfigError(ValueError):
+
+class BenchConfigError(UsageError, ValueError):
     """Bad benchmark input; the message names the flag and a valid value."""
 
 

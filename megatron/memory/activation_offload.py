@@ -61,18 +61,13 @@ from megatron.usp.backend_names import OFFLOAD_PREFETCH as DEFAULT_PREFETCH  # n
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """What the full-recompute path keeps where (``--recompute-*`` flags)."""
+    """What the full-recompute path keeps where (``--recompute-*`` flags; the CLI builds
+    it: :attr:`megatron.training.cli.config.RunConfig.offload`)."""
 
     layer_input: bool = False      # --recompute-cpu-offload layer_input
     core_attn: bool = False        # --recompute-cpu-offload core_attn
     keep_core_attn: bool = False   # --recompute-keep-core-attn
     prefetch: int = DEFAULT_PREFETCH
-
-    @classmethod
-    def from_args(cls, args) -> "OffloadConfig":
-        what = set(getattr(args, "recompute_cpu_offload", None) or ())
-        return cls(layer_input="layer_input" in what, core_attn="core_attn" in what,
-                   keep_core_attn=bool(getattr(args, "recompute_keep_core_attn", False)))
 
     @property
     def active(self) -> bool:

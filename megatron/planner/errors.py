@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from megatron.errors import UsageError
 
-class PlannerError(ValueError):
+
+class PlannerError(UsageError, ValueError):
     """Bad planner input, or a request no layout can satisfy.
 
     Attributes:

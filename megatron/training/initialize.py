@@ -3,8 +3,9 @@
 1. :func:`launch_env` reads rank and world size (torchrun's environment, an already
    initialised process group, or a single process);
 2. ``validate_args`` checks every flag on every rank, before any process group exists,
-   and :func:`~megatron.training.cli.output_paths.check_output_paths` that ``--save``, the
-   metrics file's folder and ``--tensorboard-dir`` can be written;
+   and returns the run's :class:`~megatron.training.cli.config.RunConfig`;
+   :func:`~megatron.training.cli.output_paths.check_output_paths` checks that ``--save``,
+   the metrics file's folder and ``--tensorboard-dir`` can be written;
 3. :func:`init_process_group` (gloo on CPU, NCCL on GPU) unless the caller already did;
 4. the CPU shims (:func:`megatron.training.cpu_shims.apply_cpu_shims`) on a machine without CUDA;
 5. the data source (:func:`resolve_data_source`: the default corpus is built here when no
@@ -26,9 +27,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.training.cli.arguments import padded_vocab_size, resolve_auto_layout, validate_args
+from megatron.training.cli.arguments import padded_vocab_size, validate_args
+from megatron.training.cli.auto_layout import resolve_auto_layout
+from megatron.training.cli.config import RunConfig
 from megatron.training.cli.output_paths import check_output_paths
-from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import USPGroups, initialize_usp_parallel
 
 if TYPE_CHECKING:
@@ -53,8 +55,9 @@ class DataSource:
 
 @dataclass
 class Runtime:
-    """This process's place in the job, and what start-up built (``data_source`` and
-    ``data_config`` hold the resolved data flags; read them, not ``args.data_path``)."""
+    """This process's place in the job, and what start-up built: ``config`` is the run's
+    validated configuration (layout resolved, vocabulary padded); ``data_source`` and
+    ``data_config`` hold the resolved data flags (read them, not ``args.data_path``)."""
 
     rank: int
     world_size: int
@@ -62,6 +65,7 @@ class Runtime:
     device: torch.device
     device_name: Optional[str]
     owns_process_group: bool
+    config: Optional[RunConfig] = None
     groups: Optional[USPGroups] = None
     tokenizer: object = None
     data_source: Optional[DataSource] = None
@@ -83,22 +87,23 @@ def launch_env() -> Tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_process_group(args, rank: int, world: int, local_rank: int) -> Tuple[torch.device, bool]:
+def init_process_group(config: RunConfig, rank: int, world: int,
+                       local_rank: int) -> Tuple[torch.device, bool]:
     """Join the job's default process group (if not joined yet); returns (device, created)."""
-    if args.device == "cuda":
+    if config.device == "cuda":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
     if dist.is_initialized():
         return device, False
-    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    timeout = datetime.timedelta(minutes=config.args.distributed_timeout_minutes)
     if world == 1 and "MASTER_ADDR" not in os.environ:
         # A plain `python pretrain_gpt.py ...`: a one-process group, no rendezvous needed.
-        dist.init_process_group(args.distributed_backend, store=dist.HashStore(), rank=0,
+        dist.init_process_group(config.distributed_backend, store=dist.HashStore(), rank=0,
                                 world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(args.distributed_backend, rank=rank, world_size=world,
+        dist.init_process_group(config.distributed_backend, rank=rank, world_size=world,
                                 timeout=timeout)
     return device, True
 
@@ -113,11 +118,12 @@ def resolve_data_source(args) -> DataSource:
     return DataSource(args.data_path, args.tokenizer_model)
 
 
-def build_tokenizer_for(args, source: DataSource):
+def build_tokenizer_for(config: RunConfig, source: DataSource):
     """The tokenizer of ``--tokenizer-type`` with ``source``'s tokenizer model."""
     from megatron.training.data.tokenizer import build_tokenizer
 
-    return build_tokenizer(args.tokenizer_type, source.tokenizer_model, args.vocab_size)
+    return build_tokenizer(config.tokenizer_type, source.tokenizer_model,
+                           config.args.vocab_size)
 
 
 def check_optional_packages(args) -> None:
@@ -131,17 +137,18 @@ def check_optional_packages(args) -> None:
                              f"package: pip install tensorboard (or drop the flag)")
 
 
-def data_config_from_args(args, source: DataSource) -> DataConfig:
-    """The data flags of ``args``, with ``source``'s (resolved) data path."""
+def data_config_from_args(config: RunConfig, source: DataSource) -> DataConfig:
+    """The data flags of the run, with ``source``'s (resolved) data path."""
     from megatron.training.data.config import DataConfig
 
+    args = config.args
     return DataConfig(
         data_path=source.data_path or None, split=args.split, mock_data=args.mock_data,
         seq_length=args.seq_length, seed=args.seed,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         num_workers=args.num_workers, data_cache_path=args.data_cache_path,
-        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
+        micro_batch_size=args.micro_batch_size, global_batch_size=config.global_batch_size)
 
 
 def set_random_seed(seed: int, groups: USPGroups) -> None:
@@ -159,16 +166,17 @@ def set_random_seed(seed: int, groups: USPGroups) -> None:
 
 
 def initialize(args) -> Runtime:
-    """Steps 1-6 of the module docstring; returns the runtime with groups and tokenizer."""
+    """Steps 1-6 of the module docstring; returns the runtime with its config, groups and
+    tokenizer."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
     from megatron.training.cpu_shims import apply_cpu_shims
     from megatron.training.data.config import validate_data_config
 
     rank, world, local_rank = launch_env()
-    validate_args(args, world)
-    check_output_paths(args)
-    device, owns = init_process_group(args, rank, world, local_rank)
+    config = validate_args(args, world)
+    check_output_paths(config)
+    device, owns = init_process_group(config, rank, world, local_rank)
     rt = Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device,
                  device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
                  else None, owns_process_group=owns)
@@ -176,21 +184,20 @@ def initialize(args) -> Runtime:
         apply_cpu_shims()
     check_optional_packages(args)
     rt.data_source = resolve_data_source(args)
-    rt.tokenizer = build_tokenizer_for(args, rt.data_source)
-    if args.ulysses_degree == "auto":
-        rt.plan_reasons = resolve_auto_layout(args, world, rt.tokenizer.vocab_size,
-                                              rt.device_name)
-    args.padded_vocab_size = padded_vocab_size(rt.tokenizer.vocab_size,
-                                               args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
-    dims = ParallelDims.from_args(args, world)
-    rt.data_config = data_config_from_args(args, rt.data_source)
-    validate_data_config(rt.data_config, rt.tokenizer, dims.cp)
-    rt.groups = initialize_usp_parallel(dims,
-                                        distributed_timeout_minutes=args.distributed_timeout_minutes)
+    rt.tokenizer = build_tokenizer_for(config, rt.data_source)
+    if config.dims is None:   # --ulysses-degree auto
+        config, rt.plan_reasons = resolve_auto_layout(config, rt.tokenizer.vocab_size,
+                                                      rt.device_name)
+    rt.config = config = config.with_padded_vocab(padded_vocab_size(
+        rt.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+        args.tensor_model_parallel_size))
+    rt.data_config = data_config_from_args(config, rt.data_source)
+    validate_data_config(rt.data_config, rt.tokenizer, config.dims.cp)
+    rt.groups = initialize_usp_parallel(
+        config.dims, distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_random_seed(args.seed, rt.groups)
-    init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size,
-                                     args.data_parallel_size)
+    init_num_microbatches_calculator(rank, None, config.global_batch_size,
+                                     args.micro_batch_size, config.dims.dp)
     return rt
 
 

@@ -43,6 +43,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.errors import UsageError
 from megatron.planner.hardware import peak_tflops_for_device
 from megatron.training.checkpoint.save_load import (
     TrainState,
@@ -53,7 +54,7 @@ from megatron.training.checkpoint.save_load import (
     start_writer_manager,
     zero_adam_state,
 )
-from megatron.training.cli.arguments import model_shape_from_args
+from megatron.training.cli.config import RunConfig
 from megatron.training.data import batch as batch_mod
 from megatron.training.initialize import Runtime, initialize, shutdown
 from megatron.training.model.build import build_model, count_parameters, reserve_offload_buffers
@@ -78,34 +79,16 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; the message names the iteration."""
 
 
-def _input_errors():
-    from megatron.training.checkpoint.save_load import CheckpointError
-    from megatron.training.cli.arguments import ArgumentsError
-    from megatron.training.data.config import DataConfigError
-    from megatron.training.data.tokenizer import TokenizerError
-    from megatron.usp.parallel_dims import USPConfigError
-
-    return (ArgumentsError, USPConfigError, DataConfigError, TokenizerError, CheckpointError)
-
-
-INPUT_ERRORS = _input_errors()
-"""Start-up errors caused by the user's input (flags, layout, data, ``--save``, ``--load``);
-raised identically on every rank before any collective that could hang."""
-
-
-def _run_errors():
-    from megatron.training.checkpoint.save_load import CheckpointSaveError
-
-    return INPUT_ERRORS + (NonFiniteLossError, CheckpointSaveError)
-
-
-RUN_ERRORS = _run_errors()
-"""Every error ``pretrain_gpt.py`` reports in one line instead of a traceback."""
+RUN_ERRORS = (UsageError, NonFiniteLossError)
+"""Every error ``pretrain_gpt.py`` reports in one line instead of a traceback: bad input
+from any subsystem (flags, layout, data, ``--save``, ``--load``; raised identically on every
+rank before any collective that could hang, or a failed save), and a non-finite loss."""
 
 
 def exit_status(exc: BaseException) -> int:
-    """2 for bad input (:data:`INPUT_ERRORS`), 1 for the other :data:`RUN_ERRORS`."""
-    return 2 if isinstance(exc, INPUT_ERRORS) else 1
+    """A :class:`~megatron.errors.UsageError`'s own status (2 for bad input, 1 for a failed
+    save), 1 for the other :data:`RUN_ERRORS`."""
+    return exc.exit_status if isinstance(exc, UsageError) else 1
 
 
 def reported_here(exc: BaseException, rank: int) -> bool:
@@ -133,13 +116,14 @@ def print_rank_0(rt: Runtime, msg: str) -> None:
 
 
 # --------------------------------------------------------------------------- setup
-def build_optimizer(args, model):
+def build_optimizer(config: RunConfig, model):
     """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer; state and
     step on the CPU with --optimizer-cpu-offload)."""
     from megatron.core import optimizer as mcore_optimizer
 
     from megatron.usp.backend_names import backend_installed
 
+    args = config.args
     no_te = bool(args.use_precision_aware_optimizer) and not backend_installed("te")
     config = mcore_optimizer.OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
@@ -153,7 +137,7 @@ def build_optimizer(args, model):
         # built where its transient copies fit and then replaced by the staged one with the
         # asked fraction (offload_optimizer.py says why).
         optimizer_cpu_offload=args.optimizer_cpu_offload,
-        optimizer_offload_fraction=_build_fraction(args, model),
+        optimizer_offload_fraction=_build_fraction(config, model),
         use_precision_aware_optimizer=args.use_precision_aware_optimizer and not no_te,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
     )
@@ -163,15 +147,16 @@ def build_optimizer(args, model):
     if args.optimizer_cpu_offload:
         from megatron.training.optim.offload_optimizer import install_staged_offload
 
-        install_staged_offload(optimizer, args.optimizer_offload_fraction)
+        install_staged_offload(optimizer, config.optimizer_offload_fraction)
     use_fused_adam(optimizer)
     allocate_adam_state(optimizer)
     return optimizer
 
 
-def _build_fraction(args, model) -> float:
+def _build_fraction(config: RunConfig, model) -> float:
     """The fraction megatron-core builds its HybridDeviceOptimizer with before the staged one
     replaces it (``offload_optimizer.build_fraction``); 0 without ``--optimizer-cpu-offload``."""
+    args = config.args
     if not args.optimizer_cpu_offload:
         return 0.0
     from megatron.training.optim.offload_optimizer import build_fraction, gpu_free_bytes
@@ -265,15 +250,17 @@ def allocate_adam_state(optimizer) -> int:
     return given
 
 
-def build_scheduler(args, optimizer):
+def build_scheduler(config: RunConfig, optimizer):
     """Megatron-LM's OptimizerParamScheduler, counted in samples."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    gbs = args.global_batch_size
+    args = config.args
+    gbs = config.global_batch_size
     wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=config.lr_warmup_iters * gbs,
+        lr_decay_steps=config.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant", wsd_decay_steps=wsd,
@@ -303,7 +290,7 @@ def _wire_grad_sync(model) -> None:
         config.grad_sync_func = model[0].start_grad_sync
 
 
-def build_data_iterators(args, rt: Runtime, state: TrainState):
+def build_data_iterators(config: RunConfig, rt: Runtime, state: TrainState):
     """(train, valid) iterators of full-sequence micro-batches for this DP rank."""
     from megatron.training.data.loader import (
         build_data_iterator,
@@ -311,7 +298,8 @@ def build_data_iterators(args, rt: Runtime, state: TrainState):
         worker_start_method,
     )
 
-    gbs = args.global_batch_size
+    args = config.args
+    gbs = config.global_batch_size
     evals = args.train_iters // args.eval_interval + 1
     sizes = [args.train_iters * gbs, evals * args.eval_iters * gbs if args.eval_iters else None,
              None]
@@ -338,15 +326,17 @@ def build_data_iterators(args, rt: Runtime, state: TrainState):
     return train, valid
 
 
-def batch_context(rt: Runtime, args) -> batch_mod.BatchContext:
+def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
     from megatron.training.data.documents import documents_enabled
 
-    g = rt.groups
+    g, args = rt.groups, config.args
     pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
     return batch_mod.BatchContext(cp_rank=g.cp_rank, cp_size=dist.get_world_size(g.cp),
                                   device=rt.device, first_stage=pp_rank == 0,
                                   last_stage=pp_rank == pp_size - 1, ring_rank=g.ring_rank,
-                                  ring_size=g.ring_size, documents=documents_enabled(args))
+                                  ring_size=g.ring_size,
+                                  documents=documents_enabled(args.reset_attention_mask,
+                                                              args.reset_position_ids))
 
 
 # --------------------------------------------------------------------------- one step
@@ -374,9 +364,11 @@ def _num_microbatches() -> int:
     return get_num_microbatches()
 
 
-def forward_backward(args, step_fn: Callable, data_iterator, model, forward_only: bool):
+def forward_backward(config: RunConfig, step_fn: Callable, data_iterator, model,
+                     forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    args = config.args
     return get_forward_backward_func()(
         forward_step_func=step_fn, data_iterator=data_iterator, model=model,
         num_microbatches=_num_microbatches(), seq_length=args.seq_length,
@@ -384,13 +376,14 @@ def forward_backward(args, step_fn: Callable, data_iterator, model, forward_only
         forward_only=forward_only)
 
 
-def train_step(args, rt: Runtime, step_fn: Callable, data_iterator, model, optimizer,
-               iteration: int):
+def train_step(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator, model,
+               optimizer, iteration: int):
     """One optimizer step; returns (lm loss, grad norm or None, skipped)."""
+    args = config.args
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = forward_backward(args, step_fn, data_iterator, model, forward_only=False)
+    losses = forward_backward(config, step_fn, data_iterator, model, forward_only=False)
     total = reduce_lm_loss(losses, rt.groups, rt.device)
     updated, loss, grad_norm = guarded_optimizer_step(optimizer, model, total, rt.device)
     if not math.isfinite(loss):
@@ -490,14 +483,15 @@ def nonfinite_grad_message(iteration: int, grad_norm: float, loss: float,
             f"stopping before the optimizer step (the weights are unchanged): {advice}")
 
 
-def evaluate(args, rt: Runtime, step_fn: Callable, data_iterator, model) -> float:
+def evaluate(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator, model) -> float:
     """Mean lm loss over ``--eval-iters`` global batches of the validation split."""
+    args = config.args
     for chunk in model:
         chunk.eval()
     total = torch.zeros(2, dtype=torch.float32, device=rt.device)
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            losses = forward_backward(args, step_fn, data_iterator, model, forward_only=True)
+            losses = forward_backward(config, step_fn, data_iterator, model, forward_only=True)
             total += reduce_lm_loss(losses, rt.groups, rt.device)
     for chunk in model:
         chunk.train()
@@ -537,10 +531,11 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
 
 
 @contextlib.contextmanager
-def params_in_sync(args, model):
+def params_in_sync(config: RunConfig, model):
     """With ``--overlap-param-gather`` the distributed optimizer's parameter all-gather is
     deferred to the next forward pass (forward pre-hooks); finish it, and switch the hooks
     off, while the model is evaluated or saved (Megatron-LM does the same)."""
+    args = config.args
     if not (args.use_distributed_optimizer and args.overlap_param_gather):
         yield
         return
@@ -556,30 +551,34 @@ def params_in_sync(args, model):
 class _Loop:
     """State of one training run; :meth:`run` is the loop."""
 
-    def __init__(self, args, rt: Runtime, model, optimizer, scheduler, state: TrainState,
-                 step_fn: Callable, writer: MetricsWriter, result: TrainResult,
-                 memory: Optional[MemoryHistory] = None) -> None:
-        self.args, self.rt, self.model = args, rt, model
+    def __init__(self, config: RunConfig, rt: Runtime, model, optimizer, scheduler,
+                 state: TrainState, step_fn: Callable, writer: MetricsWriter,
+                 result: TrainResult, memory: Optional[MemoryHistory] = None) -> None:
+        self.config, self.rt, self.model = config, rt, model
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.step_fn, self.writer, self.result = step_fn, writer, result
         self.sigterm = SigtermFlag()
-        self.profiler = StepProfiler(args, rt.rank, rt.device)
+        args = config.args
+        self.profiler = StepProfiler(
+            bool(args.profile) and rt.rank in args.profile_ranks, args.profile_step_start,
+            args.profile_step_end, config.profile_dir, rt.rank, rt.device)
         self.memory = memory
 
     def _save(self) -> None:
-        with params_in_sync(self.args, self.model):
-            path = save_checkpoint(self.args, self.state, self.model, self.optimizer,
+        with params_in_sync(self.config, self.model):
+            path = save_checkpoint(self.config, self.state, self.model, self.optimizer,
                                    self.scheduler, self.rt.groups, self.rt.device,
                                    resolved_args=self.rt.data_source.resolved_args())
         self.result.saved.append(path)
         print_rank_0(self.rt, f"saved checkpoint at iteration {self.state.iteration} to {path}")
 
     def _one_iteration(self, train_iter) -> None:
-        args, st = self.args, self.state
+        config, st = self.config, self.state
+        args = config.args
         it = st.iteration + 1
         self.profiler.before(it)
         t0 = time.perf_counter()
-        loss, grad_norm, skipped = train_step(args, self.rt, self.step_fn, train_iter,
+        loss, grad_norm, skipped = train_step(config, self.rt, self.step_fn, train_iter,
                                               self.model, self.optimizer, it)
         step_time = time.perf_counter() - t0
         if self.profiler.after(it):
@@ -589,7 +588,7 @@ class _Loop:
             print(f"rank {self.rt.rank}: memory snapshot after iteration {it} written to "
                   f"{self.memory.written} (summary: {self.memory.written}.txt)", flush=True)
         st.iteration = it
-        st.consumed_train_samples += args.global_batch_size
+        st.consumed_train_samples += config.global_batch_size
         if skipped:
             st.skipped_iterations += 1
             self.result.skipped_iterations.append(it)
@@ -597,7 +596,7 @@ class _Loop:
             print_rank_0(self.rt, f"iteration {it}: {what}, optimizer step skipped "
                                   f"(--skip-nan-steps)")
         else:
-            self.scheduler.step(increment=args.global_batch_size)
+            self.scheduler.step(increment=config.global_batch_size)
         self.result.losses[it] = loss
         mem = peak_memory_gib(self.rt.device)
         at_log = it % args.log_interval == 0 or it == args.train_iters
@@ -609,15 +608,15 @@ class _Loop:
             host_mem_gib=peak_host_memory_gib()), max_mem)
 
     def _validate(self, valid_iter) -> None:
-        args = self.args
-        with params_in_sync(args, self.model):
-            value = evaluate(args, self.rt, self.step_fn, valid_iter, self.model)
-        self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        config = self.config
+        with params_in_sync(config, self.model):
+            value = evaluate(config, self.rt, self.step_fn, valid_iter, self.model)
+        self.state.consumed_valid_samples += config.args.eval_iters * config.global_batch_size
         self.result.valid_losses[self.state.iteration] = value
         self.writer.validation(self.state.iteration, value)
 
     def run(self, train_iter, valid_iter) -> TrainResult:
-        args, st = self.args, self.state
+        args, st = self.config.args, self.state
         if args.save:
             self.sigterm.install()
         try:
@@ -648,10 +647,13 @@ class _Loop:
             self.sigterm.restore()
 
 
-def _log_setup(args, rt: Runtime, model, loaded: Optional[str], state: TrainState) -> None:
+def _log_setup(config: RunConfig, rt: Runtime, model, loaded: Optional[str],
+               state: TrainState) -> None:
+    args = config.args
     print_rank_0(rt, f"layout {rt.groups.dims.short()} on {rt.world_size} {rt.device.type} "
-                     f"process(es); {args.num_microbatches} micro-batch(es) of "
-                     f"{args.micro_batch_size} per step; global batch {args.global_batch_size}")
+                     f"process(es); {config.num_microbatches} micro-batch(es) of "
+                     f"{args.micro_batch_size} per step; global batch "
+                     f"{config.global_batch_size}")
     for reason in rt.plan_reasons:
         print_rank_0(rt, f"  planner: {reason}")
     print_rank_0(rt, f"number of parameters on rank 0 (its TP shard of its stage): "
@@ -661,12 +663,13 @@ def _log_setup(args, rt: Runtime, model, loaded: Optional[str], state: TrainStat
                          f"(consumed samples {state.consumed_train_samples})")
 
 
-def _make_writer(args, rt: Runtime) -> MetricsWriter:
+def _make_writer(config: RunConfig, rt: Runtime) -> MetricsWriter:
+    args = config.args
     peak = args.peak_tflops or peak_tflops_for_device(rt.device_name)
-    throughput = Throughput(model_shape_from_args(args), args.seq_length,
-                            args.global_batch_size, rt.world_size, peak)
+    throughput = Throughput(config.model_shape(), config.args.seq_length,
+                            config.global_batch_size, rt.world_size, peak)
     return MetricsWriter(rt.is_logging_rank, args.train_iters, args.log_interval, throughput,
-                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir)
+                         metrics_file=config.metrics_file, tensorboard_dir=args.tensorboard_dir)
 
 
 def pretrain(args: argparse.Namespace,
@@ -684,38 +687,41 @@ def pretrain(args: argparse.Namespace,
     memory = None
     try:
         rt = initialize(args)
-        memory = MemoryHistory(args, rt.rank, rt.device)
+        config = rt.config
+        memory = MemoryHistory(args.record_memory_history, args.memory_snapshot_iteration,
+                               args.memory_snapshot_path, args.seq_length, rt.rank, rt.device)
         if args.save:
             start_writer_manager()
-        model = build_model(args, rt.groups)
+        model = build_model(config, rt.groups)
         _wire_grad_sync(model)
         # Where memory goes before the first step (long sequences: the model, the
         # optimizer's state and its start-up copies, then the pinned offload buffers).
         print_rank_0(rt, f"memory after building the model: {memory_report(rt.device)}")
-        optimizer = build_optimizer(args, model)
-        scheduler = build_scheduler(args, optimizer)
-        resume = load_checkpoint(args, model, optimizer, scheduler)
+        optimizer = build_optimizer(config, model)
+        scheduler = build_scheduler(config, optimizer)
+        resume = load_checkpoint(config, model, optimizer, scheduler)
         print_rank_0(rt, f"memory after building the optimizer"
                          f"{' and loading' if resume.path else ''}: {memory_report(rt.device)}")
-        pinned = reserve_offload_buffers(args, model)
+        pinned = reserve_offload_buffers(config, model)
         if pinned:
             print_rank_0(rt, f"memory after reserving {pinned / 2**30:.1f} GiB of host buffers "
                              f"for --recompute-cpu-offload: {memory_report(rt.device)}")
         state = resume.state
-        _log_setup(args, rt, model, resume.path, state)
+        _log_setup(config, rt, model, resume.path, state)
         result = TrainResult(iteration=state.iteration, loaded_from=resume.path)
         if state.iteration >= args.train_iters:
             print_rank_0(rt, f"the checkpoint is at iteration {state.iteration} >= "
                              f"--train-iters {args.train_iters}: nothing to train")
             return result
-        train_iter, valid_iter = build_data_iterators(args, rt, state)
+        train_iter, valid_iter = build_data_iterators(config, rt, state)
         if resume.rng_state is not None:
             set_rng_state(resume.rng_state, rt.device)
-        writer = _make_writer(args, rt)
+        writer = _make_writer(config, rt)
         writer.run_header(rt.groups.dims.short(), rt.world_size,
-                          plain_args(args, rt.data_source.resolved_args()))
-        step_fn = partial(forward_step_func or batch_mod.forward_step, batch_context(rt, args))
-        _Loop(args, rt, model, optimizer, scheduler, state, step_fn, writer, result,
+                          plain_args(config, rt.data_source.resolved_args()))
+        step_fn = partial(forward_step_func or batch_mod.forward_step,
+                          batch_context(rt, config))
+        _Loop(config, rt, model, optimizer, scheduler, state, step_fn, writer, result,
               memory).run(train_iter, valid_iter)
         result.iteration = state.iteration
         return result

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Dict, Optional, Tuple
 
+from megatron.errors import UsageError
+
 BACKEND_NAMES: Tuple[str, ...] = ("auto", "torch", "math", "flash-attn", "te")
 
 INSTALL_HINTS: Dict[str, str] = {
@@ -80,7 +82,7 @@ def op_impl(choice: str, op: str) -> str:
     return OP_IMPL[choice][op]
 
 
-class FusedKernelsUnavailable(ValueError):
+class FusedKernelsUnavailable(UsageError, ValueError):
     """``--fused-kernels`` names an implementation that cannot run here."""
 
 

@@ -59,6 +59,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.errors import UsageError
 from megatron.usp.backend_names import BACKEND_NAMES, INSTALL_HINTS
 
 Tensor = torch.Tensor
@@ -66,7 +67,7 @@ Tensor = torch.Tensor
 _INSTALL_HINTS = INSTALL_HINTS
 
 
-class AttentionBackendUnavailable(RuntimeError):
+class AttentionBackendUnavailable(UsageError, RuntimeError):
     """The requested ``--attention-backend`` cannot run here; the message says what to install."""
 
 

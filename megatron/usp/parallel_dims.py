@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron.errors import UsageError
 from megatron.shapes.model import ModelShape
 
 ORDER: Tuple[str, ...] = ("tp", "ulysses", "ring", "dp", "pp")
@@ -70,7 +71,7 @@ GROUP_AXES: Dict[str, Tuple[str, ...]] = {
 }
 
 
-class USPConfigError(ValueError):
+class USPConfigError(UsageError, ValueError):
     """Bad parallel-layout input. The message names the flag and a valid value."""
 
 
@@ -162,14 +163,6 @@ class ParallelDims:
                 f"--context-parallel-size (it is derived as U*R) or pass "
                 f"--context-parallel-size {dims.cp}")
         return dims
-
-    @classmethod
-    def from_args(cls, args, world_size: Optional[int] = None) -> "ParallelDims":
-        """From a ``pretrain_gpt.py`` namespace (integer degrees)."""
-        return cls.from_flags(
-            world_size if world_size is not None else args.world_size,
-            args.tensor_model_parallel_size, args.ulysses_degree, args.ring_degree,
-            args.pipeline_model_parallel_size, getattr(args, "context_parallel_size", None))
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -32,6 +32,9 @@ LAYOUTS = {"dp4": [], "u2": ["--ulysses-degree", "2"]}
 def _step_gradient(layout, grad_reduce_in_bf16: bool):
     """{name: float64 gradient} of one step's global batch, from DDP's buffer (the sum over
     the loss tokens: the division by their count happens in the optimizer step)."""
+    import argparse
+    import dataclasses
+
     import torch
 
     from megatron.training import loop as training
@@ -41,17 +44,19 @@ def _step_gradient(layout, grad_reduce_in_bf16: bool):
     from megatron.training.initialize import initialize, shutdown
     from megatron.training.model.build import build_model, unwrap
 
-    args = parse_args(MODEL + layout)
-    rt = initialize(args)
+    rt = initialize(parse_args(MODEL + layout))
     try:
-        args.bf16, args.params_dtype = True, "bfloat16"   # see the module docstring
-        args.grad_reduce_in_bf16 = grad_reduce_in_bf16
-        model = build_model(args, rt.groups)
+        # See the module docstring: the validated CPU run, switched to bf16.
+        bf16 = argparse.Namespace(**dict(vars(rt.config.args), bf16=True,
+                                         grad_reduce_in_bf16=grad_reduce_in_bf16))
+        config = dataclasses.replace(rt.config, args=bf16,
+                                     grad_reduce_in_fp32=not grad_reduce_in_bf16)
+        model = build_model(config, rt.groups)
         training._wire_grad_sync(model)
-        train_iter, _ = training.build_data_iterators(args, rt, TrainState())
+        train_iter, _ = training.build_data_iterators(config, rt, TrainState())
         model[0].zero_grad_buffer()
-        step = partial(batch_mod.forward_step, training.batch_context(rt, args))
-        training.forward_backward(args, step, train_iter, model, forward_only=False)
+        step = partial(batch_mod.forward_step, training.batch_context(rt, config))
+        training.forward_backward(config, step, train_iter, model, forward_only=False)
         params = dict(unwrap(model[0]).named_parameters())
         want = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         assert all(p.dtype == torch.bfloat16 and p.main_grad.dtype == want

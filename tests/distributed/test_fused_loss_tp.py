@@ -137,15 +137,15 @@ MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads
               "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
-def _build(args, groups):
+def _build(config, groups):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron.training.cli.arguments import padded_vocab_size
     from megatron.training.model.build import build_gpt_model, transformer_config_from_args
 
-    args.padded_vocab_size = padded_vocab_size(args.vocab_size, 32, 2)     # 64
+    config = config.with_padded_vocab(padded_vocab_size(config.args.vocab_size, 32, 2))  # 64
     model_parallel_cuda_manual_seed(7)
-    return build_gpt_model(args, transformer_config_from_args(args), groups)
+    return build_gpt_model(config, transformer_config_from_args(config), groups)
 
 
 def _model_checks(rank, world_size):

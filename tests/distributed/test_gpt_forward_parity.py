@@ -210,7 +210,7 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: di
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron.layers import fused_kernels
-    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
+    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
 
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=tp,
                                                   ulysses=ulysses, ring=ring))
@@ -221,8 +221,8 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: di
     config = _config(cp, ulysses, ring, tp, sp, fused)
     if fused:
         fused_kernels._compiled = lambda fn: fn   # the plain functions, eagerly (CPU ranks)
-    spec = get_usp_gpt_block_spec(config, pp_rank=0, fused_kernels=choice,
-                                  lean_norms=lean, lean_swiglu=lean)
+    spec = get_usp_gpt_block_spec(config, pp_rank=0, options=LayerSpecOptions(
+        fused_kernels=choice, lean_norms=lean, lean_swiglu=lean))
     model = _model(spec, config, groups.pg_collection)
     _check_norms(model, sp, lean)
     if fused:
@@ -283,7 +283,7 @@ def _checkpoint_keys(rank, world_size):
 
     from megatron.layers import fused_kernels
     from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
+    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
 
     apply_cpu_shims()
     groups = initialize_usp_parallel(ParallelDims(world_size))
@@ -292,8 +292,8 @@ def _checkpoint_keys(rank, world_size):
     keys = {}
     for mode, (choice, lean) in MODES.items():
         config = _config(1, 1, 1, fused=mode != "plain")
-        spec = get_usp_gpt_block_spec(config, pp_rank=0, lean_norms=lean, lean_swiglu=lean,
-                                      fused_kernels=choice)
+        spec = get_usp_gpt_block_spec(config, pp_rank=0, options=LayerSpecOptions(
+            fused_kernels=choice, lean_norms=lean, lean_swiglu=lean))
         sd = _model(spec, config, groups.pg_collection).sharded_state_dict()
         # The checkpoint's own key of each tensor (ShardedTensor.key), not the module path.
         keys[mode] = {v.key: tuple(v.global_shape) for v in sd.values()

@@ -67,7 +67,7 @@ def _build(variant, layout, groups):
         install_recompute_offload,
     )
     from megatron.memory.kept_attention import RecomputeKeep
-    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
+    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
 
     tp, ulysses, ring, sp = layout
     full, keep, offload, tiles = VARIANTS[variant]
@@ -80,9 +80,9 @@ def _build(variant, layout, groups):
         recompute_keep = RecomputeKeep(offloader, to_host=oc.core_attn) if keep else None
     local = SEQ // (ulysses * ring) // (tp if sp else 1)
     model_parallel_cuda_manual_seed(SEED)
-    spec = get_usp_gpt_block_spec(config, pp_rank=0, mlp_tile_tokens=local // tiles if tiles
-                                  else None, recompute_keep=recompute_keep,
-                                  mlp_tp_group=groups.tp)
+    spec = get_usp_gpt_block_spec(config, pp_rank=0, options=LayerSpecOptions(
+        mlp_tile_tokens=local // tiles if tiles else None, recompute_keep=recompute_keep,
+        mlp_tp_group=groups.tp))
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                      max_sequence_length=SEQ, position_embedding_type="rope",
                      share_embeddings_and_output_weights=False,

@@ -421,10 +421,10 @@ def test_layer_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron.training.model.layer_specs import get_usp_gpt_layer_spec
+    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_layer_spec
     from megatron.usp.core_attention import USPAttention
 
-    spec = get_usp_gpt_layer_spec(attention_backend="math", qk_layernorm=True)
+    spec = get_usp_gpt_layer_spec(LayerSpecOptions(attention_backend="math"), qk_layernorm=True)
     upstream = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     core = spec.submodules.self_attention.submodules.core_attention
     assert isinstance(core, ModuleSpec) and core.module is USPAttention
@@ -444,6 +444,6 @@ def test_layer_spec_swaps_only_core_attention():
     assert spec.submodules.self_attention.module is USPSelfAttention
     assert spec.submodules.self_attention.params["rope_impl"] == "torch"
     with pytest.raises(ValueError, match="--attention-backend 'cudnn'"):
-        get_usp_gpt_layer_spec(attention_backend="cudnn")
+        get_usp_gpt_layer_spec(LayerSpecOptions(attention_backend="cudnn"))
     with pytest.raises(ValueError, match="--normalization"):
         get_usp_gpt_layer_spec(normalization="ScaleNorm")

@@ -46,7 +46,7 @@ def one_gpt_step(impl: str, lean: bool = False,
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
+    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
     from megatron.usp.parallel_dims import ParallelDims
     from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 
@@ -58,8 +58,8 @@ def one_gpt_step(impl: str, lean: bool = False,
         model_parallel_cuda_manual_seed(SEED)
         torch.manual_seed(SEED)
         config = _config(impl != "torch" or lean)
-        spec = get_usp_gpt_block_spec(config, pp_rank=0, fused_kernels=impl, lean_norms=lean,
-                                      lean_swiglu=lean, fuse_wgrad=fuse_wgrad)
+        spec = get_usp_gpt_block_spec(config, pp_rank=0, options=LayerSpecOptions(
+            fused_kernels=impl, lean_norms=lean, lean_swiglu=lean, fuse_wgrad=fuse_wgrad))
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                          max_sequence_length=SEQ, position_embedding_type="rope",
                          share_embeddings_and_output_weights=False,

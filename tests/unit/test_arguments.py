@@ -11,9 +11,9 @@ from megatron.training.cli.arguments import (
     default_ffn_hidden_size,
     padded_vocab_size,
     parse_args,
-    resolve_auto_layout,
     validate_args,
 )
+from megatron.training.cli.auto_layout import resolve_auto_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,34 +88,34 @@ def test_pretrain_gpt_help_runs():
 
 
 def test_derived_values():
-    args = _valid(["--ulysses-degree", "2", "--ring-degree", "2", "--swiglu",
-                   "--micro-batch-size", "2", "--global-batch-size", "8", "--save", "/ck"])
-    assert args.data_parallel_size == 1 and args.context_parallel_size == 4
-    assert args.num_microbatches == 4
-    assert args.kv_channels == 8
-    assert args.ffn_hidden_size == default_ffn_hidden_size(64, True) == 128
-    assert args.max_position_embeddings == 64
-    assert args.metrics_file == os.path.join("/ck", "metrics.jsonl")
-    assert args.device == "cpu" and args.distributed_backend == "gloo"
-    assert args.use_cpu_initialization and args.params_dtype == "float32"
-    assert args.lr_decay_iters == 10
-    args = _valid([], world=4)
-    assert args.data_parallel_size == 4 and args.global_batch_size == 4
-    assert args.ffn_hidden_size == 256  # 4h without SwiGLU
-    assert args.metrics_file is None
+    config = _valid(["--ulysses-degree", "2", "--ring-degree", "2", "--swiglu",
+                     "--micro-batch-size", "2", "--global-batch-size", "8", "--save", "/ck"])
+    assert config.dims.dp == 1 and config.dims.cp == 4
+    assert config.num_microbatches == 4
+    assert config.kv_channels == 8
+    assert config.ffn_hidden_size == default_ffn_hidden_size(64, True) == 128
+    assert config.max_position_embeddings == 64
+    assert config.metrics_file == os.path.join("/ck", "metrics.jsonl")
+    assert config.device == "cpu" and config.distributed_backend == "gloo"
+    assert config.use_cpu_initialization and config.params_dtype == "float32"
+    assert config.lr_decay_iters == 10
+    config = _valid([], world=4)
+    assert config.dims.dp == 4 and config.global_batch_size == 4
+    assert config.ffn_hidden_size == 256  # 4h without SwiGLU
+    assert config.metrics_file is None
 
 
 def test_metrics_file_defaults_to_tensorboard_dir():
-    args = _valid(["--tensorboard-dir", "/tb", "--save", "/ck"])
-    assert args.metrics_file == os.path.join("/tb", "metrics.jsonl")
-    args = _valid(["--metrics-file", "/m.jsonl", "--save", "/ck"])
-    assert args.metrics_file == "/m.jsonl"
+    config = _valid(["--tensorboard-dir", "/tb", "--save", "/ck"])
+    assert config.metrics_file == os.path.join("/tb", "metrics.jsonl")
+    config = _valid(["--metrics-file", "/m.jsonl", "--save", "/ck"])
+    assert config.metrics_file == "/m.jsonl"
 
 
 def test_gpu_defaults():
-    args = _valid(["--bf16"], world=8, cuda=True)
-    assert args.device == "cuda" and args.distributed_backend == "nccl"
-    assert args.params_dtype == "bfloat16" and not args.use_cpu_initialization
+    config = _valid(["--bf16"], world=8, cuda=True)
+    assert config.device == "cuda" and config.distributed_backend == "nccl"
+    assert config.params_dtype == "bfloat16" and not config.use_cpu_initialization
 
 
 def test_sequence_parallel_without_tp_is_dropped():
@@ -128,9 +128,9 @@ def test_sequence_parallel_without_tp_is_dropped():
 
 
 def test_sequence_parallel_combines_with_usp():
-    args = _valid(["--sequence-parallel", "--tensor-model-parallel-size", "2",
-                   "--ulysses-degree", "2"])
-    assert args.sequence_parallel is True and args.context_parallel_size == 2
+    config = _valid(["--sequence-parallel", "--tensor-model-parallel-size", "2",
+                     "--ulysses-degree", "2"])
+    assert config.sequence_parallel is True and config.dims.cp == 2
     # Each CP rank's 64 / 2 = 32 tokens split over TP 2; 36 / 2 = 18 over TP 2 too.
     assert _valid(["--sequence-parallel", "--tensor-model-parallel-size", "2",
                    "--ring-degree", "2", "--seq-length", "36"]).sequence_parallel is True
@@ -140,17 +140,57 @@ def test_sequence_parallel_combines_with_usp():
 
 
 def test_warmup_fraction():
-    args = _valid(["--lr-warmup-fraction", "0.3"])
-    assert args.lr_warmup_iters == 3
+    config = _valid(["--lr-warmup-fraction", "0.3"])
+    assert config.lr_warmup_iters == 3
+    assert config.flag_values()["lr_warmup_fraction"] is None   # recorded in iterations
 
 
-def test_validation_is_idempotent():
-    """'auto' degrees validate twice (before and after the planner): same result."""
-    args = _valid(["--lr-warmup-fraction", "0.3", "--swiglu", "--save", "/ck",
-                   "--ulysses-degree", "2"])
+# Flags whose defaults validation resolves: every one of them, given as parsed.
+RESOLVING = ["--lr-warmup-fraction", "0.3", "--swiglu", "--save", "/ck", "--profile",
+             "--profile-step-start", "2", "--profile-step-end", "4",
+             "--fused-linear-cross-entropy", "--sequence-parallel"]
+
+
+def test_validation_leaves_the_namespace_as_parsed():
+    """Derived values live in the RunConfig; validate_args writes nothing onto args."""
+    args = parse_args(BASE + RESOLVING + ["--ulysses-degree", "2"])
     before = dict(vars(args))
-    validate_args(args, 4, cuda_available=False)
+    config = validate_args(args, 4, cuda_available=False)
     assert vars(args) == before
+    assert config.args is args and args.device == "auto" and args.ffn_hidden_size is None
+    # Validating again (what 'auto' degrees do after the planner) gives the same config.
+    assert validate_args(args, 4, cuda_available=False) == config
+    assert vars(args) == before
+
+
+def test_validation_builds_the_layout_once(monkeypatch):
+    """One ParallelDims per validation, kept in the config (no re-derivation elsewhere)."""
+    from megatron.usp.parallel_dims import ParallelDims
+
+    made = []
+    real = ParallelDims.__init__
+
+    def counting(self, *a, **kw):
+        made.append(1)
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(ParallelDims, "__init__", counting)
+    config = _valid(["--ulysses-degree", "2", "--usp-overlap-chunks", "2",
+                     "--mlp-tile-tokens", "8"])
+    assert len(made) == 1 and config.dims.ulysses == 2
+    assert config.flag_values()["context_parallel_size"] == 2
+
+
+def test_flag_values_record_what_the_run_uses():
+    """What checkpoints and metrics record: the flags with the values the run uses."""
+    config = _valid(["--ulysses-degree", "2", "--swiglu", "--save", "/ck"]).with_padded_vocab(
+        1024)
+    values = config.flag_values()
+    assert values["device"] == "cpu" and values["ffn_hidden_size"] == 128
+    assert values["data_parallel_size"] == 2 and values["world_size"] == 4
+    assert values["padded_vocab_size"] == 1024 and values["num_microbatches"] == 1
+    assert values["metrics_file"] == os.path.join("/ck", "metrics.jsonl")
+    assert list(values)[:len(vars(config.args))] == list(vars(config.args))
 
 
 def test_vocab_padding_is_megatrons():
@@ -162,25 +202,24 @@ def test_vocab_padding_is_megatrons():
 
 def _auto_args(seq_length, extra=()):
     """The 0.85B Llama-style model with 'auto' degrees on 16 GPUs, validated."""
-    args = parse_args(["--num-layers", "16", "--hidden-size", "2048",
+    return validate_args(parse_args(["--num-layers", "16", "--hidden-size", "2048",
                        "--num-attention-heads", "16", "--group-query-attention",
                        "--num-query-groups", "4", "--ffn-hidden-size", "5632", "--swiglu",
                        "--seq-length", str(seq_length), "--train-iters", "10", "--lr", "1e-4",
                        "--mock-data", "--vocab-size", "32000", "--ulysses-degree", "auto",
                        "--ring-degree", "auto", "--global-batch-size", "8",
-                       "--gpus-per-node", "8", "--use-distributed-optimizer", *extra])
-    validate_args(args, 16, cuda_available=True)
-    return args
+                       "--gpus-per-node", "8", "--use-distributed-optimizer", *extra]),
+        16, cuda_available=True)
 
 
 def test_auto_layout_uses_the_planner():
-    args = _auto_args(65536)
-    assert args.ulysses_degree == "auto"  # left for the planner
-    reasons = resolve_auto_layout(args, 16, 32000, "NVIDIA H200")
-    u, r = args.ulysses_degree, args.ring_degree
+    config = _auto_args(65536)
+    assert config.dims is None and config.args.ulysses_degree == "auto"  # for the planner
+    planned, reasons = resolve_auto_layout(config, 32000, "NVIDIA H200")
+    u, r = planned.dims.ulysses, planned.dims.ring
     assert isinstance(u, int) and isinstance(r, int)
     assert 16 % (u * r) == 0 and 16 % u == 0
-    assert args.data_parallel_size == 16 // (u * r)
+    assert planned.dims.dp == 16 // (u * r) and config.args.ulysses_degree == "auto"
     assert reasons[0].startswith(f"planner chose TP1 U{u} R{r}")
     assert len(reasons) > 1
 
@@ -202,13 +241,12 @@ def test_auto_layout_plans_the_sequence_parallelism_the_user_asked_for(monkeypat
         return real(*a, **kw)
 
     monkeypatch.setattr(planner, "choose_layout", spy)
-    plain = _auto_tp2_args([])
-    reasons = resolve_auto_layout(plain, 16, 32000, "NVIDIA H200")
+    plain, reasons = resolve_auto_layout(_auto_tp2_args([]), 32000, "NVIDIA H200")
     assert not plain.sequence_parallel
     assert any("without --sequence-parallel" in r and "add --sequence-parallel" in r
                for r in reasons), reasons
-    with_sp = _auto_tp2_args(["--sequence-parallel"])
-    reasons_sp = resolve_auto_layout(with_sp, 16, 32000, "NVIDIA H200")
+    with_sp, reasons_sp = resolve_auto_layout(_auto_tp2_args(["--sequence-parallel"]), 32000,
+                                              "NVIDIA H200")
     assert with_sp.sequence_parallel
     assert not any("without --sequence-parallel" in r for r in reasons_sp)
     assert seen == [False, True]
@@ -227,22 +265,22 @@ def test_auto_layout_plans_the_loss_the_run_uses(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(planner, "choose_layout", spy)
-    resolve_auto_layout(_auto_args(65536), 16, 32000, "NVIDIA H200")
-    resolve_auto_layout(_auto_args(65536, ["--fused-linear-cross-entropy"]), 16, 32000,
+    resolve_auto_layout(_auto_args(65536), 32000, "NVIDIA H200")
+    resolve_auto_layout(_auto_args(65536, ["--fused-linear-cross-entropy"]), 32000,
                         "NVIDIA H200")
     resolve_auto_layout(_auto_args(65536, ["--fused-linear-cross-entropy",
                                            "--linear-cross-entropy-chunk-tokens", "2048"]),
-                        16, 32000, "NVIDIA H200")
+                        32000, "NVIDIA H200")
     assert seen == [None, 8192, 2048]
 
 
 def test_auto_layout_without_a_preset_asks_for_hardware():
     from megatron.training.cli.arguments import ArgumentsError
 
-    args = parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree", "auto"])
-    validate_args(args, 4, cuda_available=False)
+    config = validate_args(parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree",
+                                              "auto"]), 4, cuda_available=False)
     with pytest.raises(ArgumentsError, match="--hardware"):
-        resolve_auto_layout(args, 4, 1000, None)
+        resolve_auto_layout(config, 1000, None)
 
 
 def test_unknown_attention_backend_is_refused(capsys):
@@ -254,16 +292,30 @@ def test_unknown_attention_backend_is_refused(capsys):
 def _train_with_auto_layout(rank, world_size):
     import math
 
+    from megatron.training import initialize as init_mod
     from megatron.training.loop import pretrain
 
     args = parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree", "auto",
                               "--hardware", "h200", "--gpus-per-node", "4",
                               "--num-workers", "0", "--train-iters", "2", "--eval-iters", "0",
                               "--global-batch-size", "4"])
-    result = pretrain(args)
-    u, r = args.ulysses_degree, args.ring_degree
-    assert isinstance(u, int) and isinstance(r, int)
-    assert u * r * args.data_parallel_size == world_size
+    runtimes = []
+    real = init_mod.initialize
+
+    def keep(a):
+        runtimes.append(real(a))
+        return runtimes[-1]
+
+    import megatron.training.loop as loop_mod
+
+    loop_mod.initialize = keep
+    try:
+        result = pretrain(args)
+    finally:
+        loop_mod.initialize = real
+    dims = runtimes[0].config.dims
+    assert isinstance(dims.ulysses, int) and isinstance(dims.ring, int)
+    assert dims.ulysses * dims.ring * dims.dp == world_size
     assert result.iteration == 2 and all(math.isfinite(v) for v in result.losses.values())
 
 
@@ -281,7 +333,10 @@ def test_usp_overlap_chunks_flag_reaches_the_layer_spec():
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):
             parse_args(BASE + ["--usp-overlap-chunks", bad])
-    core = get_usp_gpt_layer_spec(overlap_chunks=2).submodules.self_attention.submodules
+    from megatron.training.model.layer_specs import LayerSpecOptions
+
+    core = get_usp_gpt_layer_spec(LayerSpecOptions(overlap_chunks=2)
+                                  ).submodules.self_attention.submodules
     assert core.core_attention.params["overlap_chunks"] == 2
     auto = get_usp_gpt_layer_spec().submodules.self_attention.submodules
     assert "overlap_chunks" not in auto.core_attention.params
@@ -298,19 +353,17 @@ def test_usp_overlap_chunks_checked_against_the_heads_at_start_up():
 def test_fused_linear_cross_entropy_flags():
     """Off by default; on, the chunk defaults to 8192 tokens or takes the given count, and
     validation stays idempotent."""
-    args = _valid([])
-    assert args.fused_linear_cross_entropy is False
-    assert args.linear_cross_entropy_chunk_tokens is None
-    args = _valid(["--fused-linear-cross-entropy"])
-    assert args.fused_linear_cross_entropy is True
-    assert args.linear_cross_entropy_chunk_tokens == 8192
-    before = dict(vars(args))
-    validate_args(args, 4, cuda_available=False)
-    assert vars(args) == before
+    config = _valid([])
+    assert config.args.fused_linear_cross_entropy is False
+    assert config.loss_chunk_tokens is None
+    config = _valid(["--fused-linear-cross-entropy"])
+    assert config.args.fused_linear_cross_entropy is True
+    assert config.loss_chunk_tokens == 8192
+    assert validate_args(config.args, 4, cuda_available=False) == config
     for chunk in ("1", "3", "100000"):
-        args = _valid(["--fused-linear-cross-entropy", "--linear-cross-entropy-chunk-tokens",
-                       chunk, "--tensor-model-parallel-size", "2", "--sequence-parallel"])
-        assert args.linear_cross_entropy_chunk_tokens == int(chunk)
+        config = _valid(["--fused-linear-cross-entropy", "--linear-cross-entropy-chunk-tokens",
+                         chunk, "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+        assert config.loss_chunk_tokens == int(chunk)
 
 
 @pytest.mark.parametrize("extra,match", [

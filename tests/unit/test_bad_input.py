@@ -80,9 +80,9 @@ def test_bad_flags_name_the_flag(extra, world, flag):
 
 
 def test_split_without_validation_is_fine_without_eval():
-    args = validate_args(parse_args(BASE + ["--split", "100,0,0", "--eval-iters", "0"]), 4,
-                         cuda_available=False)
-    assert args.split == "100,0,0"
+    config = validate_args(parse_args(BASE + ["--split", "100,0,0", "--eval-iters", "0"]), 4,
+                           cuda_available=False)
+    assert config.args.split == "100,0,0"
 
 
 def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
@@ -236,6 +236,9 @@ def _bad_load_on_ranks(rank, world_size, root):
         return parse_args(BASE + ["--load", load] + (["--save", save] if save else [])
                           + (["--ckpt-step", str(step)] if step is not None else []))
 
+    def locate(a):
+        return locate_checkpoint_on_all_ranks(a.load, a.save, a.ckpt_step)
+
     cases = {}
     if rank == 0:
         good = os.path.join(root, "good")
@@ -299,15 +302,15 @@ def _bad_load_on_ranks(rank, world_size, root):
     ]
     for a, message in cases:
         with pytest.raises(CheckpointError, match=message):
-            locate_checkpoint_on_all_ranks(a)
+            locate(a)
     # The same directory as --save: a missing or empty one is a fresh start.
-    assert locate_checkpoint_on_all_ranks(args(j("missing"), save=j("missing"))) is None
-    assert locate_checkpoint_on_all_ranks(args(j("empty"), save=j("empty"))) is None
-    found = locate_checkpoint_on_all_ranks(args(j("good")))
+    assert locate(args(j("missing"), save=j("missing"))) is None
+    assert locate(args(j("empty"), save=j("empty"))) is None
+    found = locate(args(j("good")))
     assert found == (3, iteration_dir(j("good"), 3))
     # Following the advice loads the older one (its checksums match).
-    assert locate_checkpoint_on_all_ranks(args(j("bitflip"), step=2))[0] == 2
-    assert locate_checkpoint_on_all_ranks(args(j("untracked"), step=4))[0] == 4
+    assert locate(args(j("bitflip"), step=2))[0] == 2
+    assert locate(args(j("untracked"), step=4))[0] == 4
     # And through pretrain: the error reaches every rank before the load's collectives.
     with pytest.raises(CheckpointError, match="no such directory"):
         pretrain(parse_args(BASE + ["--num-workers", "0", "--load", j("missing")]))

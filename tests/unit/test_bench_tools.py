@@ -238,21 +238,21 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     cfg = _e2e_cfg(device=device)
     spec = config.RunSpec(65536, *split, recompute, 5)
     args = arguments.parse_args(command.pretrain_args(cfg, spec, "/tmp/m.jsonl"))
-    arguments.validate_args(args, world_size=2, cuda_available=device == "cuda")
+    run = arguments.validate_args(args, world_size=2, cuda_available=device == "cuda")
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (16, 2048, 16)
-    assert (args.num_query_groups, args.kv_channels, args.ffn_hidden_size) == (4, 128, 5632)
+    assert (args.num_query_groups, run.kv_channels, args.ffn_hidden_size) == (4, 128, 5632)
     assert args.swiglu and args.untie_embeddings_and_output_weights and args.mock_data
     assert args.normalization == "RMSNorm" and args.position_embedding_type == "rope"
     # NullTokenizer adds the EOD id: the embedding has exactly 32000 rows, no padding
     assert arguments.padded_vocab_size(args.vocab_size + 1, 128, 1) == 32000
-    assert (args.ulysses_degree, args.ring_degree) == split
-    assert args.global_batch_size == 1 and args.seq_length == 65536
+    assert (run.dims.ulysses, run.dims.ring) == split
+    assert run.global_batch_size == 1 and args.seq_length == 65536
     assert args.metrics_file == "/tmp/m.jsonl" and args.train_iters == 5
     assert args.bf16 is (device == "cuda") and args.use_distributed_optimizer is (device == "cuda")
     assert args.recompute_granularity == {"none": None}.get(recompute, recompute)
     assert args.recompute_modules == (["mlp"] if recompute == "selective" else None)
     # the chunked output-layer loss (no full-sequence logits), for throughput and max length
-    assert args.fused_linear_cross_entropy and args.linear_cross_entropy_chunk_tokens == 8192
+    assert args.fused_linear_cross_entropy and run.loss_chunk_tokens == 8192
 
 
 def test_only_presets_that_ask_use_the_fused_loss():

@@ -325,7 +325,7 @@ def test_document_flags_accepted():
 
     args = validate_args(parse_args(BASE + ["--reset-position-ids", "--reset-attention-mask",
                                             "--eod-mask-loss", "--document-attention-kernel",
-                                            "math", "--chunk-assignment", "zigzag"]), 1)
+                                            "math", "--chunk-assignment", "zigzag"]), 1).args
     assert args.document_attention_kernel == "math" and args.chunk_assignment == "zigzag"
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--document-attention-kernel", "dense"])

@@ -185,7 +185,7 @@ def test_checkpoint_of_another_model_names_the_flags():
     now = Namespace(**dict(saved, hidden_size=128, group_query_attention=False,
                            num_query_groups=None, max_position_embeddings=64))
     with pytest.raises(CheckpointError) as info:
-        check_model_matches(saved, now, "/ck/iter_0000005")
+        check_model_matches(saved, vars(now), "/ck/iter_0000005")
     text = str(info.value)
     assert "--hidden-size 64 (this run: --hidden-size 128)" in text
     assert "--group-query-attention --num-query-groups 2 (this run:" in text
@@ -198,8 +198,8 @@ def test_another_seq_length_is_said_in_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
     saved = {"hidden_size": 64, "seq_length": 64}
-    check_model_matches(saved, Namespace(hidden_size=64, seq_length=128,
-                                         max_position_embeddings=128), "/ck")
+    check_model_matches(saved, dict(hidden_size=64, seq_length=128,
+                                    max_position_embeddings=128), "/ck")
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["note: the checkpoint was trained with --seq-length 64; this run continues "
                    "it with --seq-length 128"]
@@ -307,19 +307,17 @@ def test_busy_master_port_is_named():
     ({"bf16": False}, {"bf16": True, "accumulate_allreduce_grads_in_fp32": True}, "drop --bf16"),
 ])
 def test_another_grad_buffer_dtype_is_refused_by_name(saved, now, fix):
-    import argparse
 
     from megatron.training.checkpoint.save_load import CheckpointError, _check_optimizer_compatible
 
     saved = dict(saved, use_distributed_optimizer=True)
-    args = argparse.Namespace(use_distributed_optimizer=True, **now)
+    current = dict(use_distributed_optimizer=True, **now)
     with pytest.raises(CheckpointError, match="--no-load-optim") as err:
-        _check_optimizer_compatible(saved, args, "ckpt")
+        _check_optimizer_compatible(saved, current, "ckpt")
     assert fix in str(err.value) and "gradient buffers" in str(err.value)
 
 
 def test_the_same_grad_buffer_dtype_loads():
-    import argparse
 
     from megatron.training.checkpoint.save_load import _check_optimizer_compatible
 
@@ -328,10 +326,10 @@ def test_the_same_grad_buffer_dtype_loads():
                    {"bf16": False, "accumulate_allreduce_grads_in_fp32": False},
                    {"bf16": False, "accumulate_allreduce_grads_in_fp32": True}):
         _check_optimizer_compatible(dict(values, use_distributed_optimizer=True),
-                                    argparse.Namespace(use_distributed_optimizer=True, **values),
+                                    dict(use_distributed_optimizer=True, **values),
                                     "ckpt")
     # fp32 training: the flag does not change the buffer, old or new checkpoints alike
     _check_optimizer_compatible({"use_distributed_optimizer": True, "bf16": False},
-                                argparse.Namespace(use_distributed_optimizer=True, bf16=False,
-                                                   accumulate_allreduce_grads_in_fp32=True),
+                                dict(use_distributed_optimizer=True, bf16=False,
+                                     accumulate_allreduce_grads_in_fp32=True),
                                 "ckpt")

@@ -67,16 +67,15 @@ def test_full_attention_equals_megatron_lms_formula():
                                                               rel=1e-12)
 
 
-def test_shape_from_args_uses_gqa_only_when_asked():
-    from megatron.training.cli.arguments import model_shape_from_args, parse_args, validate_args
+def test_shape_from_config_uses_gqa_only_when_asked():
+    from megatron.training.cli.arguments import parse_args, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
             "--seq-length", "64", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
             "--vocab-size", "100"]
     for extra, groups in ((["--group-query-attention", "--num-query-groups", "2"], 2), ([], 8)):
-        args = validate_args(parse_args(base + extra), 1, cuda_available=False)
-        args.padded_vocab_size = 128
-        shape = model_shape_from_args(args)
+        config = validate_args(parse_args(base + extra), 1, cuda_available=False)
+        shape = config.with_padded_vocab(128).model_shape()
         assert (shape.num_query_groups, shape.kv_channels, shape.vocab_size) == \
             (groups, 8, 128)
 

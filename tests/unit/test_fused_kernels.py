@@ -43,8 +43,8 @@ def test_validate_args_resolves_and_refuses():
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "1",
             "--train-iters", "1", "--lr", "1e-3"]
-    args = validate_args(parse_args(base), 1, cuda_available=False)
-    assert args.fused_kernels == "auto" and args.fused_kernels_impl == "torch"
+    config = validate_args(parse_args(base), 1, cuda_available=False)
+    assert config.args.fused_kernels == "auto" and config.fused_kernels_impl == "torch"
     with pytest.raises(ArgumentsError, match="--fused-kernels liger"):
         validate_args(parse_args(base + ["--fused-kernels", "liger"]), 1, cuda_available=False)
 

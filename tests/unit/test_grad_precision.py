@@ -32,18 +32,19 @@ def _valid(extra, cuda=True):
     ([], False, True),                                                 # float32 on CPU
 ])
 def test_gradient_buffer_dtype(extra, cuda, fp32):
-    args = _valid(extra, cuda)
-    assert args.accumulate_allreduce_grads_in_fp32 is fp32
-    assert grad_buffer_dtype(args) == (torch.float32 if fp32 else torch.bfloat16)
-    assert ddp_config_from_args(args).grad_reduce_in_fp32 is fp32
-    # validate_args is idempotent (resolve_auto_layout calls it again)
-    assert validate_args(args, 4, cuda_available=cuda).accumulate_allreduce_grads_in_fp32 is fp32
+    config = _valid(extra, cuda)
+    assert config.grad_reduce_in_fp32 is fp32
+    assert config.flag_values()["accumulate_allreduce_grads_in_fp32"] is fp32
+    assert grad_buffer_dtype(config) == (torch.float32 if fp32 else torch.bfloat16)
+    assert ddp_config_from_args(config).grad_reduce_in_fp32 is fp32
+    # validating again (what resolve_auto_layout does) gives the same answer
+    assert validate_args(config.args, 4, cuda_available=cuda).grad_reduce_in_fp32 is fp32
 
 
 def test_float32_runs_are_unchanged_by_the_default():
     """CPU (float32) runs had a float32 buffer before the change and have one now."""
-    args = _valid([], cuda=False)
-    assert args.params_dtype == "float32" and ddp_config_from_args(args).grad_reduce_in_fp32
+    config = _valid([], cuda=False)
+    assert config.params_dtype == "float32" and ddp_config_from_args(config).grad_reduce_in_fp32
 
 
 @pytest.mark.parametrize("extra,cuda,message", [
@@ -70,7 +71,7 @@ def test_help_states_the_cost_and_the_saving():
 def test_planner_counts_the_gradient_buffer_the_run_has(monkeypatch):
     """'auto' degrees: the memory model's gradient bytes follow the flags (4 by default)."""
     import megatron.planner as planner
-    from megatron.training.cli.arguments import resolve_auto_layout
+    from megatron.training.cli.auto_layout import resolve_auto_layout
 
     seen = []
     real = planner.choose_layout
@@ -86,8 +87,7 @@ def test_planner_counts_the_gradient_buffer_the_run_has(monkeypatch):
                            "--train-iters", "10", "--lr", "1e-4", "--mock-data",
                            "--vocab-size", "32000", "--ulysses-degree", "auto",
                            "--ring-degree", "auto", "--gpus-per-node", "8", "--bf16", *extra])
-        validate_args(args, 16, cuda_available=True)
-        resolve_auto_layout(args, 16, 32000, "NVIDIA H200")
+        resolve_auto_layout(validate_args(args, 16, cuda_available=True), 32000, "NVIDIA H200")
     assert seen == [(4, 4), (2, 2)]
     assert planner.DEFAULT_ASSUMPTIONS.main_grad_bytes == 4
 

@@ -150,7 +150,11 @@ def test_spec_switch_maps_megatrons_linears_and_refuses_others():
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron.layers import fused_linears as fl
-    from megatron.training.model.layer_specs import get_usp_gpt_layer_spec, with_wgrad_fusion
+    from megatron.training.model.layer_specs import (
+        LayerSpecOptions,
+        get_usp_gpt_layer_spec,
+        with_wgrad_fusion,
+    )
 
     assert with_wgrad_fusion(ColumnParallelLinear).module is fl.USPColumnParallelLinear
     assert with_wgrad_fusion(RowParallelLinear).params == {"fuse_wgrad": True}
@@ -161,8 +165,9 @@ def test_spec_switch_maps_megatrons_linears_and_refuses_others():
     with pytest.raises(TypeError, match="gradient-accumulation-fusion"):
         with_wgrad_fusion(torch.nn.Linear)
     for lean in (False, True):
-        layer = get_usp_gpt_layer_spec(fused_kernels="torch", lean_norms=lean,
-                                       lean_swiglu=lean, fuse_wgrad=True).submodules
+        layer = get_usp_gpt_layer_spec(LayerSpecOptions(
+            fused_kernels="torch", lean_norms=lean, lean_swiglu=lean, fuse_wgrad=True)
+        ).submodules
         attn, mlp = layer.self_attention.submodules, layer.mlp.submodules
         for slot in (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2):
             assert slot.params["fuse_wgrad"] is True

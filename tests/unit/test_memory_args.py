@@ -32,14 +32,16 @@ def test_megatron_lm_names_parse_to_their_dests():
 
 
 def test_valid_long_sequence_combinations_pass():
-    args = _valid(FULL + ["--recompute-keep-core-attn", "--recompute-cpu-offload",
-                          "layer_input", "core_attn", "--mlp-tile-tokens", "32",
-                          "--ulysses-degree", "2"])
-    assert args.recompute_cpu_offload == ["layer_input", "core_attn"]
-    args = _valid(FULL + OFFLOAD, world=1, cuda=True)
-    assert args.optimizer_offload_fraction == 1.0      # Megatron-LM's default
-    args = _valid(["--use-distributed-optimizer", "--use-megatron-fsdp"], world=2, cuda=True)
-    assert args.data_parallel_sharding_strategy == "optim_grads_params"
+    config = _valid(FULL + ["--recompute-keep-core-attn", "--recompute-cpu-offload",
+                            "layer_input", "core_attn", "--mlp-tile-tokens", "32",
+                            "--ulysses-degree", "2"])
+    assert config.args.recompute_cpu_offload == ["layer_input", "core_attn"]
+    assert config.offload.layer_input and config.offload.core_attn
+    assert config.offload.keep_core_attn
+    config = _valid(FULL + OFFLOAD, world=1, cuda=True)
+    assert config.optimizer_offload_fraction == 1.0      # Megatron-LM's default
+    config = _valid(["--use-distributed-optimizer", "--use-megatron-fsdp"], world=2, cuda=True)
+    assert config.data_parallel_sharding_strategy == "optim_grads_params"
     _valid(["--use-distributed-optimizer", "--use-megatron-fsdp", "--ulysses-degree", "2"],
            world=2, cuda=True)      # shards over DP x CP: CP alone is enough
     # tile = the MLP's local tokens: 256 / U2 / TP2 with sequence parallelism

@@ -60,15 +60,10 @@ def test_cli_reads_a_pickle(tmp_path, capsys):
 def test_per_rank_path_and_cpu_is_off():
     assert ms.snapshot_path_for_rank("/a/snap.pickle", 3) == "/a/snap.rank3.pickle"
 
-    class Args:
-        record_memory_history = True
-        memory_snapshot_iteration = 2
-        memory_snapshot_path = "/tmp/s{seq_length}.pickle"
-        seq_length = 4096
-
     import torch
 
-    history = ms.MemoryHistory(Args(), 0, torch.device("cpu"))
+    history = ms.MemoryHistory(True, 2, "/tmp/s{seq_length}.pickle", 4096, 0,
+                               torch.device("cpu"))
     assert not history.enabled and not history.after(2)
     assert history.path == "/tmp/s4096.rank0.pickle"
 

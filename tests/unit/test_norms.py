@@ -126,14 +126,15 @@ def test_layer_spec_uses_our_norms(qk_layernorm):
     from megatron.core.transformer.identity_op import IdentityOp
 
     from megatron.layers.fused_kernels import op_impl
-    from megatron.training.model.layer_specs import get_usp_gpt_layer_spec
+    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_layer_spec
 
     def norm_module(slot):
         return slot.module if hasattr(slot, "module") else slot
 
     for normalization, cls in NORMS.items():
-        spec = get_usp_gpt_layer_spec(attention_backend="math", qk_layernorm=qk_layernorm,
-                                      normalization=normalization, fused_kernels="compile")
+        spec = get_usp_gpt_layer_spec(
+            LayerSpecOptions(attention_backend="math", fused_kernels="compile"),
+            qk_layernorm=qk_layernorm, normalization=normalization)
         assert norm_module(spec.submodules.input_layernorm) is cls
         assert spec.submodules.input_layernorm.params == {
             "impl": op_impl("compile", "rms_norm")}
@@ -146,13 +147,14 @@ def test_layer_spec_uses_our_norms(qk_layernorm):
 
 
 def test_block_spec_holds_this_stage_layers_and_our_final_norm():
-    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
+    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
     from megatron.usp.core_attention import USPAttention
 
     config = _config("LayerNorm", qk_layernorm=True, pipeline_model_parallel_size=2,
                      pipeline_dtype=torch.float64)
     for pp_rank in (0, 1):
-        block = get_usp_gpt_block_spec(config, pp_rank=pp_rank, attention_backend="torch")
+        block = get_usp_gpt_block_spec(config, pp_rank=pp_rank,
+                                       options=LayerSpecOptions(attention_backend="torch"))
         assert block.layer_norm.module is LayerNorm
         assert len(block.layer_specs) == 2  # 4 layers over 2 stages
         layer = block.layer_specs[0]

@@ -44,8 +44,8 @@ def test_every_ranked_layout_passes_pretrain_validation(model, seq, gpus, per_no
         assert flags[flags.index("--fused-linear-cross-entropy") + 1:][:2] == [
             "--linear-cross-entropy-chunk-tokens", "8192"]
         vocab = ["--vocab-size", str(PRESETS[model].vocab_size)]
-        args = validate_args(parse_args(flags + RUN + vocab), gpus, cuda_available=True)
-        assert (args.ulysses_degree, args.ring_degree, args.data_parallel_size) == (
+        dims = validate_args(parse_args(flags + RUN + vocab), gpus, cuda_available=True).dims
+        assert (dims.ulysses, dims.ring, dims.dp) == (
             plan.ulysses_degree, plan.ring_degree, plan.data_parallel_size)
         assert plan.command().startswith(f"torchrun --nproc-per-node {min(per_node, gpus)}")
         assert plan.command().endswith(" ".join(flags))

@@ -33,21 +33,28 @@ def test_bad_profile_flags_name_the_flag(extra, flag):
 
 
 def test_profile_defaults():
-    args = _valid(["--profile", "--train-iters", "20"])
+    config = _valid(["--profile", "--train-iters", "20"])
+    args = config.args
     assert (args.profile_step_start, args.profile_step_end, args.profile_ranks) == (10, 12, [0])
-    assert args.profile_dir == "profile"
-    args = _valid(["--profile", "--tensorboard-dir", "/tb", "--profile-step-start", "2",
-                   "--profile-step-end", "4"])
-    assert args.profile_dir == os.path.join("/tb", "profile")
+    assert config.profile_dir == "profile"
+    config = _valid(["--profile", "--tensorboard-dir", "/tb", "--profile-step-start", "2",
+                     "--profile-step-end", "4"])
+    assert config.profile_dir == os.path.join("/tb", "profile")
     # without --profile nothing is checked or filled in
     assert _valid(["--profile-step-start", "0"]).profile_dir is None
 
 
 def test_window_and_ranks(tmp_path):
-    args = _valid(["--profile", "--profile-step-start", "2", "--profile-step-end", "4",
-                   "--profile-dir", str(tmp_path)])
-    idle = StepProfiler(args, rank=1, device=torch.device("cpu"))
-    prof = StepProfiler(args, rank=0, device=torch.device("cpu"))
+    config = _valid(["--profile", "--profile-step-start", "2", "--profile-step-end", "4",
+                     "--profile-dir", str(tmp_path)])
+    args = config.args
+
+    def profiler(rank):
+        return StepProfiler(rank in args.profile_ranks, args.profile_step_start,
+                            args.profile_step_end, config.profile_dir, rank=rank,
+                            device=torch.device("cpu"))
+
+    idle, prof = profiler(1), profiler(0)
     for it in range(1, 7):
         for p in (idle, prof):
             p.before(it)

@@ -158,11 +158,11 @@ def test_training_uses_the_same_rule():
     from megatron.training.cli import arguments
 
     assert arguments.default_ffn_hidden_size is default_ffn_hidden_size
-    args = arguments.validate_args(arguments.parse_args(
+    config = arguments.validate_args(arguments.parse_args(
         ["--num-layers", "2", "--hidden-size", "1000", "--num-attention-heads", "8",
          "--swiglu", "--seq-length", "64", "--train-iters", "1", "--lr", "1e-3",
          "--mock-data", "--vocab-size", "100"]), 1, cuda_available=False)
-    assert args.ffn_hidden_size == 2624
+    assert config.ffn_hidden_size == config.shape.ffn_hidden_size == 2624
 
 
 # --------------------------------------------------------------------------- presets
@@ -174,8 +174,8 @@ def test_presets_round_trip_through_pretrain_gpt_flags(name):
     assert preset.problems() == []
     flags = shape_flags(preset, vocab=True) + [
         "--seq-length", "256", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
-    args = arguments.validate_args(arguments.parse_args(flags), 1, cuda_available=False)
-    back = arguments.model_shape_from_args(args, preset.vocab_size)
+    config = arguments.validate_args(arguments.parse_args(flags), 1, cuda_available=False)
+    back = config.with_padded_vocab(preset.vocab_size).model_shape()
     assert back.head_dim == preset.head_dim
     assert replace(back, name=name, kv_channels=None) == preset
 

@@ -31,6 +31,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional
 
+from megatron.errors import UsageError
+
 MANIFEST = "checksums.json"
 ALGORITHM = "xxh3_128"
 VERSION = 2
@@ -39,7 +41,7 @@ CHUNK_BYTES = 64 << 20
 _READ = 16 << 20
 
 
-class ChecksumMismatch(ValueError):
+class ChecksumMismatch(UsageError, ValueError):
     """A file's bytes differ from what the manifest recorded at save."""
 
 

@@ -22,6 +22,8 @@ import os
 import shutil
 from typing import List, Optional, Tuple
 
+from megatron.errors import UsageError
+
 GIB = float(2**30)
 
 # Errors that mean "the storage cannot take the checkpoint", as opposed to a bug.
@@ -29,10 +31,13 @@ STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EA
                   errno.EPERM, errno.EIO}
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(UsageError, RuntimeError):
     """A save that could not complete. Nothing was published; the message names the
     directory, the room needed, and the last complete checkpoint. ``primary``: this rank
     met the fault itself (it prints the message even when it is not rank 0)."""
+
+    # The command line was fine; the storage failed mid-run (exit 1, as any failed run).
+    exit_status = 1
 
     def __init__(self, message: str, primary: bool = False) -> None:
         super().__init__(message)

@@ -47,25 +47,26 @@ saved grid (TP, U, R, DP, PP) equals the current one.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import random
 import shutil
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.errors import UsageError
 from megatron.training.checkpoint import checksums
 from megatron.training.checkpoint.faults import (
     CheckpointSaveError,
     directory_bytes,
     save_failure_message,
 )
+from megatron.training.cli.config import RunConfig
 from megatron.training.model.build import unwrap
 from megatron.training.process_guard import children_ignore_sigterm
 from megatron.usp.parallel_dims import ORDER, ParallelDims
@@ -78,7 +79,7 @@ TMP_SUFFIX = ".tmp"
 CHECKPOINT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UsageError, RuntimeError):
     """An unreadable ``--load`` (missing, incomplete, corrupt) or a failed save."""
 
 
@@ -273,12 +274,13 @@ def verify_checksums_on_all_ranks(load: str, iteration: int, path: str) -> None:
                               f"corrupt: {problems[0]}{box[0]}")
 
 
-def locate_checkpoint_on_all_ranks(args) -> Optional[Tuple[int, str]]:
+def locate_checkpoint_on_all_ranks(load: str, save: Optional[str],
+                                   ckpt_step: Optional[int]) -> Optional[Tuple[int, str]]:
     """:func:`locate_checkpoint` on rank 0, verdict broadcast; every rank raises alike."""
     verdict: List[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            verdict[0] = ("ok", locate_checkpoint(args.load, args.save, args.ckpt_step))
+            verdict[0] = ("ok", locate_checkpoint(load, save, ckpt_step))
         except (CheckpointError, OSError) as exc:
             verdict[0] = ("error", str(exc))
     dist.broadcast_object_list(verdict, src=0)
@@ -286,7 +288,7 @@ def locate_checkpoint_on_all_ranks(args) -> Optional[Tuple[int, str]]:
     if status == "error":
         raise CheckpointError(value)
     if value is not None:
-        verify_checksums_on_all_ranks(args.load, *value)
+        verify_checksums_on_all_ranks(load, *value)
     return value
 
 
@@ -315,34 +317,33 @@ def set_rng_state(state: Dict[str, Any], device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- state dicts
-def _sharding_metadata(args) -> Dict[str, Any]:
+def _sharding_metadata(fully_reshardable: bool) -> Dict[str, Any]:
     return {
-        "distrib_optim_sharding_type": ("fully_reshardable"
-                                        if args.dist_ckpt_optim_fully_reshardable
+        "distrib_optim_sharding_type": ("fully_reshardable" if fully_reshardable
                                         else "dp_reshardable"),
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
     }
 
 
-def grid_of(args) -> Dict[str, int]:
+def grid_of(dims: ParallelDims) -> Dict[str, int]:
     """The layout's degrees by axis, as a checkpoint records them."""
-    dims = ParallelDims.from_args(args)
     return {axis: dims.size(axis) for axis in ORDER}
 
 
-def plain_args(args: argparse.Namespace,
+def plain_args(config: RunConfig,
                resolved: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The arguments with plain values only (what checkpoints and metrics files record).
+    """The run's flag values (:meth:`~megatron.training.cli.config.RunConfig.flag_values`)
+    that are plain values (what checkpoints and metrics files record).
 
-    ``resolved`` replaces the values of flags that start-up resolved without writing them
-    back to ``args`` (:meth:`megatron.training.initialize.DataSource.resolved_args`: the
-    default corpus's data path and tokenizer); the keys keep their places.
+    ``resolved`` replaces the values of flags that start-up resolved later
+    (:meth:`megatron.training.initialize.DataSource.resolved_args`: the default corpus's data
+    path and tokenizer); the keys keep their places.
     """
     simple = (int, float, str, bool, type(None))
     resolved = resolved or {}
     out = {}
-    for key, value in vars(args).items():
+    for key, value in config.flag_values().items():
         value = resolved.get(key, value)
         if isinstance(value, simple) or (isinstance(value, (list, tuple))
                                          and all(isinstance(v, simple) for v in value)):
@@ -357,11 +358,11 @@ def _rng_sharded_object(rng: Optional[Dict[str, Any]]):
     return ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
 
 
-def _state_dict(args, model, optimizer, scheduler, train_state: Optional[TrainState],
-                rng: Optional[Dict[str, Any]], is_loading: bool,
-                with_optimizer: bool, with_rng: bool,
+def _state_dict(config: RunConfig, model, optimizer, scheduler,
+                train_state: Optional[TrainState], rng: Optional[Dict[str, Any]],
+                is_loading: bool, with_optimizer: bool, with_rng: bool,
                 resolved_args: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    meta = _sharding_metadata(args)
+    meta = _sharding_metadata(config.args.dist_ckpt_optim_fully_reshardable)
     model_sd = unwrap(model[0]).sharded_state_dict(metadata=meta)
     state: Dict[str, Any] = {"model": model_sd, "checkpoint_version": CHECKPOINT_VERSION}
     if with_optimizer:
@@ -372,8 +373,8 @@ def _state_dict(args, model, optimizer, scheduler, train_state: Optional[TrainSt
         state["rng_state"] = _rng_sharded_object(rng)
     if train_state is not None:
         state["train_state"] = asdict(train_state)
-        state["grid"] = grid_of(args)
-        state["args"] = plain_args(args, resolved_args)
+        state["grid"] = grid_of(config.dims)
+        state["args"] = plain_args(config, resolved_args)
     return state
 
 
@@ -501,10 +502,10 @@ def _flag_text(key: str, value) -> str:
     return flag if value is True else f"no {flag}" if value is False else f"{flag} {value}"
 
 
-def model_mismatches(saved_args: Dict[str, Any], args) -> List[str]:
+def model_mismatches(saved_args: Mapping[str, Any], now: Mapping[str, Any]) -> List[str]:
     """'--hidden-size 64 (this run: 128)' for each model flag that differs from the
-    checkpoint's (flags the checkpoint did not record are not compared)."""
-    now = vars(args)
+    checkpoint's (flags the checkpoint did not record are not compared); ``now``: this
+    run's flag values (:meth:`~megatron.training.cli.config.RunConfig.flag_values`)."""
     out = []
     for key in MODEL_SHAPE_ARGS:
         if key != "kv_heads" and key not in saved_args:
@@ -513,32 +514,35 @@ def model_mismatches(saved_args: Dict[str, Any], args) -> List[str]:
         if saved is not None and saved != current:
             out.append(f"{_flag_text(key, saved)} (this run: {_flag_text(key, current)})")
     if (saved_args.get("position_embedding_type") == "learned_absolute"
-            and saved_args.get("max_position_embeddings") not in (None,
-                                                                  args.max_position_embeddings)):
+            and saved_args.get("max_position_embeddings") not in (
+                None, now["max_position_embeddings"])):
         out.append(f"--max-position-embeddings {saved_args['max_position_embeddings']} (this "
-                   f"run: {args.max_position_embeddings})")
+                   f"run: {now['max_position_embeddings']})")
     return out
 
 
-def check_model_matches(saved_args: Dict[str, Any], args, path: str) -> None:
+def check_model_matches(saved_args: Mapping[str, Any], now: Mapping[str, Any],
+                        path: str) -> None:
     """Refuse a checkpoint of another model shape before megatron-core's load (which
     would fail with a "Global shape mismatch" traceback per tensor, naming no flag); say
     in one line when only ``--seq-length`` changed."""
-    wrong = model_mismatches(saved_args, args)
+    wrong = model_mismatches(saved_args, now)
     if wrong:
         raise CheckpointError(
             f"--load {path}: the checkpoint holds another model; it was saved with "
             f"{'; '.join(wrong)}. Pass the checkpoint's values, or --load another checkpoint")
     saved_seq = saved_args.get("seq_length")
-    if saved_seq is not None and saved_seq != args.seq_length and dist.get_rank() == 0:
+    if saved_seq is not None and saved_seq != now["seq_length"] and dist.get_rank() == 0:
         print(f"note: the checkpoint was trained with --seq-length {saved_seq}; this run "
-              f"continues it with --seq-length {args.seq_length}", flush=True)
+              f"continues it with --seq-length {now['seq_length']}", flush=True)
 
 
-def _check_optimizer_compatible(saved_args: Dict[str, Any], args, path: str) -> None:
-    """The optimizer state of a checkpoint loads into the same kind of optimizer only."""
+def _check_optimizer_compatible(saved_args: Mapping[str, Any], now: Mapping[str, Any],
+                                path: str) -> None:
+    """The optimizer state of a checkpoint loads into the same kind of optimizer only
+    (``now``: this run's flag values)."""
     saved = bool(saved_args.get("use_distributed_optimizer"))
-    if saved != bool(args.use_distributed_optimizer):
+    if saved != bool(now["use_distributed_optimizer"]):
         flag = "--use-distributed-optimizer"
         raise CheckpointError(
             f"--load {path}: the checkpoint's optimizer state was saved "
@@ -550,7 +554,7 @@ def _check_optimizer_compatible(saved_args: Dict[str, Any], args, path: str) -> 
     # megatron-core's distributed-optimizer checkpoint keys its state by the gradient
     # buffer's (param dtype, grad dtype): another --bf16 or gradient-buffer setting finds no
     # key to load (a KeyError from deep inside dist_checkpointing, seen on one H200).
-    was, now = _grad_buffer_dtypes(saved_args), _grad_buffer_dtypes(vars(args))
+    was, now = _grad_buffer_dtypes(saved_args), _grad_buffer_dtypes(now)
     if was == now:
         return
     if was[0] != now[0]:
@@ -631,7 +635,7 @@ def write_checksums(tmp: str) -> None:
     _on_rank_0(lambda: checksums.write_manifest(tmp, entries))
 
 
-def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
+def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer, scheduler,
                     groups: USPGroups, device: torch.device,
                     resolved_args: Optional[Dict[str, Any]] = None,
                     with_checksums: bool = True) -> str:
@@ -646,14 +650,14 @@ def save_checkpoint(args, train_state: TrainState, model, optimizer, scheduler,
     """
     from megatron.core import dist_checkpointing
 
-    root, it = args.save, train_state.iteration
+    root, it = config.args.save, train_state.iteration
     final = iteration_dir(root, it)
     tmp = final + TMP_SUFFIX
     published = [i for i in published_iterations(root) if i != it]
     previous = iteration_dir(root, published[-1]) if published else None
     try:
         _on_rank_0(lambda: _prepare_tmp(root, final, tmp))
-        state = _state_dict(args, model, optimizer, scheduler, train_state,
+        state = _state_dict(config, model, optimizer, scheduler, train_state,
                             get_rng_state(device), is_loading=False, with_optimizer=True,
                             with_rng=True, resolved_args=resolved_args)
         with children_ignore_sigterm():  # the writer's helpers must outlive a group SIGTERM
@@ -714,31 +718,33 @@ class Resume:
     rng_state: Optional[Dict[str, Any]] = None
 
 
-def load_checkpoint(args, model, optimizer, scheduler) -> Resume:
+def load_checkpoint(config: RunConfig, model, optimizer, scheduler) -> Resume:
     """Restore model, optimizer and scheduler from ``--load`` (fresh state when there is
     nothing to load). Collective over the world."""
     from megatron.core import dist_checkpointing
 
+    args = config.args
     if args.load is None:
         return Resume(TrainState())
-    found = locate_checkpoint_on_all_ranks(args)
+    found = locate_checkpoint_on_all_ranks(args.load, args.save, args.ckpt_step)
     if found is None:
         return Resume(TrainState())
     iteration, path = found
     common = dist_checkpointing.load_common_state_dict(path)
-    check_model_matches(common.get("args", {}), args, path)
-    same_grid = common.get("grid") == grid_of(args)
+    now = config.flag_values()
+    check_model_matches(common.get("args", {}), now, path)
+    same_grid = common.get("grid") == grid_of(config.dims)
     with_optimizer = not (args.finetune or args.no_load_optim)
     if with_optimizer:
-        _check_optimizer_compatible(common.get("args", {}), args, path)
+        _check_optimizer_compatible(common.get("args", {}), now, path)
     with_rng = same_grid and not (args.finetune or args.no_load_rng)
     if not same_grid and dist.get_rank() == 0 and not args.finetune:
         logger.warning("checkpoint grid %s differs from this run's %s: model and optimizer "
                        "are resharded; RNG states start from --seed", common.get("grid"),
-                       grid_of(args))
+                       grid_of(config.dims))
     if with_optimizer:
         _prime_distributed_optimizer_state(optimizer)
-    state = _state_dict(args, model, optimizer, scheduler, None, None, is_loading=True,
+    state = _state_dict(config, model, optimizer, scheduler, None, None, is_loading=True,
                         with_optimizer=with_optimizer, with_rng=with_rng)
     loaded = dist_checkpointing.load(state, path)
     # No autograd while copying into parameters (the distributed optimizer's fp32 main

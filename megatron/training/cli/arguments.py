@@ -13,8 +13,9 @@ differences from Megatron-LM, all visible in ``--help``:
 
 :func:`validate_args` runs on every rank before any process group exists and raises
 :class:`ArgumentsError` (or the layout's :class:`~megatron.usp.parallel_dims.USPConfigError`) naming
-the flag and a valid value, so bad input never reaches a collective. It also fills in the
-derived values (``data_parallel_size``, ``ffn_hidden_size``, ``kv_channels``, ...).
+the flag and a valid value, so bad input never reaches a collective. It returns the run's
+:class:`~megatron.training.cli.config.RunConfig` (the derived values: the layout,
+``ffn_hidden_size``, ``kv_channels``, ...) and writes nothing onto the namespace.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ import argparse
 import os
 import re
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron.shapes import ModelShape, default_ffn_hidden_size, padded_vocab_size
+from megatron.training.cli.config import RunConfig
 from megatron.training.cli.document_args import add_document_args, document_flags_problem
+from megatron.training.cli.errors import ArgumentsError
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
+from megatron.training.data.errors import DataConfigError
 from megatron.usp.backend_names import (
     BACKEND_NAMES,
     FUSED_KERNEL_CHOICES,
@@ -40,10 +44,6 @@ from megatron.usp.parallel_dims import ParallelDims, USPConfigError
 DEFAULT_LOSS_CHUNK_TOKENS = 8192
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
-
-
-class ArgumentsError(ValueError):
-    """A bad or conflicting flag. The message names the flag and suggests a valid value."""
 
 
 def _degree(value: str):
@@ -442,7 +442,8 @@ def _check_positive(args, names: List[str], allow_zero: bool = False) -> None:
             raise ArgumentsError(f"{flag} {v} must be {'>= 0' if allow_zero else '> 0'}")
 
 
-def _validate_model(args) -> None:
+def _model_sizes(args) -> Dict[str, int]:
+    """kv_channels, ffn_hidden_size, max_position_embeddings: the flags or their defaults."""
     _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length"])
     _check_positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
                            "ffn_hidden_size", "kv_channels", "max_position_embeddings",
@@ -455,20 +456,22 @@ def _validate_model(args) -> None:
     if args.group_query_attention and args.num_query_groups is None:
         raise ArgumentsError("--group-query-attention needs --num-query-groups, e.g. "
                              f"--num-query-groups {max(1, args.num_attention_heads // 4)}")
-    if args.kv_channels is None:
+    kv_channels = args.kv_channels
+    if kv_channels is None:
         if args.hidden_size % args.num_attention_heads:
             raise ArgumentsError(
                 f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
                 f"{args.num_attention_heads}; pass --kv-channels or change one of them")
-        args.kv_channels = args.hidden_size // args.num_attention_heads
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if (args.position_embedding_type == "learned_absolute"
-            and args.max_position_embeddings < args.seq_length):
+        kv_channels = args.hidden_size // args.num_attention_heads
+    ffn = args.ffn_hidden_size
+    if ffn is None:
+        ffn = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    positions = args.max_position_embeddings
+    if positions is None:
+        positions = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and positions < args.seq_length:
         raise ArgumentsError(
-            f"--max-position-embeddings {args.max_position_embeddings} < --seq-length "
+            f"--max-position-embeddings {positions} < --seq-length "
             f"{args.seq_length} with learned absolute positions; pass "
             f"--max-position-embeddings {args.seq_length}")
     if not 0.0 < args.rotary_percent <= 1.0:
@@ -480,19 +483,26 @@ def _validate_model(args) -> None:
             f"--attention-dropout 0.0")
     if not 0.0 <= args.hidden_dropout < 1.0:
         raise ArgumentsError(f"--hidden-dropout {args.hidden_dropout} must be in [0, 1)")
+    return {"kv_channels": kv_channels, "ffn_hidden_size": ffn,
+            "max_position_embeddings": positions,
+            "shape": ModelShape(
+                num_layers=args.num_layers, hidden_size=args.hidden_size,
+                num_attention_heads=args.num_attention_heads,
+                num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                ffn_hidden_size=ffn, kv_channels=kv_channels, swiglu=args.swiglu,
+                untied_embeddings=args.untie_embeddings_and_output_weights)}
 
 
-def _validate_overlap_chunks(args, dims: ParallelDims) -> None:
+def _validate_overlap_chunks(args, dims: ParallelDims, shape: ModelShape) -> None:
     """``--usp-overlap-chunks`` must split the heads of each Ulysses rank into whole KV heads."""
-    chunks = getattr(args, "usp_overlap_chunks", "auto")
+    chunks = args.usp_overlap_chunks
     if chunks == "auto":
         return
     from megatron.usp.attention import resolve_overlap_chunks
 
-    shape = model_shape_from_args(args)
     try:
         resolve_overlap_chunks(args.num_attention_heads // dims.tp,
-                               dims.kv_heads_per_tp_rank(shape.kv_heads), dims.ulysses,
+                               dims.kv_heads_per_tp_rank(shape.num_query_groups), dims.ulysses,
                                dims.ring, requested=chunks)
     except ValueError as exc:
         raise ArgumentsError(
@@ -500,58 +510,51 @@ def _validate_overlap_chunks(args, dims: ParallelDims) -> None:
             .replace("(or None for auto)", "(or auto)")) from None
 
 
-def model_shape_from_args(args, vocab_size: Optional[int] = None) -> ModelShape:
-    """The model flags as a shape (after :func:`_validate_model` filled in the defaults).
+def _parallel_fields(args, world_size: int, shape: ModelShape, device: str,
+                     degrees: Optional[Tuple[int, int]]) -> Dict[str, Any]:
+    """The layout, batch and memory-flag values; ``dims`` None while the degrees are auto.
 
-    The vocabulary is ``vocab_size``, else ``args.padded_vocab_size`` once the tokenizer
-    has set it, else unknown (the layout rules do not read it).
+    ``degrees``: (U, R) chosen by the planner in place of ``--ulysses-degree auto
+    --ring-degree auto``.
     """
-    return ModelShape(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
-        vocab_size=vocab_size or getattr(args, "padded_vocab_size", None),
-        swiglu=args.swiglu, untied_embeddings=args.untie_embeddings_and_output_weights)
-
-
-def _validate_parallel(args, world_size: int) -> None:
-    auto = [f for f, v in (("--ulysses-degree", args.ulysses_degree),
-                           ("--ring-degree", args.ring_degree)) if v == "auto"]
+    ulysses, ring = degrees or (args.ulysses_degree, args.ring_degree)
+    auto = [f for f, v in (("--ulysses-degree", ulysses), ("--ring-degree", ring))
+            if v == "auto"]
     if len(auto) == 1:
         raise ArgumentsError(
             f"{auto[0]} auto needs the other degree to be auto too: pass --ulysses-degree auto "
             f"--ring-degree auto (the planner chooses both), or give both as integers")
+    # Megatron-LM does the same: at TP 1 there is nothing to split.
+    sequence_parallel = bool(args.sequence_parallel) and args.tensor_model_parallel_size > 1
+    out = {"sequence_parallel": sequence_parallel, "dims": None, "global_batch_size": None,
+           "num_microbatches": None, "optimizer_offload_fraction": None,
+           "data_parallel_sharding_strategy": None}
     if auto:
-        return  # resolved by resolve_auto_layout(), then validated
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        args.sequence_parallel = False  # Megatron-LM does the same: nothing to split
+        return out  # resolved by cli.auto_layout, then validated
     _check_positive(args, ["micro_batch_size", "global_batch_size"])
-    dims = ParallelDims.from_args(args, world_size)
-    found = dims.violations(model_shape_from_args(args), args.seq_length, args.micro_batch_size,
-                            args.global_batch_size, args.sequence_parallel)
+    dims = ParallelDims.from_flags(world_size, args.tensor_model_parallel_size, ulysses, ring,
+                                   args.pipeline_model_parallel_size,
+                                   args.context_parallel_size)
+    found = dims.violations(shape, args.seq_length, args.micro_batch_size,
+                            args.global_batch_size, sequence_parallel)
     if found:
         # Rules of the model's own flags are argument errors; the rest the layout's.
         own_flags = ("batch", "sequence-parallel", "pp-layers")
         raise (ArgumentsError if found[0].rule in own_flags else USPConfigError)(found[0].message)
-    args.context_parallel_size = dims.cp
-    args.data_parallel_size = dims.dp
-    _validate_overlap_chunks(args, dims)
+    _validate_overlap_chunks(args, dims, shape)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer")
-    _derive_batch(args)
-    validate_memory_args(args)   # needs the layout (the MLP's local tokens)
+    # The global batch (default micro x DP) and the micro-batches per step.
+    gbs = args.global_batch_size or args.micro_batch_size * dims.dp
+    fraction, strategy = validate_memory_args(args, dims, sequence_parallel, device)
+    out.update(dims=dims, global_batch_size=gbs,
+               num_microbatches=gbs // (args.micro_batch_size * dims.dp),
+               optimizer_offload_fraction=fraction, data_parallel_sharding_strategy=strategy)
+    return out
 
 
-def _derive_batch(args) -> None:
-    """The global batch (default micro x DP) and the micro-batches per step."""
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size
-                                                       * args.data_parallel_size)
-
-
-def _validate_training(args) -> None:
+def _lr_schedule(args) -> Dict[str, int]:
+    """lr_decay_iters (default --train-iters) and lr_warmup_iters (also from the fraction)."""
     _require(args, ["train_iters", "lr"])
     _check_positive(args, ["train_iters", "exit_interval"])
     if not args.lr > 0:  # also catches NaN
@@ -561,9 +564,10 @@ def _validate_training(args) -> None:
                            "lr_warmup_init", "adam_eps"], allow_zero=True)
     if args.min_lr > args.lr:
         raise ArgumentsError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    _check_positive(args, ["lr_decay_iters"])
+    decay = args.train_iters if args.lr_decay_iters is None else args.lr_decay_iters
+    if decay <= 0:
+        raise ArgumentsError(f"--lr-decay-iters {decay} must be > 0")
+    warmup = args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
             raise ArgumentsError("--lr-warmup-fraction and --lr-warmup-iters exclude one "
@@ -571,13 +575,12 @@ def _validate_training(args) -> None:
         if not 0.0 <= args.lr_warmup_fraction <= 1.0:
             raise ArgumentsError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
                                  f"[0, 1]")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-        args.lr_warmup_fraction = None  # now in iterations; keeps validate_args idempotent
-    if args.lr_warmup_iters >= args.lr_decay_iters:
+        warmup = int(args.lr_warmup_fraction * decay)
+    if warmup >= decay:
         raise ArgumentsError(
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
-            f"{args.lr_decay_iters} (default --train-iters): warmup must end before the decay "
-            f"does; try --lr-warmup-iters {max(0, args.lr_decay_iters // 10)}")
+            f"--lr-warmup-iters {warmup} must be below --lr-decay-iters "
+            f"{decay} (default --train-iters): warmup must end before the decay "
+            f"does; try --lr-warmup-iters {max(0, decay // 10)}")
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
         raise ArgumentsError("--lr-decay-style WSD needs --lr-wsd-decay-iters N")
     for name in ("adam_beta1", "adam_beta2"):
@@ -585,11 +588,13 @@ def _validate_training(args) -> None:
             raise ArgumentsError(f"--{name.replace('_', '-')} {getattr(args, name)} must be "
                                  f"in [0, 1)")
     _validate_recompute(args)
-    _validate_fused_loss(args)
+    return {"lr_decay_iters": decay, "lr_warmup_iters": warmup,
+            "loss_chunk_tokens": _loss_chunk_tokens(args)}
 
 
-def _validate_fused_loss(args) -> None:
-    """``--linear-cross-entropy-chunk-tokens`` belongs to ``--fused-linear-cross-entropy``."""
+def _loss_chunk_tokens(args) -> Optional[int]:
+    """``--linear-cross-entropy-chunk-tokens`` belongs to ``--fused-linear-cross-entropy``;
+    its default there, None without it."""
     chunk = args.linear_cross_entropy_chunk_tokens
     if not args.fused_linear_cross_entropy:
         if chunk is not None:
@@ -597,13 +602,14 @@ def _validate_fused_loss(args) -> None:
                 f"--linear-cross-entropy-chunk-tokens {chunk} has no effect without "
                 f"--fused-linear-cross-entropy; add --fused-linear-cross-entropy (or drop "
                 f"--linear-cross-entropy-chunk-tokens)")
-        return
+        return None
     if chunk is None:
-        args.linear_cross_entropy_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS
-    elif chunk < 1:
+        return DEFAULT_LOSS_CHUNK_TOKENS
+    if chunk < 1:
         raise ArgumentsError(
             f"--linear-cross-entropy-chunk-tokens {chunk} must be >= 1, e.g. "
             f"--linear-cross-entropy-chunk-tokens {DEFAULT_LOSS_CHUNK_TOKENS}")
+    return chunk
 
 
 def _validate_recompute(args) -> None:
@@ -636,14 +642,16 @@ def _validate_recompute(args) -> None:
         raise ArgumentsError(f"{flag} needs --recompute-granularity full")
 
 
-def _validate_data_flags(args) -> None:
+def _tokenizer_type(args) -> str:
+    """The data flags' checks; returns ``--tokenizer-type`` or its default."""
     if args.mock_data and args.data_path:
         raise ArgumentsError("--mock-data and --data-path exclude one another; drop one")
     _check_positive(args, ["num_workers"], allow_zero=True)
-    if args.tokenizer_type is None:
-        args.tokenizer_type = "NullTokenizer" if (args.mock_data and args.tokenizer_model is None
-                                                  ) else "SentencePieceTokenizer"
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+    tokenizer_type = args.tokenizer_type
+    if tokenizer_type is None:
+        tokenizer_type = ("NullTokenizer" if (args.mock_data and args.tokenizer_model is None)
+                          else "SentencePieceTokenizer")
+    if tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ArgumentsError("--tokenizer-type NullTokenizer (the --mock-data default) needs "
                              "--vocab-size, e.g. --vocab-size 32000")
     if not args.data_path and not args.mock_data and args.tokenizer_model is not None:
@@ -651,15 +659,15 @@ def _validate_data_flags(args) -> None:
             "--tokenizer-model without --data-path: the default corpus comes with its own "
             "tokenizer; pass the --data-path made with this tokenizer, or drop "
             "--tokenizer-model")
-    if (args.data_path and args.tokenizer_type != "NullTokenizer"
-            and args.tokenizer_model is None):
-        raise ArgumentsError(f"--data-path needs --tokenizer-model (the {args.tokenizer_type} "
+    if args.data_path and tokenizer_type != "NullTokenizer" and args.tokenizer_model is None:
+        raise ArgumentsError(f"--data-path needs --tokenizer-model (the {tokenizer_type} "
                              f"the data was preprocessed with)")
+    return tokenizer_type
 
 
 def _validate_split(args) -> None:
     """Validation asked for (``--eval-iters`` > 0) needs data in the validation split."""
-    from megatron.training.data.config import DataConfigError, parse_split
+    from megatron.training.data.config import parse_split
 
     try:
         weights = parse_split(args.split)
@@ -672,7 +680,8 @@ def _validate_split(args) -> None:
             f"or pass --eval-iters 0 to train without validation")
 
 
-def _validate_checkpointing(args) -> None:
+def _output_fields(args, world_size: int, device: str) -> Dict[str, Optional[str]]:
+    """The checkpoint / logging flags' checks; metrics_file and profile_dir or defaults."""
     _check_positive(args, ["save_interval", "log_interval", "eval_interval"])
     _check_positive(args, ["eval_iters", "ckpt_step"], allow_zero=True)
     if args.save_interval is not None and args.save is None:
@@ -683,19 +692,21 @@ def _validate_checkpointing(args) -> None:
         raise ArgumentsError("--finetune needs --load DIR (the weights to start from)")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise ArgumentsError(f"--peak-tflops {args.peak_tflops} must be > 0")
-    _validate_profiling(args)
-    _validate_memory_history(args)
-    if args.metrics_file is None:
+    profile_dir = _profile_dir(args, world_size)
+    _validate_memory_history(args, device)
+    metrics_file = args.metrics_file
+    if metrics_file is None:
         if args.tensorboard_dir:
-            args.metrics_file = os.path.join(args.tensorboard_dir, "metrics.jsonl")
+            metrics_file = os.path.join(args.tensorboard_dir, "metrics.jsonl")
         elif args.save:
-            args.metrics_file = os.path.join(args.save, "metrics.jsonl")
+            metrics_file = os.path.join(args.save, "metrics.jsonl")
+    return {"metrics_file": metrics_file, "profile_dir": profile_dir}
 
 
-def _validate_memory_history(args) -> None:
+def _validate_memory_history(args, device: str) -> None:
     if not args.record_memory_history:
         return
-    if args.device != "cuda":
+    if device != "cuda":
         raise ArgumentsError("--record-memory-history records CUDA allocations; it needs a GPU "
                              "(drop the flag on the CPU)")
     if not 1 <= args.memory_snapshot_iteration <= args.train_iters:
@@ -704,9 +715,10 @@ def _validate_memory_history(args) -> None:
             f"[1, --train-iters {args.train_iters}], e.g. --memory-snapshot-iteration 2")
 
 
-def _validate_profiling(args) -> None:
+def _profile_dir(args, world_size: int) -> Optional[str]:
+    """The ``--profile`` flags' checks; ``--profile-dir`` or its default."""
     if not args.profile:
-        return
+        return args.profile_dir
     start, end = args.profile_step_start, args.profile_step_end
     if start < 1 or end <= start:
         raise ArgumentsError(
@@ -715,148 +727,93 @@ def _validate_profiling(args) -> None:
     if start > args.train_iters:
         raise ArgumentsError(f"--profile-step-start {start} is after --train-iters "
                              f"{args.train_iters}; pick a start <= {args.train_iters}")
-    bad = [r for r in args.profile_ranks if not 0 <= r < args.world_size]
+    bad = [r for r in args.profile_ranks if not 0 <= r < world_size]
     if bad:
         raise ArgumentsError(f"--profile-ranks {' '.join(map(str, bad))}: ranks run from 0 to "
-                             f"{args.world_size - 1}; e.g. --profile-ranks 0")
+                             f"{world_size - 1}; e.g. --profile-ranks 0")
     if args.profile_dir is None:
-        args.profile_dir = (os.path.join(args.tensorboard_dir, "profile")
-                            if args.tensorboard_dir else "profile")
+        return (os.path.join(args.tensorboard_dir, "profile") if args.tensorboard_dir
+                else "profile")
+    return args.profile_dir
 
 
-def _validate_device(args, cuda_available: bool) -> None:
-    if args.device == "auto":
-        args.device = "cuda" if cuda_available else "cpu"
-    if args.device == "cuda" and not cuda_available:
+def _device_fields(args, cuda_available: bool) -> Dict[str, Any]:
+    """device, distributed_backend, use_cpu_initialization, fused_kernels_impl: resolved."""
+    device = args.device
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
         raise ArgumentsError("--device cuda but CUDA is not available; pass --device cpu")
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cpu":
-        if args.distributed_backend != "gloo":
+    backend = args.distributed_backend
+    if backend is None:
+        backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cpu":
+        if backend != "gloo":
             raise ArgumentsError("--device cpu needs --distributed-backend gloo")
         if args.bf16:
             raise ArgumentsError("--bf16 needs a GPU; CPU runs are float32 (drop --bf16)")
-        args.use_cpu_initialization = True
-    args.params_dtype = "bfloat16" if args.bf16 else "float32"
     try:
-        # The implementation --fused-kernels resolves to here (args.fused_kernels stays as
-        # given); the model reads args.fused_kernels_impl.
-        args.fused_kernels_impl = resolve_fused_kernels(args.fused_kernels,
-                                                        args.device == "cuda")
+        # The implementation --fused-kernels resolves to here (the flag stays as given).
+        impl = resolve_fused_kernels(args.fused_kernels, device == "cuda")
     except FusedKernelsUnavailable as exc:
         raise ArgumentsError(str(exc)) from None
     # A missing kernel package is found here, not after the process groups exist.
-    problem = backend_problem(args.attention_backend, args.device)
+    problem = backend_problem(args.attention_backend, device)
     if problem:
         raise ArgumentsError(problem)
+    return {"device": device, "distributed_backend": backend,
+            "use_cpu_initialization": bool(args.use_cpu_initialization) or device == "cpu",
+            "fused_kernels_impl": impl}
 
 
-def _validate_precision(args) -> None:
-    """Gradients accumulate and reduce in float32 unless ``--bf16 --grad-reduce-in-bf16``.
-
-    Afterwards ``args.accumulate_allreduce_grads_in_fp32`` says what the run does (True for
-    float32 runs too, whose gradients are float32 anyway).
-    """
+def _grad_reduce_in_fp32(args) -> bool:
+    """Gradients accumulate and reduce in float32 unless ``--bf16 --grad-reduce-in-bf16``
+    (True for float32 runs too, whose gradients are float32 anyway)."""
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ArgumentsError("--grad-reduce-in-bf16 needs --bf16 (float32 runs accumulate and "
                              "reduce gradients in float32); drop --grad-reduce-in-bf16")
     if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
         raise ArgumentsError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 "
                              "exclude one another; keep one (float32 is the default)")
-    args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
+    return not args.grad_reduce_in_bf16
 
 
 def validate_args(args: argparse.Namespace, world_size: int,
-                  cuda_available: Optional[bool] = None) -> argparse.Namespace:
-    """Check every flag and fill in derived values; identical on every rank, no I/O.
+                  cuda_available: Optional[bool] = None,
+                  degrees: Optional[Tuple[int, int]] = None) -> RunConfig:
+    """Check every flag and return the run's :class:`RunConfig`; identical on every rank, no
+    I/O, and ``args`` is left as parsed.
 
     Raises :class:`ArgumentsError` or :class:`USPConfigError` (both ``ValueError``) naming
-    the flag. ``--ulysses-degree auto`` is left for :func:`resolve_auto_layout`, which
-    calls this again with the chosen degrees.
+    the flag. ``--ulysses-degree auto`` leaves ``dims`` None for
+    :func:`megatron.training.cli.auto_layout.resolve_auto_layout`, which calls this again
+    with the planner's ``degrees`` (U, R).
     """
     if cuda_available is None:
         import torch
 
         cuda_available = torch.cuda.is_available()
-    args.world_size = world_size
-    _validate_device(args, cuda_available)
-    _validate_precision(args)
-    _validate_model(args)
-    _validate_training(args)
-    _validate_data_flags(args)
-    problem = document_flags_problem(args)
+    device = _device_fields(args, cuda_available)
+    grad_fp32 = _grad_reduce_in_fp32(args)
+    model = _model_sizes(args)
+    schedule = _lr_schedule(args)
+    tokenizer_type = _tokenizer_type(args)
+    problem = document_flags_problem(args, device["device"])
     if problem:
         raise ArgumentsError(problem)
-    if args.reset_attention_mask and getattr(args, "recompute_keep_core_attn", False):
+    if args.reset_attention_mask and args.recompute_keep_core_attn:
         # Both paths are exact alone; their combination (a kept output replayed through the
         # document ring) has no test yet, so it is refused rather than trusted.
         raise ArgumentsError("--recompute-keep-core-attn with --reset-attention-mask is not "
                              "verified yet; drop --recompute-keep-core-attn (full recompute "
                              "then runs attention again)")
-    _validate_checkpointing(args)
+    outputs = _output_fields(args, world_size, device["device"])
     _validate_split(args)
-    _validate_parallel(args, world_size)
-    return args
+    layout = _parallel_fields(args, world_size, model["shape"], device["device"], degrees)
+    return RunConfig(args=args, world_size=world_size, grad_reduce_in_fp32=grad_fp32,
+                     tokenizer_type=tokenizer_type, **device, **model, **schedule, **outputs,
+                     **layout)
 
 
-def resolve_auto_layout(args: argparse.Namespace, world_size: int, vocab_size: int,
-                        device_name: Optional[str]) -> List[str]:
-    """Replace ``--ulysses-degree auto --ring-degree auto`` with the planner's choice.
-
-    Degrees the user gave explicitly (TP, PP, ``--context-parallel-size``) are kept fixed.
-    Returns the plan's reasons (to log on rank 0). Deterministic, so every rank chooses the
-    same layout without communicating.
-    """
-    from dataclasses import replace
-
-    from megatron.planner import DEFAULT_ASSUMPTIONS, PlannerError, choose_layout
-    from megatron.planner.hardware import preset_for_device
-
-    model = model_shape_from_args(args, vocab_size)
-    hardware = args.hardware or preset_for_device(device_name)
-    if hardware is None:
-        raise ArgumentsError(
-            f"--ulysses-degree auto: no planner preset matches the device {device_name!r}; "
-            f"pass --hardware (one of the presets of tools/plan_parallel.py), or give "
-            f"--ulysses-degree and --ring-degree as integers")
-    gpus_per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    fixed = {"tensor_model_parallel_size": args.tensor_model_parallel_size,
-             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-             "zero_stage": 1 if args.use_distributed_optimizer else 0,
-             "recompute": args.recompute_granularity or "none"}
-    if args.context_parallel_size is not None:
-        fixed["context_parallel_size"] = args.context_parallel_size
-    # The memory model must describe the run as configured: Megatron sequence parallelism is
-    # the user's flag, not the planner's to switch on.
-    tp_sp = bool(args.sequence_parallel) and args.tensor_model_parallel_size > 1
-    # So is the gradient buffer's dtype (float32 unless --grad-reduce-in-bf16).
-    grad_bytes = 2 if args.bf16 and args.grad_reduce_in_bf16 else 4
-    # And the loss: the fused output layer and loss over its chunks (validate_args has
-    # filled in the default chunk), or megatron-core's.
-    loss_chunk = (args.linear_cross_entropy_chunk_tokens if args.fused_linear_cross_entropy
-                  else None)
-    assumptions = replace(DEFAULT_ASSUMPTIONS, tp_sequence_parallel=tp_sp,
-                          main_grad_bytes=grad_bytes, grad_reduce_bytes=grad_bytes,
-                          loss_chunk_tokens=loss_chunk)
-    try:
-        plan = choose_layout(model, args.seq_length, world_size, gpus_per_node, hardware,
-                             micro_batch_size=args.micro_batch_size,
-                             global_batch_size=args.global_batch_size, fixed=fixed,
-                             assumptions=assumptions)
-    except PlannerError as exc:
-        raise ArgumentsError(f"--ulysses-degree auto --ring-degree auto: {exc}") from None
-    args.ulysses_degree, args.ring_degree = plan.ulysses_degree, plan.ring_degree
-    _validate_parallel(args, world_size)
-    notes = []
-    if args.tensor_model_parallel_size > 1 and not tp_sp:
-        notes.append(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} without "
-                     f"--sequence-parallel: planned with each TP rank holding the full "
-                     f"activations of its tokens; add --sequence-parallel to shard them")
-    return [f"planner chose TP{plan.tensor_model_parallel_size} U{plan.ulysses_degree} "
-            f"R{plan.ring_degree} DP{plan.data_parallel_size} "
-            f"PP{plan.pipeline_model_parallel_size}"] + notes + list(plan.reasons)
-
-
-__all__ = ["ArgumentsError", "USPConfigError", "build_parser", "parse_args", "validate_args",
-           "resolve_auto_layout", "model_shape_from_args", "padded_vocab_size",
-           "default_ffn_hidden_size"]
+__all__ = ["ArgumentsError", "USPConfigError", "RunConfig", "build_parser", "parse_args",
+           "validate_args", "padded_vocab_size", "default_ffn_hidden_size"]

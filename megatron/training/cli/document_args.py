@@ -28,8 +28,9 @@ def add_document_args(group) -> None:
                             "micro-batch. --document-layout is an alias")
 
 
-def document_flags_problem(args) -> Optional[str]:
-    """Why the document flags cannot combine, naming the flag and a valid value, or None."""
+def document_flags_problem(args, device: str) -> Optional[str]:
+    """Why the document flags cannot combine on ``device`` (``cuda`` or ``cpu``), naming the
+    flag and a valid value, or None."""
     masked = args.reset_attention_mask
     if args.document_attention_kernel != "auto" and not masked:
         return (f"--document-attention-kernel {args.document_attention_kernel} has no effect "
@@ -38,6 +39,6 @@ def document_flags_problem(args) -> Optional[str]:
         return (f"--chunk-assignment {args.chunk_assignment} has no effect without "
                 f"--reset-attention-mask; add --reset-attention-mask or drop the flag")
     if masked:
-        return document_kernel_name_problem(args.document_attention_kernel, args.device,
+        return document_kernel_name_problem(args.document_attention_kernel, device,
                                             bool(args.bf16))
     return None

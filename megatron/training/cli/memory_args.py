@@ -14,15 +14,19 @@ modules (``README.md``, "Training very long sequences"):
   ``--data-parallel-sharding-strategy`` (megatron-core's Megatron-FSDP; ``optim`` /
   ``optim_grads`` / ``optim_grads_params`` are ZeRO-1 / 2 / 3).
 
-:func:`validate_memory_args` runs inside ``validate_args`` after the layout is known and raises
-``ArgumentsError`` naming the flag and a valid alternative.
+:func:`validate_memory_args` runs inside ``validate_args`` after the layout is known, raises
+``ArgumentsError`` naming the flag and a valid alternative, and returns the defaults it
+resolved.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Optional, Tuple
 
+from megatron.training.cli.errors import ArgumentsError
 from megatron.usp.backend_names import OFFLOAD_CHOICES, backend_installed
+from megatron.usp.parallel_dims import ParallelDims
 
 FSDP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DEFAULT_OFFLOAD_FRACTION = 1.0
@@ -72,9 +76,6 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _error(msg: str) -> Exception:
-    # Imported here: megatron.training.cli.arguments imports this module.
-    from megatron.training.cli.arguments import ArgumentsError
-
     return ArgumentsError(msg)
 
 
@@ -101,15 +102,15 @@ def _divisors_up_to(n: int, limit: int):
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def _validate_mlp_tiles(args) -> None:
+def _validate_mlp_tiles(args, cp: int, sequence_parallel: bool) -> None:
     n = args.mlp_tile_tokens
     if n is None:
         return
     if n < 1:
         raise _error(f"--mlp-tile-tokens {n} must be >= 1, e.g. --mlp-tile-tokens 8192")
-    local = args.seq_length // args.context_parallel_size
-    where = f"--seq-length {args.seq_length} / (U*R = {args.context_parallel_size})"
-    if args.sequence_parallel:
+    local = args.seq_length // cp
+    where = f"--seq-length {args.seq_length} / (U*R = {cp})"
+    if sequence_parallel:
         local //= args.tensor_model_parallel_size
         where += f" / (TP = {args.tensor_model_parallel_size}, --sequence-parallel)"
     if local % n:
@@ -118,7 +119,9 @@ def _validate_mlp_tiles(args) -> None:
                      f"({where}); use a divisor, e.g. --mlp-tile-tokens {below}")
 
 
-def _validate_optimizer_offload(args) -> None:
+def _optimizer_offload_fraction(args, device: str) -> Optional[float]:
+    """The optimizer-offload flags' checks; ``--optimizer-offload-fraction`` or its default
+    under ``--optimizer-cpu-offload``."""
     offload = args.optimizer_cpu_offload
     if not offload:
         for flag, value in (("--optimizer-offload-fraction", args.optimizer_offload_fraction),
@@ -131,8 +134,8 @@ def _validate_optimizer_offload(args) -> None:
             raise _error("--use-precision-aware-optimizer without --optimizer-cpu-offload "
                          "needs TransformerEngine's FusedAdam (not installed); add "
                          "--optimizer-cpu-offload or drop --use-precision-aware-optimizer")
-        return
-    if args.device != "cuda":
+        return args.optimizer_offload_fraction
+    if device != "cuda":
         raise _error("--optimizer-cpu-offload moves optimizer state from the GPU to the host "
                      "(megatron-core's HybridDeviceOptimizer is CUDA-only); on --device cpu "
                      "everything is already in host memory: drop --optimizer-cpu-offload")
@@ -146,25 +149,29 @@ def _validate_optimizer_offload(args) -> None:
     if args.optimizer != "adam":
         raise _error(f"--optimizer-cpu-offload with --optimizer {args.optimizer}: megatron-core's "
                      f"distributed optimizer offloads Adam only; use --optimizer adam")
-    if args.optimizer_offload_fraction is None:
-        args.optimizer_offload_fraction = DEFAULT_OFFLOAD_FRACTION
-    if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
-        raise _error(f"--optimizer-offload-fraction {args.optimizer_offload_fraction} must be in "
+    fraction = args.optimizer_offload_fraction
+    if fraction is None:
+        fraction = DEFAULT_OFFLOAD_FRACTION
+    if not 0.0 <= fraction <= 1.0:
+        raise _error(f"--optimizer-offload-fraction {fraction} must be in "
                      f"[0, 1], e.g. --optimizer-offload-fraction 1.0")
+    return fraction
 
 
-def _validate_fsdp(args) -> None:
+def _fsdp_strategy(args, dims: ParallelDims, device: str) -> Optional[str]:
+    """The Megatron-FSDP flags' checks; ``--data-parallel-sharding-strategy`` or its default
+    under ``--use-megatron-fsdp``."""
     strategy = args.data_parallel_sharding_strategy
     if not args.use_megatron_fsdp:
         if strategy is not None:
             raise _error(f"--data-parallel-sharding-strategy {strategy} has no effect without "
                          f"--use-megatron-fsdp; add --use-megatron-fsdp (ZeRO-1 alone: "
                          f"--use-distributed-optimizer)")
-        return
-    if args.data_parallel_sharding_strategy is None:
-        args.data_parallel_sharding_strategy = "optim_grads_params"
+        return None
+    if strategy is None:
+        strategy = "optim_grads_params"
     reasons = [
-        (args.device != "cuda", "needs --device cuda (Megatron-FSDP builds CUDA device meshes "
+        (device != "cuda", "needs --device cuda (Megatron-FSDP builds CUDA device meshes "
                                 "and streams)"),
         (not args.use_distributed_optimizer, "needs --use-distributed-optimizer (megatron-core "
                                              "steps FSDP shards with its distributed optimizer)"),
@@ -181,7 +188,7 @@ def _validate_fsdp(args) -> None:
         # micro-batch's gradients into the very buffer it then adds them to, so the
         # gradients double at every micro-batch (grad norm 2x with one micro-batch per step,
         # ~3x with two, and different losses from the first update on).
-        (args.data_parallel_size * args.context_parallel_size == 1,
+        (dims.dp * dims.cp == 1,
          "shards over the data-parallel x context-parallel ranks and this run has one: there "
          "is nothing to shard, and megatron-core 0.16.1's Megatron-FSDP then adds every "
          "micro-batch's gradients twice (measured); drop --use-megatron-fsdp "
@@ -193,14 +200,17 @@ def _validate_fsdp(args) -> None:
     for bad, why in reasons:
         if bad:
             raise _error(f"--use-megatron-fsdp {why}")
+    return strategy
 
 
-def validate_memory_args(args) -> None:
-    """The checks of this module's flags; needs ``context_parallel_size`` already derived."""
+def validate_memory_args(args, dims: ParallelDims, sequence_parallel: bool,
+                         device: str) -> Tuple[Optional[float], Optional[str]]:
+    """The checks of this module's flags under the layout ``dims`` (``sequence_parallel``
+    as resolved, ``device`` ``cuda`` or ``cpu``); returns the optimizer offload fraction and
+    the Megatron-FSDP sharding strategy, each the flag or its default (None when off)."""
     _validate_recompute_memory(args)
-    _validate_mlp_tiles(args)
-    _validate_optimizer_offload(args)
-    _validate_fsdp(args)
+    _validate_mlp_tiles(args, dims.cp, sequence_parallel)
+    return _optimizer_offload_fraction(args, device), _fsdp_strategy(args, dims, device)
 
 
 __all__ = ["add_memory_args", "validate_memory_args", "FSDP_SHARDING"]

@@ -17,7 +17,8 @@ import os
 import tempfile
 from typing import List, Optional, Tuple
 
-from megatron.training.cli.arguments import ArgumentsError
+from megatron.training.cli.config import RunConfig
+from megatron.training.cli.errors import ArgumentsError
 
 
 def directory_problem(path: str) -> Optional[str]:
@@ -33,28 +34,29 @@ def directory_problem(path: str) -> Optional[str]:
     return None
 
 
-def output_directories(args) -> List[Tuple[str, str]]:
+def output_directories(config: RunConfig) -> List[Tuple[str, str]]:
     """(flag, directory) for each place the run will write to."""
     out = []
-    if args.save:
-        out.append(("--save", args.save))
-    if args.metrics_file:
-        out.append(("--metrics-file", os.path.dirname(os.path.abspath(args.metrics_file))))
-    if getattr(args, "tensorboard_dir", None):
-        out.append(("--tensorboard-dir", args.tensorboard_dir))
+    if config.args.save:
+        out.append(("--save", config.args.save))
+    if config.metrics_file:
+        out.append(("--metrics-file", os.path.dirname(os.path.abspath(config.metrics_file))))
+    if config.args.tensorboard_dir:
+        out.append(("--tensorboard-dir", config.args.tensorboard_dir))
     return out
 
 
-def check_output_paths(args) -> None:
+def check_output_paths(config: RunConfig) -> None:
     """Raise :class:`ArgumentsError` naming the flag when a run's output directory cannot
     be written; ``--metrics-file`` must also not be a directory."""
-    if args.metrics_file and os.path.isdir(args.metrics_file):
-        raise ArgumentsError(f"--metrics-file {args.metrics_file} is a directory; pass a file "
+    metrics_file = config.metrics_file
+    if metrics_file and os.path.isdir(metrics_file):
+        raise ArgumentsError(f"--metrics-file {metrics_file} is a directory; pass a file "
                              f"name, e.g. --metrics-file "
-                             f"{os.path.join(args.metrics_file, 'metrics.jsonl')}")
-    for flag, directory in output_directories(args):
+                             f"{os.path.join(metrics_file, 'metrics.jsonl')}")
+    for flag, directory in output_directories(config):
         problem = directory_problem(directory)
         if problem:
-            implied = "" if flag != "--metrics-file" else f" (the folder of {args.metrics_file})"
+            implied = "" if flag != "--metrics-file" else f" (the folder of {metrics_file})"
             raise ArgumentsError(f"{flag}: {problem}{implied}; pass a directory you can write "
                                  f"to")

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from megatron.training.data.errors import DataConfigError
 from megatron.training.data.indexed_files import (
     IndexedDatasetInfo,
     inspect_indexed_dataset,
@@ -27,10 +28,6 @@ from megatron.training.data.indexed_files import (
 from megatron.usp.token_order import check_seq_divisible
 
 logger = logging.getLogger(__name__)
-
-
-class DataConfigError(ValueError):
-    """Bad data input found at start-up. The message names the flag or file, and a fix."""
 
 
 @dataclass

@@ -62,8 +62,9 @@ class DocumentBatching:
         return batch
 
 
-def documents_enabled(args) -> bool:
-    """Whether the batches carry document information every pipeline stage must read."""
-    return bool(args.reset_attention_mask or args.reset_position_ids)
+def documents_enabled(reset_attention_mask: bool, reset_position_ids: bool) -> bool:
+    """Whether the batches carry document information every pipeline stage must read
+    (``--reset-attention-mask`` or ``--reset-position-ids``)."""
+    return bool(reset_attention_mask or reset_position_ids)
 
 

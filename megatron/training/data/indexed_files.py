@@ -4,7 +4,7 @@
 lengths and offsets, document index) and checks it against the size of its ``.bin``;
 :func:`scan_token_ids` reads (a sample of) the ``.bin`` for its token-id range and EOD
 endings. Both only read; a missing, truncated or foreign file raises
-:class:`~megatron.training.data.config.DataConfigError` naming the file and the fix.
+:class:`~megatron.training.data.errors.DataConfigError` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
+
+from megatron.training.data.errors import DataConfigError
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_VERSION = 1
@@ -63,8 +65,6 @@ class IndexedDatasetInfo:
 
 def _check_prefix_files(prefix: str, flag: str) -> Tuple[str, str]:
     """The ``.idx`` and ``.bin`` paths of ``prefix``; a DataConfigError if either is missing."""
-    from megatron.training.data.config import DataConfigError  # here: it imports us
-
     for ext in (".bin", ".idx"):
         if prefix.endswith(ext):
             raise DataConfigError(
@@ -95,8 +95,6 @@ def inspect_indexed_dataset(prefix: str, flag: str = "--data-path") -> IndexedDa
     the ``.bin`` size equals the token count times the dtype size (a truncated ``.bin``,
     or one from another run, fails). Reads only the ``.idx``.
     """
-    from megatron.training.data.config import DataConfigError  # here: it imports us
-
     idx_path, bin_path = _check_prefix_files(prefix, flag)
     idx_bytes = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:

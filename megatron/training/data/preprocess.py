@@ -22,8 +22,10 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Te
 
 import numpy as np
 
+from megatron.errors import UsageError
 
-class PreprocessError(ValueError):
+
+class PreprocessError(UsageError, ValueError):
     """A JSONL line that cannot be turned into a document. Names the file and line."""
 
 

@@ -29,6 +29,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from megatron.errors import UsageError
+
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 # Special-piece ids of the models train_sentencepiece() writes. Pad is distinct from EOD so
@@ -36,7 +38,7 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokeni
 SP_UNK_ID, SP_BOS_ID, SP_EOS_ID, SP_PAD_ID = 0, 1, 2, 3
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UsageError, ValueError):
     """A tokenizer cannot be built from the given flags; the message names the flag."""
 
 

@@ -1,6 +1,6 @@
 """The model of ``pretrain_gpt.py``: megatron-core ``GPTModel`` with USP attention, in DDP.
 
-:func:`transformer_config_from_args` maps Megatron-LM flags onto megatron-core's
+:func:`transformer_config_from_args` maps the run's configuration onto megatron-core's
 ``TransformerConfig``; :func:`build_model` builds this pipeline stage's ``GPTModel`` with the
 block spec of :func:`megatron.training.model.layer_specs.get_usp_gpt_block_spec` (USP core attention and
 the norms of :mod:`megatron.layers.norms`, final norm included; used for every layout, U = R = 1
@@ -32,40 +32,36 @@ import torch
 import torch.nn.functional as F
 
 from megatron.training.cli.arguments import SPEC_RECOMPUTE_MODULES
-from megatron.usp.parallel_dims import ParallelDims
+from megatron.training.cli.config import RunConfig
 from megatron.usp.parallel_state import USPGroups
 
 
-def params_dtype(args) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float32
+def params_dtype(config: RunConfig) -> torch.dtype:
+    return torch.bfloat16 if config.args.bf16 else torch.float32
 
 
-def spec_recompute(args):
+def spec_recompute(config: RunConfig):
     """(norm outputs recomputed, SwiGLU output recomputed): the ``--recompute-modules``
     the layer spec implements (:mod:`megatron.layers.fused_linears`)."""
+    args = config.args
     modules = (args.recompute_modules or []) if args.recompute_granularity == "selective" \
         else []
     return "layernorm" in modules, "swiglu" in modules   # SPEC_RECOMPUTE_MODULES
 
 
-def fused_kernels_impl(args) -> str:
-    """The ``--fused-kernels`` implementation ``validate_args`` resolved (``torch`` when
-    ``args`` did not go through it)."""
-    return getattr(args, "fused_kernels_impl", "torch")
-
-
-def transformer_config_from_args(args):
-    """megatron-core ``TransformerConfig`` for the validated arguments."""
+def transformer_config_from_args(config: RunConfig):
+    """megatron-core ``TransformerConfig`` for the validated run."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    on_gpu = args.device == "cuda"
+    args = config.args
+    on_gpu = config.device == "cuda"
     add_bias = not args.disable_bias_linear
-    dtype = params_dtype(args)
+    dtype = params_dtype(config)
     # --fused-kernels: the layer spec's SwiGLU module replaces megatron-core's activation
     # (its activation_func slot, read when use_te_activation_func is set) for a bias-free
     # SwiGLU MLP; with "torch" megatron-core's own (TorchScript-fused on GPU) path stays.
-    fused_swiglu = fused_kernels_impl(args) != "torch" and args.swiglu and not add_bias
-    lean_norms, lean_swiglu = spec_recompute(args)
+    fused_swiglu = config.fused_kernels_impl != "torch" and args.swiglu and not add_bias
+    lean_norms, lean_swiglu = spec_recompute(config)
     granularity, mcore_modules = args.recompute_granularity, None   # None: megatron's default
     if args.recompute_modules is not None:
         mcore_modules = [m for m in args.recompute_modules if m not in SPEC_RECOMPUTE_MODULES]
@@ -74,10 +70,10 @@ def transformer_config_from_args(args):
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels,
+        num_query_groups=config.shape.num_query_groups,
+        kv_channels=config.kv_channels,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -87,12 +83,12 @@ def transformer_config_from_args(args):
         add_qkv_bias=add_bias,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
-        **ParallelDims.from_args(args).megatron_kwargs(),
-        sequence_parallel=args.sequence_parallel,
+        **config.dims.megatron_kwargs(),
+        sequence_parallel=config.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=args.bf16,
-        use_cpu_initialization=args.use_cpu_initialization,
+        use_cpu_initialization=config.use_cpu_initialization,
         calculate_per_token_loss=True,
         recompute_granularity=granularity,
         recompute_modules=mcore_modules if granularity == "selective" else None,
@@ -122,8 +118,25 @@ def _pipeline_stage(groups: USPGroups):
     return rank, rank == 0, rank == size - 1
 
 
-def build_gpt_model(args, config, groups: USPGroups):
-    """This pipeline stage's ``GPTModel`` (unwrapped), on ``args.device``.
+def layer_spec_options(config: RunConfig, groups: USPGroups, recompute_keep=None):
+    """The run's :class:`~megatron.training.model.layer_specs.LayerSpecOptions`."""
+    from megatron.training.model.layer_specs import LayerSpecOptions
+
+    args = config.args
+    lean_norms, lean_swiglu = spec_recompute(config)
+    chunks = args.usp_overlap_chunks
+    return LayerSpecOptions(
+        attention_backend=args.attention_backend,
+        overlap_chunks=None if chunks == "auto" else chunks,
+        fused_kernels=config.fused_kernels_impl, lean_norms=lean_norms,
+        lean_swiglu=lean_swiglu, mlp_tile_tokens=args.mlp_tile_tokens,
+        recompute_keep=recompute_keep, mlp_tp_group=groups.tp,
+        document_kernel=args.document_attention_kernel,
+        fuse_wgrad=args.gradient_accumulation_fusion)
+
+
+def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):
+    """This pipeline stage's ``GPTModel`` (unwrapped), on the run's device.
 
     A :class:`~megatron.training.model.gpt_model.USPGPTModel` (``GPTModel`` whose RoPE follows
     ``position_ids``: packed documents, any chunk assignment). With
@@ -139,33 +152,24 @@ def build_gpt_model(args, config, groups: USPGroups):
     from megatron.training.model.gpt_model import USPGPTModel
     from megatron.training.model.layer_specs import get_usp_gpt_block_spec
 
+    args = config.args
     pp_rank, pre_process, post_process = _pipeline_stage(groups)
-    chunks = getattr(args, "usp_overlap_chunks", "auto")
-    device = (torch.device(args.device, torch.cuda.current_device())
-              if args.device == "cuda" else torch.device("cpu"))
-    offloader, keep = _recompute_offloader(args, device)
-    spec = get_usp_gpt_block_spec(config, pp_rank=pp_rank,
-                                  attention_backend=args.attention_backend,
-                                  overlap_chunks=None if chunks == "auto" else chunks,
-                                  fused_kernels=fused_kernels_impl(args),
-                                  lean_norms=spec_recompute(args)[0],
-                                  lean_swiglu=spec_recompute(args)[1],
-                                  mlp_tile_tokens=getattr(args, "mlp_tile_tokens", None),
-                                  recompute_keep=keep, mlp_tp_group=groups.tp,
-                                  document_kernel=getattr(args, "document_attention_kernel",
-                                                          "auto"),
-                                  fuse_wgrad=getattr(args, "gradient_accumulation_fusion", False))
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if config.device == "cuda" else torch.device("cpu"))
+    offloader, keep = _recompute_offloader(config, device)
+    spec = get_usp_gpt_block_spec(transformer_config, pp_rank=pp_rank,
+                                  options=layer_spec_options(config, groups, keep))
     model_class, loss_kwargs = USPGPTModel, {}
-    if getattr(args, "fused_linear_cross_entropy", False):
+    if config.loss_chunk_tokens is not None:   # --fused-linear-cross-entropy
         from megatron.training.model.fused_loss_model import FusedLossGPTModel
 
         model_class = FusedLossGPTModel
-        loss_kwargs = {"loss_chunk_tokens": args.linear_cross_entropy_chunk_tokens}
+        loss_kwargs = {"loss_chunk_tokens": config.loss_chunk_tokens}
     model = model_class(
-        config=config,
+        config=transformer_config,
         transformer_layer_spec=spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
+        vocab_size=config.padded_vocab_size,
+        max_sequence_length=config.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
@@ -184,21 +188,21 @@ def build_gpt_model(args, config, groups: USPGroups):
     return model.to(device)
 
 
-def _recompute_offloader(args, device: torch.device):
+def _recompute_offloader(config: RunConfig, device: torch.device):
     """(offloader, RecomputeKeep or None) for ``--recompute-cpu-offload`` /
     ``--recompute-keep-core-attn`` (full recompute), or (None, None)."""
-    from megatron.memory.activation_offload import ActivationOffloader, OffloadConfig
+    from megatron.memory.activation_offload import ActivationOffloader
     from megatron.memory.kept_attention import RecomputeKeep
 
-    config = OffloadConfig.from_args(args)
-    if not config.active:
+    offload = config.offload
+    if not offload.active:
         return None, None
-    offloader = ActivationOffloader(device, config)
-    keep = RecomputeKeep(offloader, to_host=config.core_attn) if config.keep_core_attn else None
+    offloader = ActivationOffloader(device, offload)
+    keep = RecomputeKeep(offloader, to_host=offload.core_attn) if offload.keep_core_attn else None
     return offloader, keep
 
 
-def reserve_offload_buffers(args, model_chunks) -> int:
+def reserve_offload_buffers(config: RunConfig, model_chunks) -> int:
     """Pin the host buffers of ``--recompute-cpu-offload`` now; returns the bytes reserved.
 
     Called at start-up after the optimizer is built (and the checkpoint loaded), not with
@@ -213,29 +217,28 @@ def reserve_offload_buffers(args, model_chunks) -> int:
         offloader = getattr(unwrap(chunk), "activation_offloader", None)
         if offloader is not None:
             before = offloader.pool.allocated_bytes
-            _reserve_host_buffers(args, offloader)
+            _reserve_host_buffers(config, offloader)
             total += offloader.pool.allocated_bytes - before
     return total
 
 
-def _reserve_host_buffers(args, offloader) -> None:
+def _reserve_host_buffers(config: RunConfig, offloader) -> None:
     """Pin the host buffers of one micro-batch's offloaded items: layer inputs
     ``[s/CP (/TP with SP), b, h]``, kept attention outputs ``[s/CP, b, heads/TP, d]``; one of
     each per layer of this stage (more are allocated if micro-batches overlap, PP > 1)."""
-    config = offloader.config
-    layers = args.num_layers // args.pipeline_model_parallel_size
-    local = args.seq_length // args.context_parallel_size
-    tp = args.tensor_model_parallel_size
-    dtype = params_dtype(args)
-    if config.layer_input:
-        tokens = local // tp if args.sequence_parallel else local
+    args, offload, dims = config.args, offloader.config, config.dims
+    layers = args.num_layers // dims.pp
+    local = args.seq_length // dims.cp
+    dtype = params_dtype(config)
+    if offload.layer_input:
+        tokens = local // dims.tp if config.sequence_parallel else local
         offloader.reserve((tokens, args.micro_batch_size, args.hidden_size), dtype, layers)
-    if config.core_attn:
-        offloader.reserve((local, args.micro_batch_size, args.num_attention_heads // tp,
-                           args.kv_channels), dtype, layers)
+    if offload.core_attn:
+        offloader.reserve((local, args.micro_batch_size, args.num_attention_heads // dims.tp,
+                           config.kv_channels), dtype, layers)
 
 
-def grad_buffer_dtype(args) -> torch.dtype:
+def grad_buffer_dtype(config: RunConfig) -> torch.dtype:
     """Dtype of DDP's gradient buffer: where micro-batch gradients accumulate and what the
     DP x CP all-reduce (reduce-scatter with ZeRO-1) sums.
 
@@ -246,34 +249,33 @@ def grad_buffer_dtype(args) -> torch.dtype:
     (:mod:`megatron.layers.linear_wgrad`); the other weights' gradients leave autograd in the
     parameter dtype and DDP adds them; see docs/numerics.md.
     """
-    if args.bf16 and getattr(args, "grad_reduce_in_bf16", False):
-        return torch.bfloat16
-    return torch.float32
+    return torch.float32 if config.grad_reduce_in_fp32 else torch.bfloat16
 
 
-def ddp_config_from_args(args):
+def ddp_config_from_args(config: RunConfig):
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    args = config.args
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_buffer_dtype(args) == torch.float32,
+        grad_reduce_in_fp32=config.grad_reduce_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         # NaN/inf is checked on the loss by the training loop, which can skip the step.
         check_for_nan_in_grad=False,
-        **_fsdp_kwargs(args),
+        **_fsdp_kwargs(config),
     )
 
 
-def _fsdp_kwargs(args) -> dict:
+def _fsdp_kwargs(config: RunConfig) -> dict:
     """DistributedDataParallelConfig fields of ``--use-megatron-fsdp``."""
-    if not getattr(args, "use_megatron_fsdp", False):
+    if not config.args.use_megatron_fsdp:
         return {}
     return {"use_megatron_fsdp": True,
-            "data_parallel_sharding_strategy": args.data_parallel_sharding_strategy}
+            "data_parallel_sharding_strategy": config.data_parallel_sharding_strategy}
 
 
-def build_model(args, groups: USPGroups) -> List[torch.nn.Module]:
+def build_model(config: RunConfig, groups: USPGroups) -> List[torch.nn.Module]:
     """``[DistributedDataParallel([Float16Module](GPTModel))]``: this stage's model chunk
     (``FullyShardedDataParallel`` in place of DDP with ``--use-megatron-fsdp``).
 
@@ -285,23 +287,24 @@ def build_model(args, groups: USPGroups) -> List[torch.nn.Module]:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config_from_args(args)
-    module = build_gpt_model(args, config, groups)
+    transformer_config = transformer_config_from_args(config)
+    module = build_gpt_model(config, transformer_config, groups)
     for param in module.parameters():
         # megatron-core's optimizer expects every param to carry the TP attributes.
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    if args.bf16:
+    if config.args.bf16:
         # bf16 weights and inputs, float32 losses out of the last stage (Megatron-LM's way);
         # the optimizer keeps float32 main params.
-        module = Float16Module(config, module)
+        module = Float16Module(transformer_config, module)
     # Every DP x CP replica initialises identically (same seeds), so no broadcast is needed.
     wrapper = DistributedDataParallel
-    if getattr(args, "use_megatron_fsdp", False):
+    if config.args.use_megatron_fsdp:
         # Megatron-FSDP (GPU only, memory_args.py): shards over DP x CP, units of one layer.
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
         wrapper = FullyShardedDataParallel
-    ddp = wrapper(config, ddp_config_from_args(args), module, pg_collection=groups.pg_collection)
+    ddp = wrapper(transformer_config, ddp_config_from_args(config), module,
+                  pg_collection=groups.pg_collection)
     return [ddp]
 
 

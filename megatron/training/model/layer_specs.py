@@ -40,7 +40,8 @@ module-level default (``WrappedTorchNorm`` without TransformerEngine or apex), w
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -119,41 +120,21 @@ def norm_spec(normalization: str, fused_kernels: str = "torch") -> ModuleSpec:
     return ModuleSpec(module=norm_class(normalization), params={"impl": fused_kernels})
 
 
-def get_usp_gpt_layer_spec(
-    attention_backend: str = "auto",
-    qk_layernorm: bool = False,
-    normalization: str = "RMSNorm",
-    overlap_chunks: Optional[int] = None,
-    fused_kernels: str = "torch",
-    fused_swiglu: bool = False,
-    lean_norms: bool = False,
-    lean_swiglu: bool = False,
-    mlp_tile_tokens: Optional[int] = None,
-    recompute_keep: Optional[RecomputeKeep] = None,
-    mlp_tp_group=None,
-    document_kernel: str = "auto",
-    fuse_wgrad: bool = False,
-) -> ModuleSpec:
-    """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
-    norms of :mod:`megatron.layers.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
+@dataclass(frozen=True)
+class LayerSpecOptions:
+    """What the run chooses for every layer of the spec (the flags in brackets).
 
-    Used for every layout, U = R = 1 included (then USP attention does no communication).
-    For a whole model prefer :func:`get_usp_gpt_block_spec`, which also names the final norm.
-
-    Args:
+    Attributes:
         attention_backend: ``--attention-backend`` (``auto``, ``torch``, ``math``,
             ``flash-attn``, ``te``); resolved when the layer is built, so a missing package
             fails at model construction with the ``pip install`` command to run.
-        qk_layernorm: normalise queries and keys per head (``TransformerConfig.qk_layernorm``).
-        normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
         overlap_chunks, recompute_keep, document_kernel: as for
             :func:`usp_core_attention_spec`.
-        fused_kernels: the resolved ``--fused-kernels`` (``torch``, ``compile``, ``liger``, ``usp``)
-            for the norms, RoPE and, with ``fused_swiglu``, the MLP activation.
-        fused_swiglu: put :class:`~megatron.layers.fused_kernels.SwiGLU` in the MLP's
-            ``activation_func`` slot (the config must set ``use_te_activation_func``).
+        fused_kernels: the resolved ``--fused-kernels`` (``torch``, ``compile``, ``liger``,
+            ``usp``) for the norms, RoPE and, with a fused SwiGLU, the MLP activation.
         lean_norms, lean_swiglu: the norm outputs / the SwiGLU output are not kept (module
-            docstring); ``lean_swiglu`` also needs ``use_te_activation_func``.
+            docstring; ``--recompute-modules layernorm`` / ``swiglu``); ``lean_swiglu`` also
+            needs ``use_te_activation_func``.
         mlp_tile_tokens: ``--mlp-tile-tokens``: the MLP runs over tiles of this many local
             tokens (:mod:`megatron.memory.tiled_mlp`); ``None`` leaves megatron-core's MLP.
         mlp_tp_group: the TP group of the tiled MLP's linears. ``TransformerLayer`` passes
@@ -162,6 +143,40 @@ def get_usp_gpt_layer_spec(
         fuse_wgrad: ``--gradient-accumulation-fusion``: QKV, the projection, FC1 and FC2 add
             their weight gradients into ``main_grad`` (:func:`with_wgrad_fusion`).
     """
+
+    attention_backend: str = "auto"
+    overlap_chunks: Optional[int] = None
+    fused_kernels: str = "torch"
+    lean_norms: bool = False
+    lean_swiglu: bool = False
+    mlp_tile_tokens: Optional[int] = None
+    recompute_keep: Optional[RecomputeKeep] = None
+    mlp_tp_group: Any = None
+    document_kernel: str = "auto"
+    fuse_wgrad: bool = False
+
+
+def get_usp_gpt_layer_spec(
+    options: LayerSpecOptions = LayerSpecOptions(),
+    qk_layernorm: bool = False,
+    normalization: str = "RMSNorm",
+    fused_swiglu: bool = False,
+) -> ModuleSpec:
+    """GPT transformer-layer spec: megatron-core's local spec with USP core attention and the
+    norms of :mod:`megatron.layers.norms` (input, pre-MLP and, with ``qk_layernorm``, q / k).
+
+    Used for every layout, U = R = 1 included (then USP attention does no communication).
+    For a whole model prefer :func:`get_usp_gpt_block_spec`, which also names the final norm.
+
+    Args:
+        options: the run's choices for every layer (:class:`LayerSpecOptions`).
+        qk_layernorm: normalise queries and keys per head (``TransformerConfig.qk_layernorm``).
+        normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``).
+        fused_swiglu: put :class:`~megatron.layers.fused_kernels.SwiGLU` in the MLP's
+            ``activation_func`` slot (the config must set ``use_te_activation_func``).
+    """
+    o = options
+    fused_kernels = o.fused_kernels
     if fused_kernels not in FUSED_KERNEL_CHOICES[1:]:
         raise ValueError(f"fused_kernels {fused_kernels!r}: pass a resolved choice, one of "
                          f"{list(FUSED_KERNEL_CHOICES[1:])}")
@@ -177,14 +192,14 @@ def get_usp_gpt_layer_spec(
             f"TransformerLayerSubmodules / SelfAttentionSubmodules")
     attn_norms = dict(q_layernorm=norm, k_layernorm=norm) if qk_layernorm else {}
     attn.submodules = dataclasses.replace(
-        attn.submodules, core_attention=usp_core_attention_spec(attention_backend, overlap_chunks,
-                                                                recompute_keep, document_kernel),
+        attn.submodules, core_attention=usp_core_attention_spec(
+            o.attention_backend, o.overlap_chunks, o.recompute_keep, o.document_kernel),
         **attn_norms
     )
     attn.module = USPSelfAttention
     attn.params = dict(attn.params or {}, rope_impl=op_impl(fused_kernels, "rope"))
     mlp = layer.mlp
-    if lean_swiglu:
+    if o.lean_swiglu:
         mlp.submodules = dataclasses.replace(
             mlp.submodules, activation_func=PassThroughActivation,
             linear_fc2=ModuleSpec(module=SwiGLURowParallelLinear,
@@ -193,7 +208,7 @@ def get_usp_gpt_layer_spec(
         mlp.submodules = dataclasses.replace(
             mlp.submodules, activation_func=ModuleSpec(
                 module=SwiGLU, params={"impl": op_impl(fused_kernels, "swiglu")}))
-    if lean_norms:
+    if o.lean_norms:
         normed_linear = ModuleSpec(module=NormColumnParallelLinear,
                                    params={"norm_impl": op_impl(fused_kernels, "rms_norm")})
         attn.submodules = dataclasses.replace(attn.submodules, linear_qkv=normed_linear)
@@ -203,35 +218,26 @@ def get_usp_gpt_layer_spec(
     else:
         spec.submodules = dataclasses.replace(layer, input_layernorm=norm,
                                               pre_mlp_layernorm=norm)
-    if fuse_wgrad:
+    if o.fuse_wgrad:
         attn.submodules = dataclasses.replace(
             attn.submodules, linear_qkv=with_wgrad_fusion(attn.submodules.linear_qkv),
             linear_proj=with_wgrad_fusion(attn.submodules.linear_proj))
         mlp.submodules = dataclasses.replace(
             mlp.submodules, linear_fc1=with_wgrad_fusion(mlp.submodules.linear_fc1),
             linear_fc2=with_wgrad_fusion(mlp.submodules.linear_fc2))
-    if mlp_tile_tokens is not None:
+    if o.mlp_tile_tokens is not None:
         mlp = spec.submodules.mlp
         spec.submodules.mlp = dataclasses.replace(
             mlp, module=tiled_mlp_class(mlp.module),
-            params={**mlp.params, "tile_tokens": mlp_tile_tokens, "tp_group": mlp_tp_group})
+            params={**mlp.params, "tile_tokens": o.mlp_tile_tokens, "tp_group": o.mlp_tp_group})
     return spec
 
 
 def get_usp_gpt_block_spec(
     config,
     pp_rank: int,
-    attention_backend: str = "auto",
+    options: LayerSpecOptions = LayerSpecOptions(),
     vp_stage: Optional[int] = None,
-    overlap_chunks: Optional[int] = None,
-    fused_kernels: str = "torch",
-    lean_norms: bool = False,
-    lean_swiglu: bool = False,
-    mlp_tile_tokens: Optional[int] = None,
-    recompute_keep: Optional[RecomputeKeep] = None,
-    mlp_tp_group=None,
-    document_kernel: str = "auto",
-    fuse_wgrad: bool = False,
 ) -> TransformerBlockSubmodules:
     """Decoder-block spec of one pipeline stage: its layers and the final norm, both USP's.
 
@@ -244,28 +250,20 @@ def get_usp_gpt_block_spec(
         config: the model's ``TransformerConfig``.
         pp_rank: this rank's pipeline-parallel rank (its rank in ``USPGroups.pp``); with
             ``vp_stage`` it decides how many layers this stage builds.
-        attention_backend: as for :func:`get_usp_gpt_layer_spec`.
-        vp_stage: virtual pipeline stage, or None.
-        overlap_chunks, mlp_tile_tokens, recompute_keep, mlp_tp_group, document_kernel,
-            fuse_wgrad: as for :func:`get_usp_gpt_layer_spec`.
-        fused_kernels: as for :func:`get_usp_gpt_layer_spec`; the MLP activation is the fused
+        options: as for :func:`get_usp_gpt_layer_spec`; the MLP activation is the fused
             SwiGLU exactly when ``config.use_te_activation_func`` is set (and not
-            ``lean_swiglu``).
-        lean_norms, lean_swiglu: as for :func:`get_usp_gpt_layer_spec`.
+            ``options.lean_swiglu``).
+        vp_stage: virtual pipeline stage, or None.
     """
-    if lean_swiglu and not config.use_te_activation_func:
+    if options.lean_swiglu and not config.use_te_activation_func:
         raise ValueError("lean_swiglu moves the SwiGLU into FC2: the config must set "
                          "use_te_activation_func so that the MLP calls its (identity) "
                          "activation slot")
-    layer = get_usp_gpt_layer_spec(attention_backend, qk_layernorm=config.qk_layernorm,
+    layer = get_usp_gpt_layer_spec(options, qk_layernorm=config.qk_layernorm,
                                    normalization=config.normalization,
-                                   overlap_chunks=overlap_chunks, fused_kernels=fused_kernels,
-                                   fused_swiglu=config.use_te_activation_func,
-                                   lean_norms=lean_norms, lean_swiglu=lean_swiglu,
-                                   mlp_tile_tokens=mlp_tile_tokens,
-                                   recompute_keep=recompute_keep, mlp_tp_group=mlp_tp_group,
-                                   document_kernel=document_kernel, fuse_wgrad=fuse_wgrad)
+                                   fused_swiglu=config.use_te_activation_func)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=norm_spec(config.normalization,
-                                                           op_impl(fused_kernels, "rms_norm")))
+                                                           op_impl(options.fused_kernels,
+                                                                   "rms_norm")))

@@ -41,6 +41,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron.errors import UsageError
+
 BLOCKS = 10
 """Contiguous blocks of the window for the batch-means standard errors."""
 
@@ -51,7 +53,7 @@ DEFAULT_Z = 3.0
 """Standard errors of the reference pair the band allows beyond the pair's own drift."""
 
 
-class DriftError(ValueError):
+class DriftError(UsageError, ValueError):
     """The curves cannot be judged: too few steps, a bad window, a zero reference loss, or a
     reference pair without noise. ``tools/compare_loss.py`` exits 2."""
 

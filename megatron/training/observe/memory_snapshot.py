@@ -62,15 +62,15 @@ def snapshot_path_for_rank(path: str, rank: int) -> str:
 
 
 class MemoryHistory:
-    """Record allocations from construction; write the snapshot after one iteration."""
+    """Record allocations from construction (``enabled`` and a CUDA ``device``); write the
+    snapshot to ``path`` (``{seq_length}`` replaced, this rank's suffix added) after
+    ``iteration``."""
 
-    def __init__(self, args, rank: int, device: torch.device) -> None:
-        self.enabled = bool(getattr(args, "record_memory_history", False)) and \
-            device.type == "cuda"
-        self.iteration = getattr(args, "memory_snapshot_iteration", 2)
-        path = getattr(args, "memory_snapshot_path", "snapshot.pickle")
-        self.path = snapshot_path_for_rank(path.replace("{seq_length}", str(args.seq_length)),
-                                           rank)
+    def __init__(self, enabled: bool, iteration: int, path: str, seq_length: int, rank: int,
+                 device: torch.device) -> None:
+        self.enabled = enabled and device.type == "cuda"
+        self.iteration = iteration
+        self.path = snapshot_path_for_rank(path.replace("{seq_length}", str(seq_length)), rank)
         self.written: Optional[str] = None
         if self.enabled:
             torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")

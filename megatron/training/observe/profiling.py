@@ -74,12 +74,17 @@ def profile_call(fn: Callable[[], object], device: torch.device, out_dir: str, s
 
 
 class StepProfiler:
-    """Call :meth:`before` and :meth:`after` around every training iteration."""
+    """Call :meth:`before` and :meth:`after` around every training iteration.
 
-    def __init__(self, args, rank: int, device: torch.device) -> None:
-        self.enabled = bool(args.profile) and rank in args.profile_ranks
-        self.start, self.end = args.profile_step_start, args.profile_step_end
-        self.out_dir, self.rank, self.device = args.profile_dir, rank, device
+    Profiles iterations ``start`` to ``end - 1`` (1-based) when ``enabled``, writing the
+    kernel table and the Chrome trace into ``out_dir``.
+    """
+
+    def __init__(self, enabled: bool, start: int, end: int, out_dir: Optional[str], rank: int,
+                 device: torch.device) -> None:
+        self.enabled = enabled
+        self.start, self.end = start, end
+        self.out_dir, self.rank, self.device = out_dir, rank, device
         self._prof = None
         self._t0: Optional[float] = None
         self.written: Optional[str] = None
