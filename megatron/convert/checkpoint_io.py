@@ -21,7 +21,7 @@ import os
 import shlex
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,15 +85,15 @@ class SingleRankModel:
 def _ensure_process_group() -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        raise ValueError("the converter runs on one process; start it without torchrun")
 
 
 @contextmanager
-def single_rank_model(model_flags: List[str], padded_vocab: int,
-                      seq_length: int) -> Iterator[SingleRankModel]:
+def single_rank_model(model_flags: List[str], padded_vocab: int, seq_length: int,
+                      layout_flags: Sequence[str] = ()) -> Iterator[SingleRankModel]:
     """The float32 CPU model of ``model_flags`` with ``padded_vocab`` embedding rows, with
-    parallel groups of one rank for the duration of the ``with`` block."""
+    its parallel groups for the duration of the ``with`` block: one rank, or this rank's
+    part of ``layout_flags`` (``--tensor-model-parallel-size``, ``--ring-degree``, ...) over
+    the existing process group."""
     from megatron.training.cli.arguments import parse_args, validate_args
     from megatron.training.cpu_shims import apply_cpu_shims
     from megatron.training.initialize import set_random_seed
@@ -103,11 +103,13 @@ def single_rank_model(model_flags: List[str], padded_vocab: int,
 
     _ensure_process_group()
     apply_cpu_shims()
+    world = dist.get_world_size()
     args = parse_args(model_flags + SINGLE_RANK_FLAGS + [
-        "--seq-length", str(seq_length), "--vocab-size", str(padded_vocab)])
-    validate_args(args, 1, cuda_available=False)
+        "--seq-length", str(seq_length), "--vocab-size", str(padded_vocab),
+        "--global-batch-size", str(world)] + list(layout_flags))
+    validate_args(args, world, cuda_available=False)
     args.padded_vocab_size = padded_vocab
-    groups = initialize_usp_parallel(ParallelDims.from_args(args, 1))
+    groups = initialize_usp_parallel(ParallelDims.from_args(args, world))
     set_random_seed(args.seed, groups)
     try:
         model = build_gpt_model(args, transformer_config_from_args(args), groups)
@@ -145,6 +147,8 @@ def import_hf(hf_dir: str, out_dir: str,
     padded = padded_vocab_size(model.vocab_size, divisor, 1)
     state = hf_weights.hf_to_megatron(_as_float32(read_hf_weights(hf_dir)), model, padded)
     os.makedirs(out_dir, exist_ok=True)
+    if dist.is_initialized() and dist.get_world_size() != 1:
+        raise ValueError("the import runs on one process; start it without torchrun")
     with single_rank_model(flags, padded, seq_length_for(model)) as built:
         load_into(built.model, state)
         built.args.save = out_dir
@@ -198,17 +202,19 @@ def _source_config(ckpt_dir: str, hf_config_path: Optional[str]) -> Optional[Dic
 
 
 @contextmanager
-def loaded_checkpoint(ckpt_dir: str, iteration: Optional[int] = None
-                      ) -> Iterator[SingleRankModel]:
-    """The TP = 1 model of a checkpoint's recorded arguments, its weights loaded (megatron-core
-    reshards whatever layout the checkpoint was saved under), as :func:`single_rank_model`."""
+def loaded_checkpoint(ckpt_dir: str, iteration: Optional[int] = None,
+                      layout_flags: Sequence[str] = ()) -> Iterator[SingleRankModel]:
+    """The model of a checkpoint's recorded arguments, its weights loaded (megatron-core
+    reshards whatever layout the checkpoint was saved under), as :func:`single_rank_model`
+    (TP = 1 on one rank unless ``layout_flags`` say otherwise)."""
     from megatron.core import dist_checkpointing
 
     _, path = _checkpoint_path(ckpt_dir, iteration)
     saved = _saved_args(path)
     flags = hf_config.model_flags(hf_config.from_args(saved),
                                   saved["make_vocab_size_divisible_by"])
-    with single_rank_model(flags, saved["padded_vocab_size"], saved["seq_length"]) as built:
+    with single_rank_model(flags, saved["padded_vocab_size"], saved["seq_length"],
+                           layout_flags) as built:
         loaded = dist_checkpointing.load({"model": built.model.sharded_state_dict()}, path)
         with torch.no_grad():
             built.model.load_state_dict(loaded["model"])
