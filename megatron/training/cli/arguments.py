@@ -31,6 +31,7 @@ from megatron.training.cli.config import RunConfig
 from megatron.training.cli.document_args import add_document_args, document_flags_problem
 from megatron.training.cli.errors import ArgumentsError
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
+from megatron.training.cli.pretrained_args import add_pretrained_args
 from megatron.training.data.errors import DataConfigError
 from megatron.usp.backend_names import (
     BACKEND_NAMES,
@@ -123,6 +124,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="pad the vocabulary to a multiple of this times TP")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary of --tokenizer-type NullTokenizer (and --mock-data)")
+    add_pretrained_args(g)
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,267 @@
+"""Hugging Face ``config.json`` <-> the model flags of ``pretrain_gpt.py``.
+
+:func:`from_hf_config` reads a config (a dict, as ``config.json`` holds it) of a supported
+decoder (Llama 2 / 3 / 3.1 / 3.2, Qwen2 / 2.5, Qwen3, Mistral, SmolLM2: RMSNorm, SwiGLU, RoPE,
+GQA) into a :class:`PretrainedConfig`; whatever the model here cannot run (another
+architecture, a sliding window, RoPE scaling, a bias the layer spec has no slot for) raises
+``ValueError`` in one line naming the config field. :func:`model_flags` gives the flags that
+build the same model; :func:`to_hf_config` writes the config back for an export.
+
+RoPE is read from ``rope_parameters`` (transformers 5) or from ``rope_theta`` and
+``rope_scaling`` (older configs); only unscaled RoPE is mapped for now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional
+
+from megatron.errors import UsageError
+
+# model_type -> the class transformers builds for it
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+UNSCALED_ROPE = (None, "default")
+MAX_VOCAB_DIVISOR = 128      # Megatron-LM's --make-vocab-size-divisible-by default
+MAX_TP_WITHOUT_PADDING = 8   # the default divisor leaves no padding up to this TP
+
+
+@dataclass(frozen=True)
+class PretrainedConfig:
+    """The shape of a pretrained decoder, in this project's terms.
+
+    Attributes:
+        model_type: ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` (the export writes it back).
+        num_layers, hidden_size, ffn_hidden_size: depth, width, SwiGLU width.
+        num_attention_heads, num_query_groups, kv_channels: query heads, KV heads, head dim.
+        vocab_size: rows of the embedding in the Hugging Face checkpoint (unpadded).
+        max_position_embeddings: the context the model was trained for.
+        rotary_base: RoPE theta (an integer, as ``--rotary-base`` takes it).
+        norm_epsilon: RMSNorm epsilon.
+        tied_embeddings: output layer shares the input embedding.
+        qkv_bias: biases on Q, K and V only (Qwen2).
+        qk_layernorm: RMSNorm over each query / key head before RoPE (Qwen3).
+        extra: config fields an export writes back unchanged (token ids, dtype).
+    """
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    max_position_embeddings: int
+    rotary_base: int
+    norm_epsilon: float
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    extra: Optional[Dict[str, Any]] = None
+
+
+class ConversionError(UsageError, ValueError):
+    """A model or checkpoint the converter cannot take: one line naming the field."""
+
+
+def _refuse(field: str, value, why: str) -> ValueError:
+    return ConversionError(f"{field}={value} {why}")
+
+
+def _check_architecture(cfg: Dict[str, Any]) -> str:
+    model_type = cfg.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise _refuse("model_type", model_type, f"is not supported (supported: "
+                                                f"{', '.join(ARCHITECTURES)})")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse("hidden_act", act, "is not supported (the MLP is SwiGLU: silu)")
+    return model_type
+
+
+def _check_biases(cfg: Dict[str, Any], model_type: str) -> bool:
+    """Whether Q, K and V carry biases; refuses biases the layer spec cannot hold."""
+    if cfg.get("mlp_bias"):
+        raise _refuse("mlp_bias", "true", "is not supported (the MLP has no biases)")
+    if model_type == "qwen2":
+        return True                      # Qwen2's q/k/v projections always have biases
+    if cfg.get("attention_bias"):
+        raise _refuse("attention_bias", "true", "is not supported (a bias on the attention "
+                                                "output projection has no slot here)")
+    return False
+
+
+def _check_full_attention(cfg: Dict[str, Any], model_type: str) -> None:
+    window = cfg.get("sliding_window")
+    windowed = (cfg.get("use_sliding_window", False) if model_type in ("qwen2", "qwen3")
+                else window is not None)
+    if windowed:
+        raise _refuse("sliding_window", window, "is not supported (attention here is full "
+                                                "causal; no window)")
+    kinds = set(cfg.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise _refuse("layer_types", sorted(kinds), "is not supported (full attention only)")
+    factor = cfg.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise _refuse("partial_rotary_factor", factor, "is not supported yet")
+
+
+def rope_theta(cfg: Dict[str, Any]) -> int:
+    """RoPE theta of a config; refuses scaled RoPE naming the field that asks for it."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if "rope_theta" not in params:
+            raise _refuse("rope_parameters", sorted(params), "is not supported (one RoPE "
+                                                             "for every layer only)")
+        field, kind, theta = "rope_parameters.rope_type", params.get("rope_type"), \
+            params["rope_theta"]
+    else:
+        scaling = cfg.get("rope_scaling") or {}
+        field = "rope_scaling.rope_type"
+        kind = scaling.get("rope_type", scaling.get("type"))
+        theta = cfg.get("rope_theta", 10000)
+    if kind not in UNSCALED_ROPE:
+        raise _refuse(field, kind, "is not supported yet")
+    if float(theta) != int(theta):
+        raise _refuse("rope_theta", theta, "is not an integer (--rotary-base takes one)")
+    return int(theta)
+
+
+def from_hf_config(cfg: Dict[str, Any]) -> PretrainedConfig:
+    """The :class:`PretrainedConfig` of a ``config.json`` dict; ValueError naming the field
+    of anything the model here cannot run."""
+    model_type = _check_architecture(cfg)
+    qkv_bias = _check_biases(cfg, model_type)
+    _check_full_attention(cfg, model_type)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    keep = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
+    return PretrainedConfig(
+        model_type=model_type, num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"], ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads, kv_channels=head_dim,
+        vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"],
+        rotary_base=rope_theta(cfg), norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+        qk_layernorm=model_type == "qwen3",
+        extra={k: cfg[k] for k in keep if cfg.get(k) is not None})
+
+
+def vocab_divisor(vocab_size: int) -> int:
+    """The largest power of two up to 128 for ``--make-vocab-size-divisible-by`` that pads
+    ``vocab_size`` at no TP up to 8 (so the checkpoint loads at TP 1, 2, 4 and 8 alike, and
+    the logits have no padded entries)."""
+    divisor = MAX_VOCAB_DIVISOR
+    while divisor > 1 and vocab_size % (divisor * MAX_TP_WITHOUT_PADDING):
+        divisor //= 2
+    return divisor
+
+
+def model_flags(model: PretrainedConfig, vocab_divisible_by: Optional[int] = None) -> List[str]:
+    """The ``pretrain_gpt.py`` flags that build ``model`` (data, layout and training flags
+    are the run's own). ``vocab_divisible_by`` defaults to :func:`vocab_divisor`."""
+    divisor = vocab_divisible_by or vocab_divisor(model.vocab_size)
+    flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+             "--ffn-hidden-size", str(model.ffn_hidden_size),
+             "--num-attention-heads", str(model.num_attention_heads),
+             "--kv-channels", str(model.kv_channels)]
+    if model.num_query_groups != model.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
+    flags += ["--max-position-embeddings", str(model.max_position_embeddings),
+              "--position-embedding-type", "rope", "--rotary-base", str(model.rotary_base),
+              "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon",
+              repr(model.norm_epsilon), "--disable-bias-linear",
+              "--make-vocab-size-divisible-by", str(divisor)]
+    flags += ["--add-qkv-bias"] * model.qkv_bias + ["--qk-layernorm"] * model.qk_layernorm
+    if not model.tied_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    return flags
+
+
+def from_args(args: Dict[str, Any], model_type: Optional[str] = None,
+              extra: Optional[Dict[str, Any]] = None) -> PretrainedConfig:
+    """The :class:`PretrainedConfig` of the arguments a checkpoint recorded (a dict).
+
+    ``model_type`` defaults to what the architecture flags imply (``qwen3`` with
+    ``--qk-layernorm``, ``qwen2`` with ``--add-qkv-bias``, else ``llama``); the vocabulary
+    is the padded one unless ``extra`` holds the import's ``vocab_size``.
+    """
+    _check_exportable(args)
+    qkv_bias, qk_norm = bool(args.get("add_qkv_bias")), bool(args.get("qk_layernorm"))
+    implied = "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+    extra = dict(extra or {})
+    heads = args["num_attention_heads"]
+    model = PretrainedConfig(
+        model_type=model_type or implied, num_layers=args["num_layers"],
+        hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=(args["num_query_groups"] if args.get("group_query_attention")
+                          else heads),
+        kv_channels=args["kv_channels"],
+        vocab_size=extra.pop("vocab_size", args["padded_vocab_size"]),
+        max_position_embeddings=args["max_position_embeddings"],
+        rotary_base=int(args["rotary_base"]), norm_epsilon=float(args["norm_epsilon"]),
+        tied_embeddings=not args.get("untie_embeddings_and_output_weights"),
+        qkv_bias=qkv_bias, qk_layernorm=qk_norm, extra=extra)
+    _check_model_type(model)
+    return model
+
+
+# (flag, value the export needs) for the architecture flags every supported family shares
+_EXPORT_NEEDS = (("position_embedding_type", "rope"), ("swiglu", True),
+                 ("normalization", "RMSNorm"), ("disable_bias_linear", True),
+                 ("rotary_percent", 1.0))
+
+
+def _check_exportable(args: Dict[str, Any]) -> None:
+    for key, needed in _EXPORT_NEEDS:
+        value = args.get(key)
+        if value != needed:
+            flag = "--" + key.replace("_", "-")
+            raise ConversionError(f"{flag} {value}: the checkpoint has no Hugging Face "
+                             f"counterpart (the export needs {flag} {needed})")
+
+
+def _check_model_type(model: PretrainedConfig) -> None:
+    if model.model_type not in ARCHITECTURES:
+        raise _refuse("model_type", model.model_type,
+                      f"is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if model.qkv_bias != (model.model_type == "qwen2"):
+        raise ConversionError(f"model_type={model.model_type} does not match --add-qkv-bias "
+                         f"{model.qkv_bias} (qwen2 has Q/K/V biases, the others none)")
+    if model.qk_layernorm != (model.model_type == "qwen3"):
+        raise ConversionError(f"model_type={model.model_type} does not match --qk-layernorm "
+                         f"{model.qk_layernorm} (qwen3 has q/k norms, the others none)")
+
+
+def to_hf_config(model: PretrainedConfig) -> Dict[str, Any]:
+    """A ``config.json`` dict that transformers builds ``model`` from."""
+    cfg = {
+        "architectures": [ARCHITECTURES[model.model_type]], "model_type": model.model_type,
+        "num_hidden_layers": model.num_layers, "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups, "head_dim": model.kv_channels,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_epsilon, "hidden_act": "silu",
+        "tie_word_embeddings": model.tied_embeddings,
+        "rope_theta": float(model.rotary_base), "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(model.rotary_base)},
+        "attention_dropout": 0.0, "use_cache": True,
+    }
+    if model.model_type in ("llama", "qwen3"):
+        cfg.update(attention_bias=False)
+    if model.model_type == "llama":
+        cfg.update(mlp_bias=False)
+    if model.model_type in ("mistral", "qwen2", "qwen3"):
+        cfg.update(sliding_window=None, use_sliding_window=False)
+    cfg.update(model.extra or {})
+    return cfg
+
+
+def with_vocab(model: PretrainedConfig, vocab_size: int) -> PretrainedConfig:
+    """``model`` with another (unpadded) vocabulary size."""
+    return replace(model, vocab_size=vocab_size)
