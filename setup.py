@@ -12,7 +12,7 @@ setup(
     version="0.1.0",
     description="Megatron-style GPT pretraining with Unified Sequence Parallelism (Ulysses x Ring)",
     python_requires=">=3.10",
-    packages=find_namespace_packages(include=["megatron.shapes*", "megatron.usp*",
+    packages=find_namespace_packages(include=["megatron.errors*", "megatron.shapes*", "megatron.usp*",
                                                "megatron.layers*", "megatron.memory*",
                                                "megatron.planner*", "megatron.training*",
                                                "megatron.convert*", "megatron.bench*"]),

@@ -66,6 +66,13 @@ def training_flops(shape: ModelShape, tokens: int, attention_pairs: float) -> fl
                   + attention_pairs * attention_flops_per_pair(shape))
 
 
+def document_pairs(lengths) -> float:
+    """Attention pairs of causal documents of the given lengths: ``n^2/2`` each (the dense
+    convention of :func:`causal_pairs`, so one document spanning the sequence counts the
+    same as a dense sequence)."""
+    return float(sum(n * n for n in lengths)) / 2
+
+
 def dense_training_flops(shape: ModelShape, seq_len: int, sequences: int,
                          causal: bool = True) -> float:
     """:func:`training_flops` of ``sequences`` dense sequences of ``seq_len`` tokens."""

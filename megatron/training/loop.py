@@ -342,19 +342,25 @@ def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
 # --------------------------------------------------------------------------- one step
 def reduce_lm_loss(losses: List[Dict[str, torch.Tensor]], groups: USPGroups,
                    device: torch.device) -> torch.Tensor:
-    """[loss sum, loss tokens] over micro-batches and DP x CP, on every rank.
+    """[loss sum, loss tokens, attention pairs] over micro-batches and DP x CP, on every rank.
 
     Only the last pipeline stage holds losses; it all-reduces over its DP x CP group and
-    broadcasts the pair to the other stages of its pipeline.
+    broadcasts the result to the other stages of its pipeline. The pairs (what the
+    micro-batches' core attention computes, :func:`megatron.training.data.batch.attention_pairs`)
+    ride in the same float32 all-reduce; every rank of a CP group reports its micro-batch's,
+    so they are divided by CP here (0 where no report carries them).
     """
-    total = torch.zeros(2, dtype=torch.float32, device=device)
+    total = torch.zeros(3, dtype=torch.float32, device=device)
     for report in losses:
-        total += report["lm loss"].to(device=device, dtype=torch.float32)
+        total[:2] += report["lm loss"].to(device=device, dtype=torch.float32)
+        if "attention pairs" in report:
+            total[2:] += report["attention pairs"].to(device=device, dtype=torch.float32)
     dist.all_reduce(total, group=groups.dp_cp)
     pp_size = dist.get_world_size(groups.pp)
     if pp_size > 1:
         last = dist.get_global_rank(groups.pp, pp_size - 1)
         dist.broadcast(total, src=last, group=groups.pp)
+    total[2:] /= groups.dims.cp
     return total
 
 
@@ -378,27 +384,29 @@ def forward_backward(config: RunConfig, step_fn: Callable, data_iterator, model,
 
 def train_step(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator, model,
                optimizer, iteration: int):
-    """One optimizer step; returns (lm loss, grad norm or None, skipped)."""
+    """One optimizer step; returns (lm loss, grad norm or None, skipped, attention pairs of
+    the global batch, 0.0 where not reported)."""
     args = config.args
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = forward_backward(config, step_fn, data_iterator, model, forward_only=False)
     total = reduce_lm_loss(losses, rt.groups, rt.device)
-    updated, loss, grad_norm = guarded_optimizer_step(optimizer, model, total, rt.device)
+    updated, loss, grad_norm = guarded_optimizer_step(optimizer, model, total[:2], rt.device)
+    pairs = float(total[2].item())      # the step has synchronised for the loss already
     if not math.isfinite(loss):
         if not args.skip_nan_steps:
             raise NonFiniteLossError(
                 f"iteration {iteration}: lm loss is {loss}; stopping before the optimizer "
                 f"step (lower --lr, check the data, or pass --skip-nan-steps to skip such "
                 f"steps)")
-        return loss, None, True
+        return loss, None, True, pairs
     if not math.isfinite(grad_norm):
         if not args.skip_nan_steps:
             raise NonFiniteLossError(nonfinite_grad_message(iteration, grad_norm, loss,
                                                             args.clip_grad))
-        return loss, grad_norm, True
-    return loss, grad_norm, not updated
+        return loss, grad_norm, True, pairs
+    return loss, grad_norm, not updated, pairs
 
 
 def _has_loss_scaler(optimizer) -> bool:
@@ -492,7 +500,7 @@ def evaluate(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator, m
     with torch.no_grad():
         for _ in range(args.eval_iters):
             losses = forward_backward(config, step_fn, data_iterator, model, forward_only=True)
-            total += reduce_lm_loss(losses, rt.groups, rt.device)
+            total += reduce_lm_loss(losses, rt.groups, rt.device)[:2]
     for chunk in model:
         chunk.train()
     return (total[0] / total[1]).item()
@@ -578,8 +586,8 @@ class _Loop:
         it = st.iteration + 1
         self.profiler.before(it)
         t0 = time.perf_counter()
-        loss, grad_norm, skipped = train_step(config, self.rt, self.step_fn, train_iter,
-                                              self.model, self.optimizer, it)
+        loss, grad_norm, skipped, pairs = train_step(config, self.rt, self.step_fn, train_iter,
+                                                     self.model, self.optimizer, it)
         step_time = time.perf_counter() - t0
         if self.profiler.after(it):
             print(f"rank {self.rt.rank}: profile of iterations {self.profiler.start}-"
@@ -605,7 +613,7 @@ class _Loop:
             iteration=it, consumed_samples=st.consumed_train_samples, lm_loss=loss,
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
             step_time_s=step_time, skipped=skipped, mem_gib=mem,
-            host_mem_gib=peak_host_memory_gib()), max_mem)
+            host_mem_gib=peak_host_memory_gib(), attention_pairs=pairs or None), max_mem)
 
     def _validate(self, valid_iter) -> None:
         config = self.config

@@ -97,3 +97,40 @@ def test_document_layouts_agree_on_validation(document_runs, group):
     series = [tool.load_series(os.path.join(document_runs, f"{name}.jsonl"), kind="valid",
                                label=name) for name in group]
     assert tool.compare(series).max_divergence()[0] <= TOLERANCE
+
+
+def _records(path):
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _flops_per_iteration(records):
+    """Each train record's FLOPs (TFLOP/s per GPU x step time x GPUs) and its count label."""
+    world = next(r for r in records if r["kind"] == "run")["world_size"]
+    return [(r["tflops_per_gpu"] * 1e12 * r["step_time_s"] * world, r["flops_count"])
+            for r in records if r["kind"] == "train"]
+
+
+def test_every_layout_counts_the_documents_work(document_runs):
+    """MFU counts the pairs the documents compute (fewer than dense), the same on every
+    layout: DP ranks add their micro-batches, CP ranks share theirs, PP's last stage reports."""
+    from megatron.shapes import ModelShape, dense_training_flops
+
+    records = {name: _records(os.path.join(document_runs, f"{name}.jsonl")) for name in LAYOUTS}
+    reference = _flops_per_iteration(records["dp4"])
+    for name, recs in records.items():
+        flops = _flops_per_iteration(recs)
+        assert [label for _, label in flops] == ["documents"] * STEPS, name
+        for (got, _), (want, _) in zip(flops, reference):
+            assert abs(got - want) <= 1e-5 * want, (name, got, want)
+    a = next(r for r in records["dp4"] if r["kind"] == "run")["args"]
+    shape = ModelShape(num_layers=a["num_layers"], hidden_size=a["hidden_size"],
+                       num_attention_heads=a["num_attention_heads"],
+                       num_query_groups=a["num_query_groups"],
+                       ffn_hidden_size=a["ffn_hidden_size"], vocab_size=a["padded_vocab_size"],
+                       kv_channels=a["kv_channels"], swiglu=a["swiglu"])
+    dense = dense_training_flops(shape, a["seq_length"], a["global_batch_size"])
+    assert all(f < dense for f, _ in reference), (reference[:3], dense)
+    assert len({round(f) for f, _ in reference}) > 1      # it follows each batch's documents

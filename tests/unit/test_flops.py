@@ -178,3 +178,28 @@ def test_memory_report_names_host_memory_now_and_at_peak():
     now, peak = map(float, re.fullmatch(r"host (\S+) GiB resident \(peak (\S+)\)", line).groups())
     assert 0 < now <= peak + 0.05
     del block
+
+
+def test_attention_pairs_count_each_document():
+    """Documents of 3, 5 and 1 tokens and one of 9: (9 + 25 + 1)/2 + 81/2 pairs."""
+    import torch
+
+    from megatron.training.data.batch import attention_pairs
+
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2], [0] * 9], dtype=torch.int32)
+    full = {"tokens": torch.zeros(2, 9, dtype=torch.int64), "segment_ids": seg}
+    assert attention_pairs(full, documents=True) == (9 + 25 + 1) / 2 + 81 / 2
+    assert attention_pairs(full, documents=False) == 2 * 81 / 2      # dense: S^2/2 each
+
+
+def test_throughput_counts_the_pairs_it_is_given():
+    from megatron.shapes import ModelShape, training_flops
+    from megatron.training.observe.metrics import Throughput
+
+    shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128)
+    tp = Throughput(shape, 1024, 2, world_size=1, peak_tflops=1.0)
+    dense, docs = tp.of(1.0), tp.of(1.0, attention_pairs=1000.0)
+    assert dense["flops_count"] == "dense causal" and docs["flops_count"] == "documents"
+    assert dense["tflops_per_gpu"] == training_flops(shape, 2048, 1024 * 1024) / 1e12
+    assert docs["tflops_per_gpu"] == training_flops(shape, 2048, 1000.0) / 1e12
+    assert docs["mfu"] < dense["mfu"]

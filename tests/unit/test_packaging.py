@@ -45,3 +45,18 @@ def test_non_editable_install_imports_beside_megatron_core(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert str(target) in out.stdout
+
+
+def test_every_package_of_ours_is_installed():
+    """Each folder under megatron/ is a package that setup.py ships (a missing one imports
+    from the source tree's root and nowhere else)."""
+    import re
+
+    ours = sorted(p.name for p in (REPO / "megatron").iterdir()
+                  if p.is_dir() and any(p.glob("*.py")))
+    shipped = re.findall(r'"megatron\.(\w+)\*"', (REPO / "setup.py").read_text())
+    assert sorted(shipped) == ours
+    code = "import " + ", ".join(f"megatron.{name}" for name in ours)
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr

@@ -24,7 +24,9 @@ documents (either reset flag) every pipeline stage reads the batch: the middle s
 positions for RoPE and the plan for attention.
 
 The loss function returns megatron-core's three-value form ``(loss_sum, num_tokens,
-{"lm loss": [loss_sum, num_tokens]})`` with ``calculate_per_token_loss=True``: the schedule
+{"lm loss": [loss_sum, num_tokens], "attention pairs": [P]})``, ``P`` the (query, key) pairs
+the micro-batch's core attention computes (:func:`attention_pairs`: the sum of ``n^2/2`` over
+its documents, ``S^2/2`` per dense sequence), for the MFU of the work done with ``calculate_per_token_loss=True``: the schedule
 back-propagates the *sum* over this rank's loss tokens and adds up the token counts; the
 optimizer step divides the gradients by the global count (``training.guarded_optimizer_step``,
 in place of ``finalize_model_grads``), and the training loop divides the summed losses the
@@ -40,6 +42,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from megatron.shapes import causal_pairs, document_pairs
 from megatron.training.data.config import DataConfigError
 from megatron.usp.document_kernels import pinned_to_device
 from megatron.usp.token_order import shard_for_cp_rank
@@ -112,22 +115,39 @@ def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tens
     out = {key: (pinned_to_device(local[key], device=ctx.device) if local.get(key) is not None
                  else None) for key in SEQUENCE_KEYS}
     out["packed_seq_params"] = _document_params(full, ctx)
+    out["attention_pairs"] = attention_pairs(full, ctx.documents)
     return out
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def attention_pairs(full: Dict[str, torch.Tensor], documents: bool) -> float:
+    """Causal (query, key) pairs of a full micro-batch [b, S]: ``n^2/2`` per document with
+    documents (``segment_ids``), else ``S^2/2`` per sequence (the FLOP count's convention,
+    :mod:`megatron.shapes.flops`)."""
+    b, s = full["tokens"].shape
+    seg = full.get("segment_ids") if documents else None
+    if seg is None:
+        return causal_pairs(s, b)
+    return sum(document_pairs(torch.unique_consecutive(row, return_counts=True)[1].tolist())
+               for row in seg)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor,
+              attention_pairs: Optional[float] = None):
     """Per-token losses [b, s/CP] -> (sum over loss tokens, token count, report).
 
     Returns megatron-core's three-value loss form (see the module docstring). The report
     ``[loss_sum, num_tokens]`` is float32 and detached; it is summed over micro-batches and
-    all-reduced over DP x CP by the training loop.
+    all-reduced over DP x CP by the training loop, as are the micro-batch's
+    ``attention_pairs`` when given (float64: exact to 2^53 pairs).
     """
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
-    return loss_sum, num_tokens, {"lm loss": report}
+    report = {"lm loss": torch.stack([loss_sum.detach(), mask.sum().detach()])}
+    if attention_pairs is not None:
+        report["attention pairs"] = torch.tensor([attention_pairs], dtype=torch.float64)
+    return loss_sum, num_tokens, report
 
 
 def forward_step(ctx: BatchContext, data_iterator, model) -> Tuple[torch.Tensor, Callable]:
@@ -141,4 +161,5 @@ def forward_step(ctx: BatchContext, data_iterator, model) -> Tuple[torch.Tensor,
     # function below weighs the per-token losses by exactly this mask); GPTModel ignores it.
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=batch["packed_seq_params"], loss_mask=batch["loss_mask"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"],
+                           attention_pairs=batch.get("attention_pairs"))

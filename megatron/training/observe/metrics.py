@@ -39,7 +39,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron.shapes import ModelShape, dense_training_flops
+from megatron.shapes import ModelShape, causal_pairs, training_flops
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -107,27 +107,39 @@ class StepStats:
     skipped: bool
     mem_gib: float
     host_mem_gib: Optional[float] = None
+    attention_pairs: Optional[float] = None   # computed by core attention; None: not reported
 
 
 class Throughput:
     """Rates of a step from its wall time: tokens/s of the whole job and per device,
-    model TFLOP/s per device (:func:`megatron.shapes.dense_training_flops` of
-    ``global_batch_size`` causal sequences of ``seq_length``), MFU (None without a peak)."""
+    model TFLOP/s per device and MFU (None without a peak).
+
+    The FLOPs are :func:`megatron.shapes.training_flops` of the step's tokens and of the
+    attention pairs its core attention computed: the pairs the batches reported (packed
+    documents: the sum of ``n^2/2`` over their documents), else ``S^2/2`` per sequence of a
+    dense causal batch. ``count`` in every record says which: ``"documents"`` or
+    ``"dense causal"``.
+    """
 
     def __init__(self, shape: ModelShape, seq_length: int, global_batch_size: int,
                  world_size: int, peak_tflops: Optional[float]) -> None:
+        self.shape = shape
         self.tokens_per_iter = global_batch_size * seq_length
-        self.flops_per_iter = dense_training_flops(shape, seq_length, global_batch_size)
+        self.dense_pairs = causal_pairs(seq_length, global_batch_size)
         self.world_size = world_size
         self.peak_tflops = peak_tflops
 
-    def of(self, step_time_s: float) -> Dict[str, Optional[float]]:
+    def of(self, step_time_s: float, attention_pairs: Optional[float] = None
+           ) -> Dict[str, Optional[float]]:
         t = max(step_time_s, 1e-9)
-        tflops = self.flops_per_iter / t / self.world_size / 1e12
+        pairs = attention_pairs if attention_pairs else self.dense_pairs
+        flops = training_flops(self.shape, self.tokens_per_iter, pairs)
+        tflops = flops / t / self.world_size / 1e12
         mfu = tflops / self.peak_tflops if self.peak_tflops else None
         tokens_per_s = self.tokens_per_iter / t
         return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / self.world_size,
-                "tflops_per_gpu": tflops, "mfu": mfu}
+                "tflops_per_gpu": tflops, "mfu": mfu,
+                "flops_count": "documents" if attention_pairs else "dense causal"}
 
 
 def _fmt_mfu(mfu: Optional[float]) -> str:
@@ -172,7 +184,7 @@ class MetricsWriter:
         """Record one iteration; print the interval's averages every ``log_interval``."""
         if not self.enabled:
             return
-        rates = self.throughput.of(st.step_time_s)
+        rates = self.throughput.of(st.step_time_s, st.attention_pairs)
         self._record({"kind": "train", "iteration": st.iteration,
                       "consumed_samples": st.consumed_samples, "lm_loss": st.lm_loss,
                       "grad_norm": st.grad_norm, "lr": st.lr, "step_time_s": st.step_time_s,
@@ -190,14 +202,16 @@ class MetricsWriter:
         loss = sum(s.lm_loss for s in done) / len(done) if done else float("nan")
         norms = [s.grad_norm for s in done if s.grad_norm is not None]
         step_time = sum(s.step_time_s for s in win) / len(win)
-        rates = self.throughput.of(step_time)
+        reported = [s.attention_pairs for s in win if s.attention_pairs]
+        pairs = sum(reported) / len(reported) if len(reported) == len(win) else None
+        rates = self.throughput.of(step_time, pairs)
         line = (
             f" iteration {last.iteration:8d}/{self.train_iters:8d} |"
             f" consumed samples: {last.consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {1000 * step_time:.1f} |"
             f" tokens/s: {rates['tokens_per_s']:.1f} (per GPU {rates['tokens_per_s_per_gpu']:.1f}) |"
             f" throughput per GPU (TFLOP/s/GPU): {rates['tflops_per_gpu']:.2f} |"
-            f" MFU: {_fmt_mfu(rates['mfu'])} |"
+            f" MFU: {_fmt_mfu(rates['mfu'])} ({rates['flops_count']}) |"
             f" learning rate: {last.lr:.6E} |"
             # Means over the interval's applied steps (Megatron-LM's convention), labelled so:
             # the metrics file and tools/compare_loss.py use each iteration's own value.
