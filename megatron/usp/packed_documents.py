@@ -25,8 +25,12 @@ run of equal-length documents goes to whichever kind costs less, and consecutive
 runs share one call. cuDNN wins on long documents and long runs of equal ones, the varlen op
 on many short mixed ones. cuDNN also builds an execution plan for every new shape (a length
 and a count), which costs more than the attention of a document it saves on: a shape goes to
-cuDNN only once it has recurred (fixed-length data at once, a random length after it has
-come back a few times), so packed documents of random lengths never pay a build per step.
+cuDNN only once it has recurred (fixed-length data at once), and a causal document of any
+length runs as a call of its length rounded up to one of a few shapes
+(:func:`padded_length`), reading the tokens after it as extra rows whose results are dropped
+(its own rows never see later keys) and whose output gradients are zero (so they add nothing
+to its keys' gradients). Packed documents of random lengths thus reach cuDNN's rate after a
+few steps, with no plan built per step.
 
 The plan (:class:`PackedPlan`: segments and the varlen calls' cumulative lengths, copied to the
 device from pinned memory without blocking) is built once per micro-batch and reused by every
@@ -60,15 +64,27 @@ BATCHED, VARLEN = "batched", "varlen"
 # --------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
 class Segment:
-    """``lengths`` consecutive documents from token ``start`` of one sample, one kernel call."""
+    """``lengths`` consecutive documents from token ``start`` of one sample, one kernel call.
+
+    ``span``: a batched call of one causal document may read ``span`` > its length tokens
+    (its length rounded up to a shape the kernel has already built, :func:`padded_length`);
+    the rows past the document are computed and dropped, and their output gradients are
+    zero, so they change nothing of the document's (causal: its rows never see later keys).
+    """
 
     kind: str
     start: int
     lengths: Tuple[int, ...]
+    span: int = 0
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
+
+    @property
+    def call_len(self) -> int:
+        """Tokens per document the call computes (batched kinds)."""
+        return max(self.span, self.lengths[0])
 
     @property
     def end(self) -> int:
@@ -133,20 +149,46 @@ def equal_runs(lengths: Sequence[int]) -> List[Tuple[int, int]]:
     return runs
 
 
-def choose_segments(lengths: Sequence[int], costs: "KernelCosts") -> List[Segment]:
+def padded_length(n: int) -> int:
+    """A document length rounded up to one of few call shapes: multiples of 128 tokens to
+    1K, of 256 to 4K, of 1K to 16K, of 4K beyond (about 40 shapes up to 64K)."""
+    for limit, step in ((1024, 128), (4096, 256), (16384, 1024)):
+        if n <= limit:
+            return -(-n // step) * step
+    return -(-n // 4096) * 4096
+
+
+def _batched_choice(n: int, count: int, start: int, seq_len: int, causal: bool,
+                    costs: "KernelCosts") -> Tuple[float, int]:
+    """(cost, span) of the best batched call for a run: exact, or one causal document padded
+    to a recurring shape when it fits before the sample's end."""
+    exact = costs.batched(n, count)
+    if count > 1 or not (causal and costs.padding):
+        return exact, 0
+    span = costs.padded_length(n)
+    if span == n or start + span > seq_len:
+        return exact, 0
+    padded = costs.batched(span, 1)
+    return (padded, span) if padded < exact else (exact, 0)
+
+
+def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool = True
+                    ) -> List[Segment]:
     """Cut one sample's documents into segments by cost (module docstring)."""
-    labelled: List[Tuple[str, int, int]] = []
+    labelled: List[Tuple[str, int, int, int]] = []
+    seq_len, start = sum(lengths), 0
     for n, count in equal_runs(lengths):
-        batched = costs.batched(n, count)
+        batched, span = _batched_choice(n, count, start, seq_len, causal, costs)
         varlen = costs.varlen(n) * count if costs.has_varlen else math.inf
         kind = VARLEN if varlen < batched else BATCHED
-        costs.sighted(n, count, built=kind == BATCHED)
-        labelled.append((kind, n, count))
+        costs.sighted(span or n, count, built=kind == BATCHED)
+        labelled.append((kind, n, count, span))
+        start += n * count
     segments: List[Segment] = []
     start = 0
-    for kind, n, count in labelled:
+    for kind, n, count, span in labelled:
         if kind == BATCHED:
-            segments.append(Segment(BATCHED, start, (n,) * count))
+            segments.append(Segment(BATCHED, start, (n,) * count, span))
             start += n * count
             continue
         for _ in range(count):          # varlen: consecutive documents share a call
@@ -163,7 +205,7 @@ def choose_segments(lengths: Sequence[int], costs: "KernelCosts") -> List[Segmen
 def build_packed_plan(lengths: Sequence[Sequence[int]], causal: bool, costs: "KernelCosts",
                       device=None) -> PackedPlan:
     """The :class:`PackedPlan` of per-sample document lengths (each sample's sum is S)."""
-    rows = tuple(tuple(choose_segments(row, costs)) for row in lengths)
+    rows = tuple(tuple(choose_segments(row, costs, causal)) for row in lengths)
     seq_len = sum(lengths[0]) if lengths else 0
     plan = PackedPlan(len(rows), seq_len, causal, rows)
     for i, row in enumerate(rows):
@@ -189,12 +231,14 @@ class KernelCosts:
     shapes every micro-batch, so a shape pays for its build only once it has been seen
     ``reuse_before_build`` times (:meth:`sighted`): a recurring length (fixed-length data,
     long runs) moves to the batched kind, a length seen once stays in the varlen call.
+    ``padding``: a causal document may run batched at its :func:`padded_length`, a shape
+    that recurs whatever the lengths (on CUDA, where plans are built per shape).
     """
 
     def __init__(self, lengths: Sequence[int], batched_one: Sequence[float],
                  batched_many: Sequence[float], varlen_per_doc: Sequence[float],
                  has_varlen: bool, max_varlen_tokens: float = math.inf, build_s: float = 0.0,
-                 reuse_before_build: int = 3) -> None:
+                 reuse_before_build: int = 3, padding: bool = False) -> None:
         self.lengths = [float(n) for n in lengths]
         self._one = list(batched_one)
         self._many = list(batched_many)
@@ -203,7 +247,12 @@ class KernelCosts:
         self.max_varlen_tokens = max_varlen_tokens
         self.build_s = build_s
         self.reuse_before_build = reuse_before_build
+        self.padding = padding
         self._sightings: Dict[Tuple[int, int], int] = {}
+
+    def padded_length(self, n: int) -> int:
+        """The call shape a padded document of ``n`` tokens runs at."""
+        return padded_length(n)
 
     def sighted(self, n: int, count: int, built: bool) -> None:
         """Record a run of ``count`` documents of ``n`` tokens (``built``: it ran batched, so
@@ -304,7 +353,8 @@ def measure_costs(kernel: AttentionKernel, device, dtype, hq: int, hk: int, d: i
             var.append(math.inf)
         del x
     return KernelCosts(CALIBRATION_LENGTHS, one, many, var, has_varlen,
-                       build_s=_build_cost_s(kernel, device, dtype, hq, hk, d, causal, scale))
+                       build_s=_build_cost_s(kernel, device, dtype, hq, hk, d, causal, scale),
+                       padding=causal)
 
 
 def _build_cost_s(kernel, device, dtype, hq, hk, d, causal, scale) -> float:
@@ -414,10 +464,10 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: At
             a, e = seg.start, seg.end
             qs, ks, vs = q[a:e, i], k[a:e, i], v[a:e, i]          # [T, h(k), d] views
             if seg.kind == BATCHED:
-                n, length = len(seg.lengths), seg.lengths[0]
-                o, lse = kernel.forward(_docs_view(qs, n, length), _docs_view(ks, n, length),
-                                        _docs_view(vs, n, length), plan.causal, scale)
-                _docs_view(out[a:e, i], n, length).copy_(o)
+                n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
+                q_c, k_c, v_c = (_docs_view(x[a:a + n * call, i], n, call) for x in (q, k, v))
+                o, lse = kernel.forward(q_c, k_c, v_c, plan.causal, scale)
+                _docs_view(out[a:e, i], n, length).copy_(o[:, :, :length])
             elif _use_flash(q):
                 o, lse = _varlen_forward(qs, ks, vs, plan.cu[(i, a)], max(seg.lengths),
                                          plan.causal, scale)
@@ -443,11 +493,8 @@ def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             parts = [x[a:e, i] for x in (dout, q, k, v, out)]
             lse = next(lse_iter)
             if seg.kind == BATCHED:
-                n, length = len(seg.lengths), seg.lengths[0]
-                grads = kernel.backward(*(_docs_view(x, n, length) for x in parts), lse,
-                                        plan.causal, scale)
-                for dst, g in zip((dq, dk, dv), grads):
-                    _docs_view(dst[a:e, i], n, length).copy_(g)
+                _batched_backward(seg, i, (dout, q, k, v, out), lse, (dq, dk, dv), plan,
+                                  kernel, scale)
                 continue
             if _use_flash(q):
                 grads = _varlen_backward(*parts, lse, plan.cu[(i, a)], max(seg.lengths),
@@ -457,6 +504,21 @@ def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             for dst, g in zip((dq, dk, dv), grads):
                 dst[a:e, i].copy_(g)
     return dq, dk, dv
+
+
+def _batched_backward(seg: Segment, i: int, xs, lse: Tensor, grads_out, plan: PackedPlan,
+                      kernel: AttentionKernel, scale: float) -> None:
+    """A batched segment's gradients into ``grads_out`` (dq, dk, dv); a padded call's extra
+    rows get a zero output gradient, so they add nothing to the document's keys."""
+    n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
+    a = seg.start
+    dout, q, k, v, out = (x[a:a + n * call, i] for x in xs)
+    if call > length:
+        dout = torch.cat([dout[:length], dout.new_zeros((call - length,) + dout.shape[1:])])
+    grads = kernel.backward(*(_docs_view(x, n, call) for x in (dout, q, k, v, out)), lse,
+                            plan.causal, scale)
+    for dst, g in zip(grads_out, grads):
+        _docs_view(dst[a:seg.end, i], n, length).copy_(g[:, :, :length])
 
 
 class PackedDocumentAttention(torch.autograd.Function):

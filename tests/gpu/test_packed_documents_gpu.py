@@ -2,7 +2,8 @@
 
 The in-place path runs forward and backward on megatron's [s, b, h, d] tensors with each plan
 kind forced (every document batched through cuDNN views; every run of mixed documents through
-the flash varlen op) and with the measured costs, for equal documents, a lognormal mix, one
+the flash varlen op; every document that fits padded to its call shape) and with the measured
+costs, for equal documents, a lognormal mix, one
 document, 1-token documents among random ones and uniform 1..4K lengths, batch 1 and 2, GQA and
 MQA. Reference: the exact ``math`` document kernel in float64 on the same (bf16-rounded)
 inputs. Bound: relative L2 error of out, dq, dk, dv below 2e-2, and each path within 1.5x the
@@ -58,6 +59,7 @@ def test_packed_documents_on_gpu(mix, batch, kv_heads):
     from megatron.usp.packed_documents import (
         _ALWAYS_BATCHED,
         _ALWAYS_VARLEN,
+        KernelCosts,
         build_packed_plan,
         costs_for,
         documents_in_order,
@@ -89,7 +91,10 @@ def test_packed_documents_on_gpu(mix, batch, kv_heads):
     local = get_kernel("auto")
     copies = [_rel(g, r) for g, r in zip(run_block(TileDocumentKernel(local, False),
                                                    dout, q, k, v), ref)]
-    plans = {"batched": _ALWAYS_BATCHED, "varlen": _ALWAYS_VARLEN,
+    padded = KernelCosts([1, 2], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], has_varlen=False,
+                         padding=True)
+    padded.batched = lambda n, count: 1.0 / n       # every document that fits is padded
+    plans = {"batched": _ALWAYS_BATCHED, "varlen": _ALWAYS_VARLEN, "padded": padded,
              "measured": costs_for(local, q, k, True)}
     for name, costs in plans.items():
         plan = build_packed_plan(lengths, True, costs, "cuda")

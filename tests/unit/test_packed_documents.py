@@ -29,6 +29,7 @@ from megatron.usp.packed_documents import (
     cpu_costs,
     documents_in_order,
     equal_runs,
+    padded_length,
 )
 
 TOL = dict(atol=1e-10, rtol=1e-10)
@@ -66,7 +67,21 @@ def _inputs(seed, s, b, h, hk, d):
             for n in (h, hk, hk)]
 
 
-@pytest.mark.parametrize("costs", ["batched", "varlen", "cpu"])
+class _PreferPadded(KernelCosts):
+    """Batched calls only, longer calls cheaper: every causal document that can be padded is."""
+
+    def __init__(self):
+        super().__init__([1, 2], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], has_varlen=False,
+                         padding=True)
+
+    def batched(self, n, count):
+        return 1.0 / n
+
+    def padded_length(self, n):               # tiny shapes: multiples of 4 tokens
+        return -(-n // 4) * 4
+
+
+@pytest.mark.parametrize("costs", ["batched", "varlen", "cpu", "padded"])
 @pytest.mark.parametrize("seed", range(6))
 def test_packed_matches_per_document_oracle(seed, costs):
     rng = np.random.default_rng(seed)
@@ -78,7 +93,10 @@ def test_packed_matches_per_document_oracle(seed, costs):
         lengths[0] = [1] * 6 + [6] * 3                   # 1-token documents, an equal run
     plan = build_packed_plan(lengths, causal, {"batched": _ALWAYS_BATCHED,
                                                "varlen": _ALWAYS_VARLEN,
-                                               "cpu": cpu_costs()}[costs])
+                                               "cpu": cpu_costs(),
+                                               "padded": _PreferPadded()}[costs])
+    if costs == "padded" and causal:
+        assert any(seg.span for row in plan.segments for seg in row)
     q, k, v = _inputs(seed, s, b, h, hk, d)
     scale = 1 / math.sqrt(d)
     out = PackedDocumentAttention.apply(q, k, v, plan, get_kernel("torch"), scale)
@@ -89,6 +107,22 @@ def test_packed_matches_per_document_oracle(seed, costs):
     torch.testing.assert_close(out, want, **TOL)
     for got, ref in zip(grads, want_grads):
         torch.testing.assert_close(got, ref, **TOL)
+
+
+def test_padded_lengths_are_few_and_not_shorter():
+    shapes = {padded_length(n) for n in range(1, 65537)}
+    assert len(shapes) < 64
+    assert all(padded_length(n) >= n for n in (1, 127, 128, 129, 1000, 4097, 20000, 65536))
+    assert padded_length(129) == 256 and padded_length(1025) == 1280
+
+
+def test_padding_only_for_causal_documents_that_fit():
+    costs = KernelCosts([64, 128, 256], [1.0, 1.0, 1.0], [1.0] * 3, [9.0] * 3, has_varlen=True,
+                        padding=True)
+    costs.batched = lambda n, count: 1.0 / n           # a longer call is cheaper here
+    segs = choose_segments([100, 30, 50], costs)        # 100 -> 128 fits, 50 -> 128 does not
+    assert [(s.start, s.span) for s in segs] == [(0, 128), (100, 0), (130, 0)]
+    assert all(s.span == 0 for s in choose_segments([100, 30, 50], costs, causal=False))
 
 
 def test_equal_runs():
