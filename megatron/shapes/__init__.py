@@ -12,6 +12,7 @@ Standard library only: nothing here imports torch or another package of this pro
 from megatron.shapes.flops import (
     causal_pairs,
     dense_training_flops,
+    document_pairs,
     full_pairs,
     training_flops,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "causal_pairs",
     "default_ffn_hidden_size",
     "dense_training_flops",
+    "document_pairs",
     "full_pairs",
     "get_preset",
     "padded_vocab_size",
