@@ -10,6 +10,12 @@ The longest sequence that trains (full recompute, doubling from 128K)::
     python tools/bench_e2e.py --find-max-seq --start-seq 128k --splits 1x2 --iters 2 \\
         --warmup 1 --out docs/perf/max_seq.json --markdown docs/perf/max_seq.md
 
+Packed documents of 2K tokens (useful FLOPs, a document ceiling, the Liger peer on the same
+sequences)::
+
+    python tools/bench_e2e.py --docs fixed:2k --seq-lens 32k --splits 1x1 --nproc-per-node 1 \
+        --peers hf-liger --ceiling on --out e2e_docs.json --markdown e2e_docs.md
+
 FLOPs are counted as Megatron-LM counts them with causal attention at half; the formula, the
 flags and the method are in :mod:`megatron.bench.e2e` and ``docs/performance.md``.
 """

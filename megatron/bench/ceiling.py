@@ -11,6 +11,14 @@ shapes, on this GPU, in this run:
   (:func:`megatron.usp.kernels.get_kernel`, cuDNN on H100/H200) over the whole sequence;
 * once, the output layer ``[N, H] x [H, V]`` forward and backward.
 
+With documents (``--doc-lengths FILE``, what ``tools/bench_e2e.py --docs`` passes: the
+document lengths of each sequence its measured iterations train), the attention is that of
+those documents instead: each single-GPU document kernel
+(:func:`megatron.bench.document_bench.time_document_kernels`: ``tiles``, ``varlen``,
+``per-document``, ``packed``) is timed on each sequence, the fastest one counts, and the
+ceiling is the mean over the sequences; its FLOP count is the documents' pairs
+(:func:`megatron.shapes.document_pairs`).
+
 ``ceiling_s = L * (linears + attention) + output layer``, and the ceiling MFU is the step's
 FLOP count (:func:`megatron.shapes.dense_training_flops`, the training loop's too) over
 ``ceiling_s`` and the peak. Norms, RoPE, the activation, the loss, the optimizer and every
@@ -31,12 +39,16 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
-from megatron.bench.flops import attention_fwd_bwd_flops
+from megatron.bench.flops import FWD_BWD_FACTOR, attention_fwd_bwd_flops
 from megatron.bench.models import MODELS
 from megatron.bench.timing import median_ms_alone
-from megatron.shapes import dense_training_flops
+from megatron.shapes import dense_training_flops, document_pairs, training_flops
+
+# The single-GPU document kernels a documents ceiling takes the fastest of.
+CEILING_DOC_KERNELS = ("tiles", "varlen", "per-document", "packed")
 
 
 @dataclass
@@ -53,7 +65,12 @@ class Ceiling:
     peak_tflops: Optional[float]
     ceiling_mfu: Optional[float]
     gemm_tflops: float               # achieved rate of the timed matmuls
-    attention_tflops: float          # fwd+bwd, 3.5x-forward convention
+    attention_tflops: float          # fwd+bwd, 3.5x-forward convention (useful pairs)
+    attention: str = "dense causal"  # or "documents": the fastest document kernel
+    dense_attention_ms_per_layer: Optional[float] = None      # documents: for reference
+    document_kernels_ms: Optional[Dict[str, float]] = None    # mean per kernel over sequences
+    fastest_kernels: Optional[Dict[str, int]] = None          # sequences each kernel won
+    sequences: Optional[int] = None
 
 
 def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats: int) -> float:
@@ -89,10 +106,41 @@ def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int,
     return median_ms_alone(step, warmup=2, iters=repeats)
 
 
+def document_attention_ms(shape, documents: Sequence[Sequence[int]], device, dtype,
+                          repeats: int) -> Dict:
+    """Per sequence (its document lengths), the fastest single-GPU document kernel's
+    forward+backward ms; the mean of that over the sequences, each kernel's mean and how many
+    sequences each kernel won. Identical sequences are timed once."""
+    from megatron.bench.document_bench import KernelSetup, time_document_kernels
+
+    setup = KernelSetup(shape.num_attention_heads, shape.num_query_groups, shape.head_dim,
+                        dtype, iters=repeats)
+    distinct: Dict[tuple, int] = {}
+    for lengths in documents:
+        key = tuple(int(n) for n in lengths)
+        distinct[key] = distinct.get(key, 0) + 1
+    best, per_kernel, wins = 0.0, {}, {}
+    for lengths, count in distinct.items():
+        seg = np.repeat(np.arange(len(lengths)), lengths)[None]
+        times = {r.kernel: r.fwd_bwd_ms for r in time_document_kernels(
+            setup, seg, CEILING_DOC_KERNELS, device) if r.status == "ok"}
+        if not times:
+            raise RuntimeError(f"no document kernel ran on a sequence of {len(lengths)} "
+                               f"documents")
+        fastest = min(times, key=times.get)
+        wins[fastest] = wins.get(fastest, 0) + count
+        best += count * times[fastest]
+        for name, ms in times.items():
+            per_kernel[name] = per_kernel.get(name, 0.0) + count * ms / len(documents)
+    return {"ms": best / len(documents), "kernels_ms": per_kernel, "wins": wins}
+
+
 def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
-                    repeats: int = 5) -> Ceiling:
+                    repeats: int = 5,
+                    documents: Optional[Sequence[Sequence[int]]] = None) -> Ceiling:
     """Time the step's matmuls and attention for ``shape`` (a
-    :class:`megatron.shapes.ModelShape`) at ``seq_len``."""
+    :class:`megatron.shapes.ModelShape`) at ``seq_len``; with ``documents`` (each sequence's
+    document lengths, adding up to ``seq_len``) the attention is theirs (module docstring)."""
     device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     h, n, g, d = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, \
         shape.head_dim
@@ -101,8 +149,16 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
     lin_ms = sum(linear_fwd_bwd_ms(seq_len, a, b, device, dtype, repeats) for a, b in linears)
     attn_ms = attention_fwd_bwd_ms(seq_len, n, g, d, device, dtype, repeats)
     out_ms = linear_fwd_bwd_ms(seq_len, h, v, device, dtype, repeats)
-    ceiling_ms = shape.num_layers * (lin_ms + attn_ms) + out_ms
     flops = dense_training_flops(shape, seq_len, 1)
+    attn_flops = attention_fwd_bwd_flops(1, n, seq_len, d, True)
+    docs = None
+    if documents:
+        docs = document_attention_ms(shape, documents, device, dtype, repeats)
+        pairs = sum(document_pairs(x) for x in documents) / len(documents)
+        flops = training_flops(shape, seq_len, pairs)
+        attn_flops = FWD_BWD_FACTOR * 4.0 * n * d * pairs
+    dense_attn_ms, attn_ms = attn_ms, (docs["ms"] if docs else attn_ms)
+    ceiling_ms = shape.num_layers * (lin_ms + attn_ms) + out_ms
     gemm_flops = 6.0 * seq_len * (sum(a * b for a, b in linears) * shape.num_layers + h * v)
     tflops = flops / (ceiling_ms / 1e3) / 1e12
     if peak_tflops is None:
@@ -115,8 +171,12 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
         ceiling_tflops=tflops, peak_tflops=peak_tflops,
         ceiling_mfu=tflops / peak_tflops if peak_tflops else None,
         gemm_tflops=gemm_flops / ((shape.num_layers * lin_ms + out_ms) / 1e3) / 1e12,
-        attention_tflops=attention_fwd_bwd_flops(1, n, seq_len, d, True) / (attn_ms / 1e3)
-        / 1e12)
+        attention_tflops=attn_flops / (attn_ms / 1e3) / 1e12,
+        attention="documents" if docs else "dense causal",
+        dense_attention_ms_per_layer=dense_attn_ms if docs else None,
+        document_kernels_ms=docs["kernels_ms"] if docs else None,
+        fastest_kernels=docs["wins"] if docs else None,
+        sequences=len(documents) if docs else None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -129,6 +189,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", required=True)
+    p.add_argument("--doc-lengths", default=None,
+                   help="JSON {seq_len: [[document lengths of a sequence], ...]}: the "
+                        "attention of those documents at the fastest document kernel")
     ns = p.parse_args(argv)
     try:
         seq_lens = parse_seq_lens(ns.seq_lens)
@@ -136,13 +199,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(exc))
     if not torch.cuda.is_available():
         p.error("the ceiling is measured on a CUDA GPU; none is visible")
+    documents = {}
+    if ns.doc_lengths:
+        with open(ns.doc_lengths) as fh:
+            documents = {int(k): v for k, v in json.load(fh).items()}
     results: List[Dict] = [asdict(measure_ceiling(MODELS[ns.model].shape, s, ns.peak_tflops,
-                                                  ns.repeats)) for s in seq_lens]
+                                                  ns.repeats, documents.get(s)))
+                           for s in seq_lens]
     with open(ns.out, "w") as fh:
         json.dump(results, fh, indent=1)
     for r in results:
         mfu = "n/a" if r["ceiling_mfu"] is None else f"{100 * r['ceiling_mfu']:.1f}%"
-        print(f"[ceiling] S={r['seq_len']}: {r['ceiling_ms']:.1f} ms, {mfu} MFU "
+        print(f"[ceiling] S={r['seq_len']} ({r['attention']}): {r['ceiling_ms']:.1f} ms, "
+              f"{mfu} MFU "
               f"(GEMM {r['gemm_tflops']:.0f}, attention {r['attention_tflops']:.0f} TFLOP/s)",
               flush=True)
     return 0

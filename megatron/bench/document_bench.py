@@ -532,6 +532,49 @@ def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
     return out
 
 
+@dataclass(frozen=True)
+class KernelSetup:
+    """The attention shape and timing of :func:`time_document_kernels` (the fields
+    :func:`kernel_case` reads from ``tools/bench_attention.py``'s config)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    torch_dtype: torch.dtype = torch.bfloat16
+    backend: str = "auto"
+    warmup: int = 2
+    iters: int = 5
+    seed: int = 1234
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class _OneDevice:
+    device: torch.device
+
+
+def time_document_kernels(setup: KernelSetup, seg: np.ndarray, kernels: Sequence[str],
+                          device) -> List[DocCaseResult]:
+    """Forward+backward of each single-GPU document kernel (:func:`kernel_case`) on one packed
+    sequence: ``seg`` segment ids [1, S]. A kernel that is unavailable here, refuses the shape
+    or runs out of memory is a result with that status."""
+    seq_len = seg.shape[1]
+    pos = np.arange(seq_len)[None]
+    block = build_document_block(pos, seg, pos, seg, True, device)
+    x = _inputs(setup, seq_len, device)
+    out = []
+    for name in kernels:
+        fallback = DocCaseResult(seq_len, "", "kernel", name, 1, kernel=name)
+        if name == "varlen" and not varlen_available():
+            fallback.status, fallback.note = "skipped", "no flash varlen op here"
+            out.append(fallback)
+            continue
+        out.append(_guarded(lambda n=name: kernel_case(_OneDevice(device), setup, seq_len, "",
+                                                       n, x, seg, block, None), fallback))
+        timing.free_memory(device)
+    return out
+
+
 def as_dicts(results: Sequence[DocCaseResult]) -> List[dict]:
     return [asdict(r) for r in results]
 

@@ -16,6 +16,17 @@ Adam states, and no float32 master copy: about 8.5 GiB less than mixed precision
 Triton kernels (``apply_liger_kernel_to_llama``: RoPE, RMSNorm, SwiGLU and the fused linear
 cross-entropy, so no full-sequence logits).
 
+Packed documents (``--documents FILE.npz``, written by ``tools/bench_e2e.py --docs``: the
+token sequences its run trains, ``tokens`` and ``position_ids`` ``[n, S]`` restarting after each
+end-of-document id ``eod``): step ``i`` trains sequence ``i mod n`` with those ``position_ids``
+and no ``attention_mask``, the public way to pack sequences in transformers 5: its mask
+builder (``transformers.masking_utils``) finds the documents where the position ids do not
+step by one and, for ``sdpa``, passes SDPA a dense ``[S, S]`` boolean mask of them (the K/V
+heads then repeated to the query heads: transformers uses SDPA's GQA only without a mask).
+The SDPA backend is the first of cuDNN, memory-efficient and math that takes such a mask on
+this GPU; ``attention_path`` records what ran. Labels after an end-of-document token are
+ignored (``--eod-mask-loss``), and the FLOPs count the documents' pairs.
+
 The FLOP count is this project's one count (:func:`megatron.shapes.dense_training_flops`
 for batch 1 of ``--seq-len`` tokens), so MFU and TFLOP/s compare one to one. The JSON written to
 ``--out`` has the keys of :class:`PeerResult`; a peer whose packages are missing reports
@@ -36,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Sequence
 
 from megatron.bench.models import MODELS
-from megatron.shapes import dense_training_flops
+from megatron.shapes import dense_training_flops, document_pairs, training_flops
 
 PEERS = ("hf", "hf-liger")
 PEER_INSTALL = "pip install -e .[peers]"   # transformers and liger-kernel (setup.py extras)
@@ -61,6 +72,10 @@ class PeerResult:
     peak_tflops: Optional[float] = None
     last_loss: Optional[float] = None
     optimizer_state_gib: Optional[float] = None
+    attention_path: Optional[str] = None    # how transformers ran attention
+    flops_count: str = "dense causal"       # or "useful (documents)" (--documents)
+    attention_pairs: Optional[float] = None      # --documents: mean of the measured steps
+    documents_per_iteration: Optional[float] = None
     versions: dict = field(default_factory=dict)
     step_times_s: List[float] = field(default_factory=list)
 
@@ -119,19 +134,94 @@ def optimizer_state_bytes(optimizer) -> int:
                for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def _attention_context(cuda: bool):
-    """SDPA restricted to the cuDNN backend on CUDA (USP's kernel), any backend on CPU."""
+def _attention_context(cuda: bool, backend=None):
+    """SDPA restricted to ``backend`` (default cuDNN, USP's kernel) on CUDA, any on CPU."""
     import contextlib
 
     if not cuda:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+    return sdpa_kernel([backend or SDPBackend.CUDNN_ATTENTION])
+
+
+@dataclass
+class PackedDocuments:
+    """Token sequences of packed documents (module docstring): ``[n, S]`` each."""
+
+    tokens: "object"
+    position_ids: "object"
+    eod: int
+
+    @classmethod
+    def load(cls, path: str) -> "PackedDocuments":
+        import numpy as np
+
+        with np.load(path) as f:
+            return cls(f["tokens"], f["position_ids"], int(f["eod"]))
+
+    def step(self, i: int, device):
+        """Step ``i``'s ``input_ids``, ``position_ids`` and ``labels`` ``[1, S]`` (-100 after
+        an end-of-document token: megatron's ``--eod-mask-loss``)."""
+        import torch
+
+        row = i % self.tokens.shape[0]
+        tokens = torch.as_tensor(self.tokens[row:row + 1], dtype=torch.long)
+        labels = tokens.clone()
+        labels[:, 1:][tokens[:, :-1] == self.eod] = -100
+        pos = torch.as_tensor(self.position_ids[row:row + 1], dtype=torch.long)
+        return tokens.to(device), pos.to(device), labels.to(device)
+
+    def lengths(self, i: int):
+        """Documents of step ``i`` as transformers finds them: a new one wherever the position
+        id does not step by one."""
+        import numpy as np
+
+        pos = np.asarray(self.position_ids[i % self.position_ids.shape[0]], dtype=np.int64)
+        # transformers.masking_utils.find_packed_sequence_indices's rule, in numpy
+        return np.bincount(np.cumsum(np.diff(pos, prepend=pos[0] - 1) != 1))
+
+
+def packed_attention_path(docs: PackedDocuments, shape, cuda: bool, dtype):
+    """(label, SDPA backend or None) for the packed sequences: whether transformers sees
+    documents in the position ids, and the first SDPA backend taking a dense boolean mask
+    at this model's heads (probed on a short sequence)."""
+    import torch
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    packed = find_packed_sequence_indices(torch.as_tensor(docs.position_ids[:1])) is not None
+    mask = "[S, S] document mask from position_ids" if packed else "causal (one document)"
+    if not cuda:
+        return f"sdpa (CPU), {mask}", None
+    if not packed:
+        return f"sdpa cuDNN, {mask}", None
+    from torch.nn.attention import SDPBackend
+
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH):
+        if _takes_mask(backend, shape, dtype):
+            return f"sdpa {backend.name.lower()}, {mask}", backend
+    return f"sdpa (no backend took the mask), {mask}", None
+
+
+def _takes_mask(backend, shape, dtype, probe_len: int = 256) -> bool:
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(1, shape.num_attention_heads, probe_len, shape.head_dim, device="cuda",
+                    dtype=dtype)
+    mask = torch.ones(probe_len, probe_len, device="cuda", dtype=torch.bool).tril()[None, None]
+    try:
+        with _attention_context(True, backend):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return True
+    except RuntimeError:
+        return False
 
 
 def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: str,
-          seed: int, peak_tflops: Optional[float]) -> PeerResult:
+          seed: int, peak_tflops: Optional[float],
+          documents: Optional[PackedDocuments] = None) -> PeerResult:
     """Train ``iters`` steps of batch 1 and time each; see the module docstring."""
     import torch
 
@@ -145,6 +235,11 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
     res.versions = _versions(peer)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
+    backend = None
+    if documents is None:
+        res.attention_path = f"sdpa {'cuDNN' if cuda else '(CPU)'}, causal"
+    else:
+        res.attention_path, backend = packed_attention_path(documents, shape, cuda, dtype)
     torch.manual_seed(seed)
     try:
         model = build_model(peer, shape, seq_len, device, dtype)
@@ -155,14 +250,17 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                       fused=cuda)
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        for _ in range(iters):
-            tokens = torch.randint(0, shape.vocab_size, (1, seq_len), generator=gen)
-            tokens = tokens.to(device)
+        for i in range(iters):
+            if documents is None:
+                tokens = torch.randint(0, shape.vocab_size, (1, seq_len), generator=gen)
+                tokens, positions, labels = tokens.to(device), None, tokens.to(device)
+            else:
+                tokens, positions, labels = documents.step(i, device)
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            with _attention_context(cuda):
-                loss = model(input_ids=tokens, labels=tokens).loss
+            with _attention_context(cuda, backend):
+                loss = model(input_ids=tokens, position_ids=positions, labels=labels).loss
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -180,9 +278,25 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
             from megatron.planner.hardware import peak_tflops_for_device
 
             peak_tflops = peak_tflops_for_device(torch.cuda.get_device_name(device))
+    if res.status == "ok" and documents is not None:
+        _count_documents(res, shape, documents, warmup)
     if res.status == "ok":
         _summarize(res, warmup, peak_tflops)
     return res
+
+
+def _count_documents(res: PeerResult, shape, documents: PackedDocuments, warmup: int) -> None:
+    """FLOPs per iteration from the documents of the measured steps (their mean)."""
+    steps = range(warmup, len(res.step_times_s))
+    if not steps:
+        return
+    lengths = [documents.lengths(i) for i in steps]
+    pairs = [document_pairs(x) for x in lengths]
+    res.flops_count = "useful (documents)"
+    res.attention_pairs = sum(pairs) / len(pairs)
+    res.documents_per_iteration = sum(x.size for x in lengths) / len(lengths)
+    res.flops_per_iteration = sum(training_flops(shape, res.seq_len, p)
+                                  for p in pairs) / len(pairs)
 
 
 def _summarize(res: PeerResult, warmup: int, peak_tflops: Optional[float]) -> None:
@@ -221,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--out", required=True, help="JSON file for the result")
+    p.add_argument("--documents", default=None,
+                   help="packed documents (.npz: tokens, position_ids [n, S], eod) to train "
+                        "on instead of random dense sequences")
     return p
 
 
@@ -230,8 +347,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"hf_peer: --iters {ns.iters} must exceed --warmup {ns.warmup} >= 0 and "
               f"--seq-len {ns.seq_len} must be >= 2", file=sys.stderr)
         return 2
+    documents = PackedDocuments.load(ns.documents) if ns.documents else None
+    if documents is not None and documents.tokens.shape[1] != ns.seq_len:
+        print(f"hf_peer: --documents {ns.documents} holds sequences of "
+              f"{documents.tokens.shape[1]} tokens, not --seq-len {ns.seq_len}", file=sys.stderr)
+        return 2
     res = train(ns.peer, MODELS[ns.model].shape, ns.seq_len, ns.iters, ns.warmup, ns.recompute,
-                ns.seed, ns.peak_tflops)
+                ns.seed, ns.peak_tflops, documents)
     with open(ns.out, "w") as f:
         json.dump(asdict(res), f, indent=1)
     return 0

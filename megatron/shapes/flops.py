@@ -46,6 +46,14 @@ def full_pairs(seq_len: int, sequences: int = 1) -> float:
     return float(sequences * seq_len * seq_len)
 
 
+def document_pairs(lengths) -> float:
+    """Attention pairs of causal documents of the given token counts: ``sum(n^2/2)``.
+
+    A document of ``S`` tokens counts as a dense causal sequence of ``S`` (:func:`causal_pairs`).
+    """
+    return float(sum(int(n) * int(n) for n in lengths)) / 2
+
+
 def dense_flops_per_token(shape: ModelShape) -> float:
     """Forward FLOPs of one token outside core attention: the layers' GEMMs and the logits."""
     h, a, g = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups
@@ -64,13 +72,6 @@ def training_flops(shape: ModelShape, tokens: int, attention_pairs: float) -> fl
     whose core attention computes ``attention_pairs`` (query, key) pairs."""
     return 3.0 * (tokens * dense_flops_per_token(shape)
                   + attention_pairs * attention_flops_per_pair(shape))
-
-
-def document_pairs(lengths) -> float:
-    """Attention pairs of causal documents of the given lengths: ``n^2/2`` each (the dense
-    convention of :func:`causal_pairs`, so one document spanning the sequence counts the
-    same as a dense sequence)."""
-    return float(sum(n * n for n in lengths)) / 2
 
 
 def dense_training_flops(shape: ModelShape, seq_len: int, sequences: int,

@@ -290,6 +290,15 @@ def _wire_grad_sync(model) -> None:
         config.grad_sync_func = model[0].start_grad_sync
 
 
+def dataset_sizes(config: RunConfig) -> List[Optional[int]]:
+    """Samples asked of the (train, valid, test) datasets; megatron-core's shuffle depends on
+    them, so whoever rebuilds a run's samples (``tools/bench_e2e.py --docs``) asks the same."""
+    args, gbs = config.args, config.global_batch_size
+    evals = args.train_iters // args.eval_interval + 1
+    return [args.train_iters * gbs, evals * args.eval_iters * gbs if args.eval_iters else None,
+            None]
+
+
 def build_data_iterators(config: RunConfig, rt: Runtime, state: TrainState):
     """(train, valid) iterators of full-sequence micro-batches for this DP rank."""
     from megatron.training.data.loader import (
@@ -299,11 +308,8 @@ def build_data_iterators(config: RunConfig, rt: Runtime, state: TrainState):
     )
 
     args = config.args
-    gbs = config.global_batch_size
-    evals = args.train_iters // args.eval_interval + 1
-    sizes = [args.train_iters * gbs, evals * args.eval_iters * gbs if args.eval_iters else None,
-             None]
-    train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer, sizes)
+    train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer,
+                                               dataset_sizes(config))
     dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
     loader_args = {"worker_start_method": worker_start_method(bool(args.optimizer_cpu_offload))}
     if args.reset_attention_mask:

@@ -178,6 +178,41 @@ def test_bench_e2e_tiny_model_under_torchrun(tmp_path):
     assert res.stdout.count("[bench_e2e] S=128 U1xR2") == 1
 
 
+@pytest.mark.skipif(not (REPO / "pretrain_gpt.py").exists(),
+                    reason="pretrain_gpt.py is not in this checkout")
+def test_bench_e2e_packed_documents_count_useful_flops(tmp_path):
+    """--docs fixed:32 at S=128: the runs train on written documents of 32 tokens (four per
+    sequence), and TFLOP/s and MFU (against --peak-tflops 1) count their pairs, 4 * 32^2/2,
+    not the dense 128^2/2; the Hugging Face peer trains the same sequences, position ids
+    restarting per document."""
+    from megatron.shapes import PRESETS, training_flops
+
+    out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
+    cmd = [sys.executable, "tools/bench_e2e.py", "--model", "tiny", "--seq-lens", "128",
+           "--splits", "1x2", "--nproc-per-node", "2", "--iters", "3", "--warmup", "1",
+           "--extra-args", "--num-workers 0", "--peers", "hf", "--docs", "fixed:32",
+           "--peak-tflops", "1", "--log-dir", str(tmp_path / "logs"), "--out", str(out),
+           "--markdown", str(md)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["flops_count"] == "useful (documents)"
+    assert payload["documents"]["data"].endswith("docs-fixed-32/documents")
+    useful = training_flops(PRESETS["tiny"], 128, 4 * 32 * 32 / 2)
+    ours, peer = payload["results"]
+    for r, gpus in ((ours, 2), (peer, 1)):
+        assert r["status"] == "ok", r
+        assert r["flops_count"] == "useful (documents)" and r["documents_per_iteration"] == 4
+        assert r["attention_pairs"] == 4 * 32 * 32 / 2
+        assert r["flops_per_iteration"] == pytest.approx(useful, rel=1e-12)
+        assert r["tflops_per_gpu"] == pytest.approx(useful / (r["iter_ms"] / 1e3) / gpus / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 1.0)
+    assert "document mask from position_ids" in peer["attention_path"]
+    text = md.read_text()
+    assert "FLOPs: useful (documents)" in text and "| useful (documents) |" in text
+
+
 def test_bench_checkpoint_tiny_model_on_the_cpu(tmp_path):
     """tools/bench_checkpoint.py (the device script docs/perf/device_calls/checksum_h200.sh
     runs it at 0.85B) saves with and without checksums and verifies one checkpoint."""

@@ -63,12 +63,23 @@ Ceiling (``--ceiling``, default on CUDA): :mod:`megatron.bench.ceiling` times th
 matmuls and attention alone for each length, in a process of its own before the training
 runs; one-GPU rows then show the ceiling MFU and the share of it reached.
 
+Packed documents (``--docs MIX``, :mod:`.documents`): the runs train with
+``--reset-attention-mask --reset-position-ids --eod-mask-loss`` on megatron-core's mock
+documents (``mock``) or on a dataset of the mix written under ``--log-dir`` (``fixed:N``,
+``uniform:N``, ``lognormal``, ``corpus``: :func:`megatron.bench.document_bench.mix_lengths`).
+FLOPs then count the attention pairs of the documents each measured iteration trained
+(``flops_count = "useful (documents)"``, the sum of ``n^2/2``; the samples are rebuilt from the
+run's own arguments, so the count is exact), the ceiling times those documents at the fastest
+single-GPU document kernel, and the peers train the same sequences with position ids restarting
+per document (``attention_path`` says how transformers ran attention).
+
 Each run's full log and metrics file stay under ``--log-dir``.
 
 Modules, one job each: :mod:`.config` (the flags parsed, a run, a report row),
 :mod:`.command` (one run's ``pretrain_gpt.py`` command), :mod:`.launch` (running it and
 classifying how it ended), :mod:`.summary` (a run's report row), :mod:`.peers` (the Hugging
 Face peers), :mod:`.pairing` (ratios against the peers, per round and over rounds),
-:mod:`.ceilings` (the zero-overhead ceiling per length), :mod:`.sweep` (the order of the
+:mod:`.ceilings` (the zero-overhead ceiling per length), :mod:`.documents` (``--docs``: the
+data and the trained documents), :mod:`.sweep` (the order of the
 runs), :mod:`.output` (console lines and markdown) and :mod:`.cli` (``tools/bench_e2e.py``).
 """

@@ -1,5 +1,7 @@
 """The zero-overhead ceiling of each length (:mod:`megatron.bench.ceiling`, timed in a
-process of its own before the training runs) and its place in the report rows."""
+process of its own before the training runs) and its place in the report rows. With
+``--docs`` it is the documents ceiling: the attention of the documents the measured
+iterations train, at the fastest single-GPU document kernel."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Dict
 
-from megatron.bench.e2e.config import PROGRESS_PREFIX, E2EConfig, E2EResult
-from megatron.bench.e2e.launch import run_to_end
+from megatron.bench.e2e.config import PROGRESS_PREFIX, E2EConfig, E2EResult, RunSpec
+from megatron.bench.e2e.launch import run_to_end, trained_batches_of
 
 
 def run_ceiling(cfg: E2EConfig) -> Dict[int, dict]:
@@ -23,12 +25,28 @@ def run_ceiling(cfg: E2EConfig) -> Dict[int, dict]:
            "--seq-lens", lengths, "--out", str(out)]
     if cfg.peak_tflops is not None:
         cmd += ["--peak-tflops", str(cfg.peak_tflops)]
+    if cfg.docs is not None:
+        lengths = log_dir / "ceiling_documents.json"
+        lengths.write_text(json.dumps(measured_documents(cfg)))
+        cmd += ["--doc-lengths", str(lengths)]
     with open(log_path, "w") as log:
         rc = run_to_end(cmd, dict(os.environ), log, cfg.timeout_s)
     if rc != 0 or not out.exists():
         print(f"{PROGRESS_PREFIX} ceiling measurement failed (log {log_path})", flush=True)
         return {}
     return {int(c["seq_len"]): c for c in json.loads(out.read_text())}
+
+
+def measured_documents(cfg: E2EConfig) -> Dict[int, list]:
+    """Per length, the document lengths of every sequence the measured iterations (after
+    ``--warmup``) of the first split's run train."""
+    u, r = cfg.splits[0]
+    out = {}
+    for seq_len in cfg.seq_lens:
+        batches = trained_batches_of(cfg, RunSpec(seq_len, u, r, "none", cfg.iters))
+        first = cfg.warmup * batches.global_batch
+        out[seq_len] = [x.tolist() for x in batches.lengths[first:]]
+    return out
 
 
 def apply_ceiling(res: E2EResult, ceilings: Dict[int, dict]) -> None:

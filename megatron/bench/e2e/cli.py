@@ -13,12 +13,17 @@ from megatron.bench import report
 from megatron.bench.cli import BenchConfigError, parse_seq_len, parse_seq_lens, parse_splits
 from megatron.bench.e2e.ceilings import ceiling_enabled, run_ceiling
 from megatron.bench.e2e.config import (
+    DENSE_COUNT,
     PROGRESS_PREFIX,
     RECOMPUTE_CHOICES,
     REPO_ROOT,
+    USEFUL_COUNT,
     E2EConfig,
     E2EResult,
+    RunSpec,
+    global_batch_size,
 )
+from megatron.bench.e2e.documents import check_extra_args, parse_docs, prepare_documents
 from megatron.bench.e2e.output import (
     COLD_FIRST_STEP,
     pooled_line,
@@ -83,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ceiling", default="auto", choices=["auto", "on", "off"],
                    help="time the step's matmuls and attention alone first (the zero-overhead "
                         "ceiling); auto: on CUDA")
+    p.add_argument("--docs", default=None,
+                   help="train on packed documents (--reset-attention-mask "
+                        "--reset-position-ids --eod-mask-loss) of one mix: mock "
+                        "(megatron-core's --mock-data documents), uniform:4k, fixed:N, "
+                        "lognormal or corpus (written under --log-dir); TFLOP/s and MFU then "
+                        "count the trained documents' attention pairs")
     return p
 
 
@@ -100,7 +111,7 @@ def config_from_args(ns: argparse.Namespace) -> E2EConfig:
         max_seq=stop, timeout_s=ns.timeout, log_dir=ns.log_dir,
         pretrain_script=ns.pretrain_script, extra_args=shlex.split(ns.extra_args),
         seed=ns.seed, out=ns.out, markdown=ns.markdown, peers=parse_peers(ns.peers),
-        ceiling=ns.ceiling, rounds=ns.rounds)
+        ceiling=ns.ceiling, rounds=ns.rounds, docs=parse_docs(ns.docs))
 
 
 def validate_config(cfg: E2EConfig) -> None:
@@ -122,6 +133,7 @@ def validate_config(cfg: E2EConfig) -> None:
             raise BenchConfigError(
                 f"--splits {u}x{r}: U*R = {u * r} must divide --nproc-per-node "
                 f"{cfg.nproc_per_node}; try --splits {cfg.nproc_per_node}x1")
+    check_extra_args(cfg.docs, cfg.extra_args)
     if cfg.rounds < 1:
         raise BenchConfigError(f"--rounds {cfg.rounds}: at least 1 (try --rounds 2 to "
                                f"alternate two runs of each stack)")
@@ -161,7 +173,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "config": dict(asdict(cfg), shape=cfg.bench_model.record(),
                               splits=[f"{u}x{r}" for u, r in cfg.splits]),
                "flops_formula": FORMULA,
+               "flops_count": DENSE_COUNT if cfg.docs is None else USEFUL_COUNT,
                "results": []}
+    if cfg.docs is not None:
+        payload["documents"] = prepare_documents(cfg.docs, cfg.log_dir, eod_id(cfg),
+                                                 documents_tokens(cfg), cfg.seed)
     done: List[E2EResult] = []
 
     def on_result(res: E2EResult) -> None:
@@ -189,6 +205,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta["device"] = report.device_description(_device(cfg))
     _write(cfg, payload, meta, done, longest)
     return 0
+
+
+def eod_id(cfg: E2EConfig) -> int:
+    """The end-of-document id of the runs: the NullTokenizer's, one past the ``--vocab-size``
+    that :func:`megatron.bench.models.model_flags` passes (the model's last vocabulary row)."""
+    return cfg.shape.vocab_size - 1
+
+
+def documents_tokens(cfg: E2EConfig) -> int:
+    """Tokens the written documents must hold so that no run goes round them twice."""
+    longest = cfg.max_seq if cfg.find_max_seq else max(cfg.seq_lens)
+    batch = max(global_batch_size(cfg, RunSpec(longest, u, r, "none", cfg.iters))
+                for u, r in cfg.splits)
+    return cfg.iters * batch * longest + longest + 1
 
 
 def _device(cfg: E2EConfig):

@@ -6,6 +6,7 @@ import sys
 from typing import List
 
 from megatron.bench.e2e.config import E2EConfig, RunSpec, global_batch_size
+from megatron.bench.e2e.documents import data_flags
 from megatron.bench.models import model_flags
 
 
@@ -36,9 +37,9 @@ def pretrain_args(cfg: E2EConfig, spec: RunSpec, metrics_path: str) -> List[str]
         "--lr-warmup-iters", "0", "--weight-decay", "0.1", "--clip-grad", "1.0",
         "--ulysses-degree", str(spec.ulysses), "--ring-degree", str(spec.ring),
         "--attention-backend", cfg.attention_backend,
-        "--mock-data", "--log-interval", "1", "--seed", str(cfg.seed),
+        "--log-interval", "1", "--seed", str(cfg.seed),
         "--metrics-file", metrics_path,
-    ] + recompute_flags(spec.recompute)
+    ] + data_flags(cfg.docs, cfg.log_dir) + recompute_flags(spec.recompute)
     if cfg.device != "auto":
         args += ["--device", cfg.device]
     if cfg.peak_tflops is not None:

@@ -16,6 +16,10 @@ PROGRESS_PREFIX = "[bench_e2e]"
 
 RECOMPUTE_CHOICES = ("none", "full", "selective", "lean", "auto")
 
+# The two FLOP counts (megatron.shapes.flops): every sequence a dense causal one, or the
+# pairs of the documents actually trained (--docs).
+DENSE_COUNT, USEFUL_COUNT = "dense causal", "useful (documents)"
+
 
 @dataclass
 class E2EConfig:
@@ -46,6 +50,7 @@ class E2EConfig:
     peers: List[str] = field(default_factory=list)
     ceiling: str = "auto"                # auto (on CUDA) | on | off
     rounds: int = 1                      # each length's runs and peers, repeated, alternating
+    docs: Optional[str] = None           # --docs: a document mix (packed documents), or dense
 
     @property
     def bench_model(self) -> BenchModel:
@@ -96,6 +101,8 @@ class RunOutcome:
     log_path: str
     command: List[str]
     note: Optional[str] = None
+    attention_pairs: Optional[List[float]] = None   # --docs: per iteration, from the first
+    documents: Optional[List[int]] = None           # --docs: per iteration
 
 
 @dataclass
@@ -129,6 +136,11 @@ class E2EResult:
     ceiling_mfu: Optional[float] = None  # one-GPU rows, with --ceiling
     ceiling_share: Optional[float] = None
     round: int = 1                       # --rounds: which repetition of this length
+    docs: Optional[str] = None           # --docs mix (None: dense sequences)
+    flops_count: str = DENSE_COUNT       # which attention pairs the FLOPs count
+    attention_pairs: Optional[float] = None      # per iteration, mean of the measured ones
+    documents_per_iteration: Optional[float] = None
+    attention_path: Optional[str] = None  # peers: how transformers ran attention
 
 
 def global_batch_size(cfg: E2EConfig, spec: RunSpec) -> int:

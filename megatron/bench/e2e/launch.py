@@ -10,10 +10,11 @@ import re
 import shlex
 import signal
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
-from megatron.bench.e2e.command import launch_command
+from megatron.bench.e2e.command import launch_command, pretrain_args
 from megatron.bench.e2e.config import REPO_ROOT, E2EConfig, RunOutcome, RunSpec
 from megatron.bench.e2e.summary import train_steps
 from megatron.training.launch import free_port
@@ -85,8 +86,34 @@ def run_training(cfg: E2EConfig, spec: RunSpec) -> RunOutcome:
         log.flush()
         rc = run_to_end(cmd, env, log, cfg.timeout_s)
     records = read_metrics(str(metrics))
-    return classify(rc, Path(log_path).read_text(errors="replace"), records, str(log_path), cmd,
-                    spec.iters)
+    outcome = classify(rc, Path(log_path).read_text(errors="replace"), records, str(log_path),
+                       cmd, spec.iters)
+    if cfg.docs is not None and outcome.status == "ok":
+        count_documents(cfg, spec, outcome)
+    return outcome
+
+
+def trained_batches_of(cfg: E2EConfig, spec: RunSpec):
+    """The samples the run of ``spec`` trains (:func:`megatron.bench.e2e.documents.trained_batches`)."""
+    from megatron.bench.e2e.documents import trained_batches
+
+    # Neither the metrics path nor recompute plays a part in the data: fixed, so that runs
+    # differing only there share one rebuild.
+    args = pretrain_args(cfg, replace(spec, recompute="none", round=1), "metrics.jsonl")
+    return trained_batches(args, cfg.nproc_per_node, cfg.use_cuda())
+
+
+def count_documents(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> None:
+    """Attach each iteration's documents and useful pairs to a run that trained; a run whose
+    documents cannot be counted is an error rather than a row with the dense count."""
+    try:
+        batches = trained_batches_of(cfg, spec)
+    except Exception as exc:  # noqa: BLE001 - the run trained; say why it cannot be counted
+        outcome.status = "error"
+        outcome.note = f"counting the trained documents failed: {type(exc).__name__}: {exc}"[:300]
+        return
+    outcome.attention_pairs = batches.pairs_per_iteration()
+    outcome.documents = batches.documents_per_iteration()
 
 
 def classify(returncode: Optional[int], log_text: str, records: List[dict], log_path: str,

@@ -32,6 +32,10 @@ def progress_line(r: E2EResult) -> str:
     if r.ceiling_share is not None:
         line += (f", {100 * r.ceiling_share:.1f}% of the ceiling "
                  f"({report.fmt(r.ceiling_mfu, pct=True)} MFU)")
+    if r.docs is not None:
+        line += f"; FLOPs {r.flops_count}, {report.fmt(r.documents_per_iteration, 0)} docs/iter"
+        if r.attention_path:
+            line += f", attention {r.attention_path}"
     return line
 
 
@@ -72,6 +76,17 @@ COLD_FIRST_STEP = ("--warmup 0: the first iteration is timed, and it includes co
                    "step on one H200, docs/performance.md 6.5): a lower bound on speed.")
 
 
+def flops_count_line(cfg: E2EConfig) -> str:
+    """Which attention pairs the report's FLOPs count."""
+    if cfg.docs is None:
+        return ("FLOPs: dense causal (S^2/2 attention pairs per sequence, "
+                "megatron.shapes.training_flops).")
+    return (f"FLOPs: useful (documents): packed documents of --docs {cfg.docs}, the attention "
+            f"pairs counted are the sum of n^2/2 over the documents of the sequences each "
+            f"measured iteration trained (megatron.shapes.training_flops), so MFU is of useful "
+            f"work.")
+
+
 def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
                      longest: Optional[Dict[str, Optional[int]]] = None) -> str:
     s = cfg.shape
@@ -80,6 +95,7 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
              f"{s.ffn_hidden_size}, vocab {s.vocab_size}), {cfg.nproc_per_node} processes, "
              f"mean of iterations {cfg.warmup + 1}..{cfg.iters}; MFU against "
              f"{_peaks(results)} TFLOP/s\n\n")
+    title += flops_count_line(cfg) + "\n\n"
     if cfg.warmup == 0:
         title += COLD_FIRST_STEP + "\n\n"
     headers = ["S", "stack", "U x R", "recompute", "status", "ms/iter", "tokens/s/GPU",
@@ -92,6 +108,11 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
              report.fmt(r.peak_mem_gib), report.fmt(r.peak_host_gib),
              report.fmt(r.ceiling_mfu, pct=True), report.fmt(r.ceiling_share, pct=True)]
             for r in results]
+    if cfg.docs is not None:
+        headers += ["docs/iter", "FLOPs", "attention"]
+        for row, r in zip(rows, results):
+            row += [report.fmt(r.documents_per_iteration, 0), r.flops_count,
+                    r.attention_path or ("USP documents" if r.stack == "megatron-usp" else "")]
     rounds = cfg.rounds > 1
     if rounds:
         _insert_round_column(headers, rows, [r.round for r in results])

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import List
 
 from megatron.bench.cli import BenchConfigError
-from megatron.bench.e2e.config import E2EConfig, E2EResult, round_suffix
-from megatron.bench.e2e.launch import is_oom_log, run_to_end
+from megatron.bench.e2e.config import E2EConfig, E2EResult, RunSpec, round_suffix
+from megatron.bench.e2e.launch import is_oom_log, run_to_end, trained_batches_of
 from megatron.bench.hf_peer import PEERS
 
 
@@ -30,6 +30,8 @@ def run_peer(cfg: E2EConfig, peer: str, seq_len: int, recompute: str,
            "--recompute", recompute, "--seed", str(cfg.seed), "--out", str(out)]
     if cfg.peak_tflops is not None:
         cmd += ["--peak-tflops", str(cfg.peak_tflops)]
+    if cfg.docs is not None:
+        cmd += ["--documents", peer_documents(cfg, seq_len)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
@@ -41,8 +43,24 @@ def run_peer(cfg: E2EConfig, peer: str, seq_len: int, recompute: str,
         status = "timeout" if rc is None else "oom" if is_oom_log(text) else "error"
         tail = " / ".join(t.strip()[:160] for t in text.splitlines()[-3:] if t.strip())
         data = {"status": status, "note": f"exit {rc}: {tail}"}
-    return peer_result(peer, seq_len, recompute, data, str(log_path),
-                       " ".join(shlex.quote(c) for c in cmd), round_)
+    res = peer_result(peer, seq_len, recompute, data, str(log_path),
+                      " ".join(shlex.quote(c) for c in cmd), round_)
+    res.docs = cfg.docs
+    return res
+
+
+def peer_documents(cfg: E2EConfig, seq_len: int) -> str:
+    """The token sequences of ``--docs`` for the peers at ``seq_len``: the first ``--iters``
+    samples the first split's run trains (its sequences one by one when its global batch is
+    1), as ``LOG_DIR/S{seq_len}_documents.npz``."""
+    import numpy as np
+
+    u, r = cfg.splits[0]
+    batches = trained_batches_of(cfg, RunSpec(seq_len, u, r, "none", cfg.iters))
+    path = Path(cfg.log_dir) / f"S{seq_len}_documents.npz"
+    np.savez(path, tokens=batches.tokens[:cfg.iters],
+             position_ids=batches.position_ids[:cfg.iters], eod=batches.eod)
+    return str(path)
 
 
 def peer_result(peer: str, seq_len: int, recompute: str, data: dict, log_path: str,
@@ -52,7 +70,8 @@ def peer_result(peer: str, seq_len: int, recompute: str, data: dict, log_path: s
                     data.get("note"), log_path=log_path, command=command, stack=peer,
                     round=round_)
     for key in ("iterations_measured", "iter_ms", "tokens_per_s", "tflops_per_gpu", "mfu",
-                "peak_mem_gib", "flops_per_iteration", "peak_tflops", "last_loss"):
+                "peak_mem_gib", "flops_per_iteration", "peak_tflops", "last_loss",
+                "attention_path", "flops_count", "attention_pairs", "documents_per_iteration"):
         if data.get(key) is not None:
             setattr(res, key, data[key])
     steps = data.get("step_times_s") or []

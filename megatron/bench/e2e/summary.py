@@ -1,6 +1,7 @@
 """One run's report row from its metrics records: the mean iteration time after
 ``--warmup``, tokens/s, TFLOP/s and MFU (the one FLOP count,
-:func:`megatron.shapes.dense_training_flops`), and the memory peaks."""
+:func:`megatron.shapes.training_flops`: dense causal sequences, or with ``--docs`` the pairs
+of the documents each measured iteration trained), and the memory peaks."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import math
 import shlex
 from typing import List, Optional
 
-from megatron.bench.e2e.config import E2EConfig, E2EResult, RunOutcome, RunSpec, global_batch_size
+from megatron.bench.e2e.config import (
+    USEFUL_COUNT,
+    E2EConfig,
+    E2EResult,
+    RunOutcome,
+    RunSpec,
+    global_batch_size,
+)
 from megatron.bench.flops import tflops_per_gpu
-from megatron.shapes import dense_training_flops
+from megatron.shapes import dense_training_flops, training_flops
 
 
 def train_steps(records: List[dict]) -> List[dict]:
@@ -48,7 +56,8 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     """Turn a run into a report row: the mean iteration time after ``--warmup``.
 
     FLOPs per iteration are the one count (:func:`megatron.shapes.dense_training_flops`,
-    the training loop's too); MFU uses
+    the training loop's too; with ``--docs`` :func:`megatron.shapes.training_flops` of the
+    trained documents' pairs, ``res.flops_count`` says which); MFU uses
     ``--peak-tflops`` or else the peak the training loop itself used (none on the CPU).
     """
     gbs = global_batch_size(cfg, spec)
@@ -57,19 +66,24 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
                     command=" ".join(shlex.quote(c) for c in outcome.command),
                     round=spec.round)
     res.flops_per_iteration = dense_training_flops(cfg.shape, spec.seq_len, gbs)
+    res.docs = cfg.docs
     steps = train_steps(outcome.records)
     if steps:
         res.last_loss = _number(steps[-1], "lm_loss")
     res.num_layers = cfg.shape.num_layers
     res.peak_mem_gib = _peak(steps, "mem_gib")
     res.peak_host_gib = _peak(steps, "host_mem_gib")
-    times = [t for t in (_number(r, "step_time_s") for r in steps[cfg.warmup:]) if t]
+    measured = [r for r in steps[cfg.warmup:] if _number(r, "step_time_s")]
+    times = [_number(r, "step_time_s") for r in measured]
     if outcome.status != "ok" or not times:
         if outcome.status == "ok":
             res.status, res.note = "error", "no timed iterations after --warmup"
         return res
     res.iterations_measured = len(times)
     seconds = sum(times) / len(times)
+    if cfg.docs is not None:
+        if not _count_useful(cfg, spec, gbs, outcome, measured, res):
+            return res
     res.iter_ms = 1e3 * seconds
     res.iter_ms_each = [1e3 * t for t in times]
     res.tokens_per_s = gbs * spec.seq_len / seconds
@@ -78,3 +92,23 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     res.peak_tflops = cfg.peak_tflops or peak_tflops_of_run(steps)
     res.mfu = res.tflops_per_gpu / res.peak_tflops if res.peak_tflops else None
     return res
+
+
+def _count_useful(cfg: E2EConfig, spec: RunSpec, gbs: int, outcome: RunOutcome,
+                  measured: List[dict], res: E2EResult) -> bool:
+    """With ``--docs``: FLOPs per iteration from the documents the measured iterations trained
+    (their mean, so TFLOP/s = their FLOPs over their time). False, with the row an error, when
+    the run's documents were not counted."""
+    pairs, docs = outcome.attention_pairs, outcome.documents or []
+    index = [int(r["iteration"]) - 1 for r in measured]
+    if pairs is None or not index or max(index) >= len(pairs):
+        res.status, res.note = "error", "--docs: the trained documents were not counted"
+        return False
+    chosen = [pairs[i] for i in index]
+    res.flops_count = USEFUL_COUNT
+    res.attention_pairs = sum(chosen) / len(chosen)
+    if docs:
+        res.documents_per_iteration = sum(docs[i] for i in index) / len(index)
+    res.flops_per_iteration = sum(training_flops(cfg.shape, gbs * spec.seq_len, p)
+                                  for p in chosen) / len(chosen)
+    return True
