@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -29,6 +29,8 @@ import time
 
 import pytest
 
+from tests.helpers import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 
@@ -47,15 +49,9 @@ TRAINING = [
 ]
 
 
-def _free_port() -> int:
-    from tests.harness import free_port
-
-    return free_port()
-
-
 def _torchrun(args, cwd, nproc=2, timeout=300, check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), PRETRAIN] + args
+           "--master-port", str(free_port()), PRETRAIN] + args
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
@@ -270,7 +266,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     metrics = str(tmp_path / "metrics.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), PRETRAIN] + MODEL + TRAINING + [
+           "--master-port", str(free_port()), PRETRAIN] + MODEL + TRAINING + [
         "--ulysses-degree", "2", "--train-iters", "100000", "--save", ckpt,
         "--metrics-file", metrics, "--log-interval", "1"]
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE,

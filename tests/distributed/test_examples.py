@@ -23,6 +23,8 @@ import subprocess
 
 import pytest
 
+from tests.helpers import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 # Each script and the test that runs it (pretrain_cpu.sh runs twice inside the quick
@@ -49,17 +51,11 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",
          "--max-position-embeddings", "64", "--num-workers", "0", "--lr-warmup-iters", "1"]
 
 
-def _free_port() -> int:
-    from tests.harness import free_port
-
-    return free_port()
-
-
 def _env(**overrides):
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    env.update(MASTER_PORT=str(_free_port()), PRECISION="fp32")
+    env.update(MASTER_PORT=str(free_port()), PRECISION="fp32")
     env.update({k: str(v) for k, v in overrides.items()})
     return env
 

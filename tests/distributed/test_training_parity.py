@@ -29,6 +29,8 @@ import sys
 
 import pytest
 
+from tests.helpers import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
 TOLERANCE = 1e-5
@@ -193,7 +195,7 @@ def test_torchrun_subprocess_matches(parity_runs, tmp_path):
     argv = MODEL + TRAINING + ["--ulysses-degree", "2", "--micro-batch-size", "4",
                                "--metrics-file", metrics]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + argv
+           "--master-port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + argv
     proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"iteration {STEPS:8d}/{STEPS:8d}" in proc.stdout
@@ -205,9 +207,3 @@ def test_torchrun_subprocess_matches(parity_runs, tmp_path):
     assert tool.returncode == 0, tool.stdout + tool.stderr
     assert "OK: the curves agree" in tool.stdout
     assert os.path.getsize(png) > 10_000
-
-
-def _free_port() -> int:
-    from tests.harness import free_port
-
-    return free_port()
