@@ -29,18 +29,14 @@ import time
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, tiny_gpt_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--make-vocab-size-divisible-by", "32",
-]
+MODEL = tiny_gpt_flags(max_position_embeddings=None,
+                       untie_embeddings_and_output_weights=True,
+                       make_vocab_size_divisible_by=32)
 TRAINING = [
     "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3",
     "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "2e-4",

@@ -23,7 +23,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, tiny_gpt_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -38,13 +38,11 @@ RUN_BY = {
     "slurm_usp.sbatch": "test_slurm_template_runs_its_srun_line",
 }
 SCRIPTS = sorted(RUN_BY)
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "64",
-        "--max-position-embeddings", "64", "--micro-batch-size", "1",
-        "--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "1",
-        "--save-interval", "3", "--eval-interval", "3", "--eval-iters", "1",
-        "--log-interval", "1", "--device", "cpu", "--num-workers", "0",
-        "--make-vocab-size-divisible-by", "32"]
+TINY = tiny_gpt_flags(
+    llama=False, ffn_hidden_size=128, num_query_groups=2, max_position_embeddings=64,
+    micro_batch_size=1, global_batch_size=4, train_iters=3, lr_warmup_iters=1,
+    save_interval=3, eval_interval=3, eval_iters=1, log_interval=1, device="cpu",
+    num_workers=0, make_vocab_size_divisible_by=32)
 
 # For the CPU scripts, which already have a small model: smaller still, 3 iterations.
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",

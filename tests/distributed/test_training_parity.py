@@ -29,19 +29,14 @@ import sys
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, tiny_gpt_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
 TOLERANCE = 1e-5
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-    "--max-position-embeddings", "64", "--swiglu", "--normalization", "RMSNorm",
-    "--position-embedding-type", "rope", "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "32",
-]
+MODEL = tiny_gpt_flags(untie_embeddings_and_output_weights=True,
+                       make_vocab_size_divisible_by=32)
 TRAINING = [
     "--global-batch-size", "8", "--train-iters", str(STEPS), "--lr", "2e-3",
     "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3",

@@ -22,6 +22,7 @@ from megatron.usp.document_mask import (
     token_runs,
 )
 from megatron.usp.document_ring import build_document_ring_plan, needs_matrix, ring_positions
+from tests.helpers import tiny_gpt_flags
 
 EOD = 7
 
@@ -296,9 +297,8 @@ def test_document_batching_on_the_corpus(small_corpus, tmp_path):
 
 
 # --------------------------------------------------------------------------- bad input
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64", "--train-iters", "2",
-        "--lr", "1e-3", "--device", "cpu"]
+BASE = tiny_gpt_flags(llama=False, max_position_embeddings=64, train_iters=2, lr="1e-3",
+                      device="cpu")
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -12,6 +12,7 @@ from megatron.training.observe.metrics import (
     Throughput,
     training_flops_per_iteration,
 )
+from tests.helpers import tiny_gpt_flags
 
 
 def _hand_count(L, h, n, g, d, f, s, V, swiglu, causal, B):
@@ -73,9 +74,8 @@ def test_full_attention_equals_megatron_lms_formula():
 def test_shape_from_args_uses_gqa_only_when_asked():
     from megatron.training.cli.arguments import parse_args, validate_args
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-            "--seq-length", "64", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
-            "--vocab-size", "100"]
+    base = tiny_gpt_flags(llama=False, num_attention_heads=8, train_iters=2, lr="1e-3",
+                          mock_data=True, vocab_size=100)
     for extra, groups in ((["--group-query-attention", "--num-query-groups", "2"], 2), ([], 8)):
         args = validate_args(parse_args(base + extra), 1, cuda_available=False)
         args.padded_vocab_size = 128
