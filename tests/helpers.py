@@ -4,6 +4,7 @@
 * ``rel_err(got, want)``: ``||got - want|| / ||want||`` in float64.
 * ``tiny_gpt_flags(**overrides)``: ``pretrain_gpt.py`` flags of the tiny Llama-style model
   the CPU runs train (2 layers, hidden 64, 4 heads in 2 query groups, 64 tokens).
+* ``document_offsets(segment_ids)``: the position of each token inside its document.
 * ``gpt_config``, ``attention_config``, ``swiglu_mlp_config``: megatron-core
   ``TransformerConfig`` objects for the same tiny model, for one core-attention module and
   for one SwiGLU MLP, initialised on the CPU in float64 unless overridden.
@@ -132,3 +133,20 @@ def swiglu_mlp_config(hidden_size: int, ffn_hidden_size: int, **overrides: Any):
                   gradient_accumulation_fusion=False)
     kwargs.update(overrides)
     return _cpu_float64(**kwargs)
+
+
+# ------------------------------------------------------------------ references
+def document_offsets(segment_ids):
+    """Position of every token inside its document (what ``--reset-position-ids`` gives).
+
+    ``segment_ids`` [..., s] non-decreasing along the last dim; returns int64 of the same shape.
+    """
+    import torch
+
+    s = segment_ids.shape[-1]
+    idx = torch.arange(s, device=segment_ids.device).expand(segment_ids.shape)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx))
+    first = torch.cummax(first, dim=-1).values
+    return idx - first

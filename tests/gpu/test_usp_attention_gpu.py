@@ -96,7 +96,8 @@ def test_torch_kernel_routes_on_gpu(route):
     out/lse in the backward) against the math kernel in float64 on the same values.
 
     Tolerance: relative L2 error 2e-2 for bf16 (8 mantissa bits), 1e-4 for fp32."""
-    from megatron.usp.kernels import MathKernel, merge_block_, new_accumulators
+    from megatron.usp.kernels import MathKernel, merge_block_
+    from tests.unit.test_kernels import new_accumulators
 
     routes = _routes()
     if route not in routes:

@@ -16,13 +16,12 @@ from megatron.usp import load_balance as lb
 from megatron.usp import token_layout as layout
 from megatron.usp.document_mask import (
     dense_document_mask,
-    document_offsets,
     segment_ids_from_tokens,
     tiles_for_block,
     token_runs,
 )
 from megatron.usp.document_ring import build_document_ring_plan, needs_matrix, ring_positions
-from tests.helpers import tiny_gpt_flags
+from tests.helpers import document_offsets, tiny_gpt_flags
 
 EOD = 7
 
