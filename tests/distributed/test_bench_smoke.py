@@ -19,6 +19,8 @@ import pytest
 
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
+
 REPO = Path(__file__).resolve().parents[2]
 
 TINY = ["--heads", "4", "--head-dim", "16", "--dtype", "fp32", "--iters", "1"]

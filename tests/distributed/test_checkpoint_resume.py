@@ -31,6 +31,8 @@ import pytest
 
 from tests.helpers import free_port, tiny_gpt_flags
 
+pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 

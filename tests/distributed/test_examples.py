@@ -95,6 +95,7 @@ def test_scripts_parse(script):
     assert mode & stat.S_IXUSR, f"{script} is not executable"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,nproc,env,layout", [
     ("pretrain_dp.sh", 2, {}, "TP1 U1 R1 DP2 PP1"),
     ("pretrain_tp_usp.sh", 4, {"TP_SIZE": 2, "ULYSSES_DEGREE": 1, "RING_DEGREE": 2},
@@ -106,6 +107,7 @@ def test_gpu_script_on_cpu(script, nproc, env, layout, tmp_path):
     assert _check_run_dir(run_dir) == layout
 
 
+@pytest.mark.slow
 def test_slurm_template_runs_its_srun_line(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -133,6 +135,7 @@ def test_slurm_template_runs_its_srun_line(tmp_path):
     assert "examples/pretrain_usp.sh" in srun_args
 
 
+@pytest.mark.slow
 def test_quickstart(tmp_path):
     out = tmp_path / "quickstart"
     proc = _run("quickstart_cpu.sh", _env(QUICKSTART_DIR=str(out), TRAIN_ITERS=3),

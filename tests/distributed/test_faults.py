@@ -30,6 +30,8 @@ import pytest
 
 from tests.helpers import tiny_gpt_flags
 
+pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 LAUNCH = os.path.join(ROOT, "tools", "launch.py")

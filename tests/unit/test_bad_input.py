@@ -161,6 +161,7 @@ def test_tokenizer_model_without_data_path():
         validate_args(parse_args(argv), 1, cuda_available=False)
 
 
+@pytest.mark.slow
 def test_command_line_reports_one_error_line():
     import subprocess
     import sys

@@ -239,6 +239,7 @@ def test_each_warning_once_in_one_line_and_megatron_core_on_rank_0_only():
         assert [log.filter(rec), log.filter(rec)] == [rank0, False]
 
 
+@pytest.mark.slow
 def test_filters_catch_megatron_core_import_warnings():
     """Installed before megatron-core is imported, its fallback warnings come out once."""
     code = ("import logging, warnings\n"

@@ -6,6 +6,8 @@ import datetime as dt
 import json
 import textwrap
 
+import pytest
+
 from tests import gpu_runner as gr
 
 
@@ -73,6 +75,7 @@ def test_the_record_holds_versions_and_every_outcome(tmp_path):
         "tests/gpu/test_a.py::t[x]": 3.25, "tests/gpu/test_a.py::u": 1.0}
 
 
+@pytest.mark.slow
 def test_a_chunk_reports_each_test_and_stops_at_its_budget(tmp_path):
     (tmp_path / "test_fake.py").write_text(textwrap.dedent("""
         import time
