@@ -12,7 +12,8 @@ from tests.harness import run_on_ranks  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped without them (run on the device)")
-    config.addinivalue_line("markers", "slow: long CPU test (still run in CI)")
+    config.addinivalue_line(
+        "markers", "slow: a CPU test of 10 s or more; CI runs it, -m \"not slow\" leaves it out")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+from tests.helpers import free_port
 
 DEFAULT_TIMEOUT_S = 240.0
 
@@ -36,12 +37,6 @@ def run_under_triton_interpreter(code: str, timeout: float = 300.0) -> str:
                          text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, queue, args, kwargs):

@@ -42,19 +42,6 @@ def segment_ids_from_tokens(tokens: Tensor, eod: int) -> Tensor:
     return seg
 
 
-def document_offsets(segment_ids: Tensor) -> Tensor:
-    """Position of every token inside its document (what ``--reset-position-ids`` gives).
-
-    ``segment_ids`` [..., s] non-decreasing along the last dim; returns int64 of the same shape.
-    """
-    s = segment_ids.shape[-1]
-    idx = torch.arange(s, device=segment_ids.device).expand(segment_ids.shape)
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
-    first = torch.where(starts, idx, torch.zeros_like(idx))
-    first = torch.cummax(first, dim=-1).values
-    return idx - first
-
 
 # --------------------------------------------------------------------------- runs and tiles
 @dataclass(frozen=True)

@@ -170,14 +170,6 @@ def _lerp_merge_(acc: Tensor, block: Tensor, w_blk: Tensor) -> None:
     acc.lerp_(blk, w_blk)
 
 
-def new_accumulators(like_out: Tensor) -> Tuple[Tensor, Tensor]:
-    """Empty running (out, lse) for rows shaped like ``like_out`` [b, h, s, d]: 0 and -inf."""
-    acc = accum_dtype(like_out.dtype)
-    out = torch.zeros(like_out.shape, dtype=acc, device=like_out.device)
-    lse = torch.full(like_out.shape[:-1], float("-inf"), dtype=acc, device=like_out.device)
-    return out, lse
-
-
 # --------------------------------------------------------------------------- interface
 class AttentionKernel(ABC):
     """Local attention on [b, h, s, d] tensors returning (out, lse) and (dq, dk, dv).

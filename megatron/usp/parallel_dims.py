@@ -354,10 +354,6 @@ class ParallelDims:
         groups["position_embedding"] = [[g[0]] for g in pp_groups]
         return groups
 
-    def group_of(self, axes: Sequence[str], rank: int) -> List[int]:
-        """The group varying ``axes`` that holds ``rank``."""
-        return group_containing(self.rank_groups(axes), rank)
-
 
 def group_containing(groups: List[List[int]], rank: int) -> List[int]:
     """The one group in ``groups`` that contains ``rank``."""

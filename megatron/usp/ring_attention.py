@@ -100,14 +100,6 @@ class BlockPlan:
     kv_cols: str
     causal: bool
 
-    @property
-    def work_units(self) -> float:
-        """Work in c x c blocks; a causal (diagonal) block pair counts half of its area."""
-        rows = 2 if self.q_rows == "all" else 1
-        cols = 2 if self.kv_cols == "all" else 1
-        area = rows * cols
-        return area / 2 if self.causal else float(area)
-
 
 def zigzag_block_plan(step: int, rank: int, size: int, causal: bool) -> BlockPlan:
     """The block ring rank ``rank`` of ``size`` computes at ``step`` (see module docstring)."""

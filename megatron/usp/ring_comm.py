@@ -33,6 +33,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.usp.parallel_dims import ring_neighbours
+
 Tensor = torch.Tensor
 
 # Ring groups that have run a collective with every rank (see the module docstring).
@@ -80,8 +82,9 @@ class RingComm:
             return
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.send_to = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.recv_from = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        send_to, recv_from = ring_neighbours(self.rank, self.size)
+        self.send_to = dist.get_global_rank(group, send_to)
+        self.recv_from = dist.get_global_rank(group, recv_from)
 
     def exchange(self, send_buf: Tensor, recv_buf: Optional[Tensor] = None) -> PendingExchange:
         """Start sending ``send_buf`` to the next rank and receiving into ``recv_buf``.

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from functools import partial
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-         "--max-position-embeddings", "64", "--swiglu", "--normalization", "RMSNorm",
-         "--position-embedding-type", "rope", "--disable-bias-linear",
-         "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "32",
-         "--global-batch-size", "8", "--micro-batch-size", "1", "--train-iters", "1",
-         "--lr", "1e-3", "--num-workers", "0", "--device", "cpu", "--seed", "1234",
-         "--eval-iters", "0"]
+from tests.helpers import tiny_gpt_flags
+
+MODEL = tiny_gpt_flags(
+    untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=32,
+    global_batch_size=8, micro_batch_size=1, train_iters=1, lr="1e-3", num_workers=0,
+    device="cpu", seed=1234, eval_iters=0)
 LAYOUTS = {"dp4": [], "u2": ["--ulysses-degree", "2"]}
 
 

@@ -29,16 +29,16 @@ import time
 
 import pytest
 
+from tests.helpers import free_port, tiny_gpt_flags
+
+pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--make-vocab-size-divisible-by", "32",
-]
+MODEL = tiny_gpt_flags(max_position_embeddings=None,
+                       untie_embeddings_and_output_weights=True,
+                       make_vocab_size_divisible_by=32)
 TRAINING = [
     "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3",
     "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "2e-4",
@@ -47,15 +47,9 @@ TRAINING = [
 ]
 
 
-def _free_port() -> int:
-    from tests.harness import free_port
-
-    return free_port()
-
-
 def _torchrun(args, cwd, nproc=2, timeout=300, check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), PRETRAIN] + args
+           "--master-port", str(free_port()), PRETRAIN] + args
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
@@ -270,7 +264,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     metrics = str(tmp_path / "metrics.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), PRETRAIN] + MODEL + TRAINING + [
+           "--master-port", str(free_port()), PRETRAIN] + MODEL + TRAINING + [
         "--ulysses-degree", "2", "--train-iters", "100000", "--save", ckpt,
         "--metrics-file", metrics, "--log-interval", "1"]
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE,

@@ -38,6 +38,7 @@ from megatron.usp.document_ring import build_document_ring_plan
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 from tests.distributed.test_usp_attention import CommCounter
+from tests.helpers import attention_config
 
 TOL = dict(atol=1e-10, rtol=1e-10)
 NUM_HEADS = 8
@@ -175,16 +176,10 @@ def run_case(groups, case, seq_len, batch=2):
 
 def _module_call(groups, hk, q, k, v, plan, kernel):
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.usp.core_attention import DocumentParams, USPAttention
 
-    config = TransformerConfig(
-        num_layers=1, hidden_size=NUM_HEADS * HEAD_DIM, num_attention_heads=NUM_HEADS,
-        num_query_groups=hk, kv_channels=HEAD_DIM, context_parallel_size=groups.dims.cp,
-        hierarchical_context_parallel_sizes=[groups.dims.ulysses, groups.dims.ring],
-        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        params_dtype=torch.float64)
+    config = attention_config(NUM_HEADS, HEAD_DIM, hk, groups.dims)
     module = USPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                           pg_collection=groups.pg_collection, document_kernel=kernel)
     params = DocumentParams.for_plan(plan)

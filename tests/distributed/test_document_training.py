@@ -25,6 +25,8 @@ import pytest
 
 from tests.distributed.test_training_parity import MODEL, STEPS, TOLERANCE, TRAINING, _compare_tool
 
+pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
+
 FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 LAYOUTS = {
     "dp4": ["--micro-batch-size", "1"] + FLAGS,

@@ -23,6 +23,8 @@ import subprocess
 
 import pytest
 
+from tests.helpers import free_port, tiny_gpt_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 # Each script and the test that runs it (pretrain_cpu.sh runs twice inside the quick
@@ -36,30 +38,22 @@ RUN_BY = {
     "slurm_usp.sbatch": "test_slurm_template_runs_its_srun_line",
 }
 SCRIPTS = sorted(RUN_BY)
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "64",
-        "--max-position-embeddings", "64", "--micro-batch-size", "1",
-        "--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "1",
-        "--save-interval", "3", "--eval-interval", "3", "--eval-iters", "1",
-        "--log-interval", "1", "--device", "cpu", "--num-workers", "0",
-        "--make-vocab-size-divisible-by", "32"]
+TINY = tiny_gpt_flags(
+    llama=False, ffn_hidden_size=128, num_query_groups=2, max_position_embeddings=64,
+    micro_batch_size=1, global_batch_size=4, train_iters=3, lr_warmup_iters=1,
+    save_interval=3, eval_interval=3, eval_iters=1, log_interval=1, device="cpu",
+    num_workers=0, make_vocab_size_divisible_by=32)
 
 # For the CPU scripts, which already have a small model: smaller still, 3 iterations.
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",
          "--max-position-embeddings", "64", "--num-workers", "0", "--lr-warmup-iters", "1"]
 
 
-def _free_port() -> int:
-    from tests.harness import free_port
-
-    return free_port()
-
-
 def _env(**overrides):
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    env.update(MASTER_PORT=str(_free_port()), PRECISION="fp32")
+    env.update(MASTER_PORT=str(free_port()), PRECISION="fp32")
     env.update({k: str(v) for k, v in overrides.items()})
     return env
 
@@ -101,6 +95,7 @@ def test_scripts_parse(script):
     assert mode & stat.S_IXUSR, f"{script} is not executable"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,nproc,env,layout", [
     ("pretrain_dp.sh", 2, {}, "TP1 U1 R1 DP2 PP1"),
     ("pretrain_tp_usp.sh", 4, {"TP_SIZE": 2, "ULYSSES_DEGREE": 1, "RING_DEGREE": 2},
@@ -112,6 +107,7 @@ def test_gpu_script_on_cpu(script, nproc, env, layout, tmp_path):
     assert _check_run_dir(run_dir) == layout
 
 
+@pytest.mark.slow
 def test_slurm_template_runs_its_srun_line(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -139,6 +135,7 @@ def test_slurm_template_runs_its_srun_line(tmp_path):
     assert "examples/pretrain_usp.sh" in srun_args
 
 
+@pytest.mark.slow
 def test_quickstart(tmp_path):
     out = tmp_path / "quickstart"
     proc = _run("quickstart_cpu.sh", _env(QUICKSTART_DIR=str(out), TRAIN_ITERS=3),

@@ -28,13 +28,16 @@ import time
 
 import pytest
 
+from tests.helpers import tiny_gpt_flags
+
+pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 LAUNCH = os.path.join(ROOT, "tools", "launch.py")
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--mock-data", "--vocab-size", "512", "--lr", "1e-3",
-        "--num-workers", "0", "--device", "cpu", "--eval-iters", "0", "--log-interval", "1"]
+TINY = tiny_gpt_flags(llama=False, mock_data=True, vocab_size=512, lr="1e-3", num_workers=0,
+                      device="cpu", eval_iters=0, log_interval=1)
 
 
 def _env():

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.helpers import tiny_gpt_flags
+
 SEQ, BATCH, HIDDEN, VOCAB = 10, 2, 16, 48
 CHUNKS = (1, 3, 10, 64)
 TOL = dict(atol=1e-12, rtol=1e-12)
@@ -130,11 +132,10 @@ def test_tp2_with_and_without_sequence_parallel(dist_run):
     dist_run(_tp2_checks, 2, timeout=240)
 
 
-MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-              "--seq-length", "16", "--swiglu", "--normalization", "RMSNorm",
-              "--position-embedding-type", "rope", "--disable-bias-linear", "--train-iters",
-              "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "60", "--device", "cpu",
-              "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+MODEL_ARGS = tiny_gpt_flags(
+    hidden_size=32, group_query_attention=None, num_query_groups=None, seq_length=16,
+    max_position_embeddings=None, train_iters=1, lr="1e-3", mock_data=True, vocab_size=60,
+    device="cpu", tensor_model_parallel_size=2, sequence_parallel=True)
 
 
 def _build(config, groups):

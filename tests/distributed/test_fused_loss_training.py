@@ -29,17 +29,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import tiny_gpt_flags
+
 STEPS = 12
 CHUNK = 24
 TOLERANCE = 2e-6
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-    "--max-position-embeddings", "64", "--swiglu", "--normalization", "RMSNorm",
-    "--position-embedding-type", "rope", "--disable-bias-linear",
-    "--make-vocab-size-divisible-by", "32",
-]
+MODEL = tiny_gpt_flags(make_vocab_size_divisible_by=32)
 TRAINING = [
     "--global-batch-size", "8", "--train-iters", str(STEPS), "--lr", "2e-3",
     "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3",

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from megatron.usp import token_order
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+from tests.helpers import gpt_config
 
 TOL = dict(atol=1e-9, rtol=1e-9)
 FLOAT32_LOSS_TOL = dict(atol=1e-9, rtol=1e-6)
@@ -79,25 +80,6 @@ def _lean_name(name: str) -> str:
     for old, new in LEAN_NAMES.items():
         name = name.replace(old, new)
     return name
-
-
-def _config(cp: int, ulysses: int, ring: int, tp: int = 1, sequence_parallel: bool = False,
-            fused: bool = False):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-        kv_channels=8, ffn_hidden_size=96, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, use_cpu_initialization=True, params_dtype=torch.float64,
-        context_parallel_size=cp,
-        hierarchical_context_parallel_sizes=[ulysses, ring] if cp > 1 else None,
-        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
-        use_te_activation_func=fused,
-    )
 
 
 def _model(spec, config, pg_collection):
@@ -129,7 +111,7 @@ def _reference(rank, world_size, out_dir):
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size()))
     model_parallel_cuda_manual_seed(SEED)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    model = _model(spec, _config(1, 1, 1), groups.pg_collection)
+    model = _model(spec, gpt_config(), groups.pg_collection)
     gen = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
@@ -218,7 +200,7 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: di
     cp, cp_rank, tp_rank = ulysses * ring, groups.cp_rank, dist.get_rank(groups.tp)
     choice, lean = MODES[mode]
     fused = mode != "plain"
-    config = _config(cp, ulysses, ring, tp, sp, fused)
+    config = gpt_config(tp, ulysses, ring, sp, use_te_activation_func=fused)
     if fused:
         fused_kernels._compiled = lambda fn: fn   # the plain functions, eagerly (CPU ranks)
     spec = get_usp_gpt_block_spec(config, pp_rank=0, options=LayerSpecOptions(
@@ -291,7 +273,7 @@ def _checkpoint_keys(rank, world_size):
     fused_kernels._compiled = lambda fn: fn
     keys = {}
     for mode, (choice, lean) in MODES.items():
-        config = _config(1, 1, 1, fused=mode != "plain")
+        config = gpt_config(use_te_activation_func=mode != "plain")
         spec = get_usp_gpt_block_spec(config, pp_rank=0, options=LayerSpecOptions(
             fused_kernels=choice, lean_norms=lean, lean_swiglu=lean))
         sd = _model(spec, config, groups.pg_collection).sharded_state_dict()

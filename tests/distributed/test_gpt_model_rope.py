@@ -14,7 +14,8 @@ import torch
 from megatron.usp import token_order
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
-from tests.distributed.test_gpt_forward_parity import SEED, VOCAB, _config
+from tests.distributed.test_gpt_forward_parity import SEED, VOCAB
+from tests.helpers import gpt_config
 
 SEQ, BATCH = 32, 2
 
@@ -47,7 +48,7 @@ def _check(rank, world_size):
     apply_cpu_shims()
     for ulysses, ring in ((2, 1), (1, 2)):
         groups = initialize_usp_parallel(ParallelDims(world_size, ulysses=ulysses, ring=ring))
-        config = _config(2, ulysses, ring)
+        config = gpt_config(ulysses=ulysses, ring=ring)
         config.params_dtype = torch.float32
         gen = torch.Generator().manual_seed(SEED)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)

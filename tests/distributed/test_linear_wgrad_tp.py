@@ -15,29 +15,25 @@ import dataclasses
 
 import torch
 
+from tests.helpers import swiglu_mlp_config
+
 TOL = dict(atol=1e-12, rtol=1e-12)
 SEQ, BATCH, HIDDEN, FFN = 8, 2, 16, 24
 
 
 def _mlp(sequence_parallel: bool, ours: bool, swiglu_inside: bool):
-    import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.parallel_state import get_tensor_model_parallel_group
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.layers.fused_linears import PassThroughActivation, SwiGLURowParallelLinear
     from megatron.training.model.layer_specs import with_wgrad_fusion
 
-    config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        bias_activation_fusion=False, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=2, sequence_parallel=sequence_parallel,
-        use_te_activation_func=swiglu_inside,
-        use_cpu_initialization=True, params_dtype=torch.float64)
+    config = swiglu_mlp_config(HIDDEN, FFN, tensor_model_parallel_size=2,
+                               sequence_parallel=sequence_parallel,
+                               use_te_activation_func=swiglu_inside)
     sub = get_gpt_layer_local_spec().submodules.mlp.submodules
     if swiglu_inside:
         sub = dataclasses.replace(sub, activation_func=PassThroughActivation, linear_fc2=ModuleSpec(

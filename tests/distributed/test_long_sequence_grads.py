@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+from tests.helpers import gpt_config
 
 SEQ, BATCH, VOCAB, SEED, LAYERS = 64, 2, 96, 1234, 3
 TOL = dict(atol=1e-12, rtol=1e-12)
@@ -40,21 +41,9 @@ VARIANTS = {  # name -> (full recompute, keep, offload, tile)
 
 
 def _config(tp, ulysses, ring, sp, full):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cp = ulysses * ring
     recompute = dict(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1) if full else {}
-    return TransformerConfig(
-        num_layers=LAYERS, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-        kv_channels=8, ffn_hidden_size=96, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, use_cpu_initialization=True, params_dtype=torch.float64,
-        context_parallel_size=cp, hierarchical_context_parallel_sizes=[ulysses, ring] if cp > 1
-        else None, tensor_model_parallel_size=tp, sequence_parallel=sp, **recompute)
+    return gpt_config(tp, ulysses, ring, sp, num_layers=LAYERS, **recompute)
 
 
 def _build(variant, layout, groups):

@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import tiny_gpt_flags
+
 STEPS = 4
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-    "--max-position-embeddings", "64", "--swiglu", "--normalization", "RMSNorm",
-    "--position-embedding-type", "rope", "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights", "--mock-data", "--vocab-size", "255",
-]
+MODEL = tiny_gpt_flags(untie_embeddings_and_output_weights=True, mock_data=True, vocab_size=255)
 TRAINING = [
     "--global-batch-size", "4", "--micro-batch-size", "1", "--train-iters", str(STEPS),
     "--lr", "3e-3", "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval", "10",

@@ -13,21 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import swiglu_mlp_config
+
 TOL = dict(atol=1e-12, rtol=1e-12)
 
 
 def _mlp(cls, **params):
-    import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.parallel_state import get_tensor_model_parallel_group
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
-        num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        bias_activation_fusion=False, gradient_accumulation_fusion=False,
-        use_cpu_initialization=True, params_dtype=torch.float64)
+    config = swiglu_mlp_config(64, 96)
     submodules = get_gpt_layer_local_spec().submodules.mlp.submodules
     model_parallel_cuda_manual_seed(1234)
     return cls(config, submodules, ffn_hidden_size=96,

@@ -29,17 +29,16 @@ import sys
 
 import pytest
 
+from tests.helpers import free_port, tiny_gpt_flags
+
+pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
 TOLERANCE = 1e-5
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-    "--max-position-embeddings", "64", "--swiglu", "--normalization", "RMSNorm",
-    "--position-embedding-type", "rope", "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "32",
-]
+MODEL = tiny_gpt_flags(untie_embeddings_and_output_weights=True,
+                       make_vocab_size_divisible_by=32)
 TRAINING = [
     "--global-batch-size", "8", "--train-iters", str(STEPS), "--lr", "2e-3",
     "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3",
@@ -193,7 +192,7 @@ def test_torchrun_subprocess_matches(parity_runs, tmp_path):
     argv = MODEL + TRAINING + ["--ulysses-degree", "2", "--micro-batch-size", "4",
                                "--metrics-file", metrics]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + argv
+           "--master-port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + argv
     proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"iteration {STEPS:8d}/{STEPS:8d}" in proc.stdout
@@ -205,9 +204,3 @@ def test_torchrun_subprocess_matches(parity_runs, tmp_path):
     assert tool.returncode == 0, tool.stdout + tool.stderr
     assert "OK: the curves agree" in tool.stdout
     assert os.path.getsize(png) > 10_000
-
-
-def _free_port() -> int:
-    from tests.harness import free_port
-
-    return free_port()

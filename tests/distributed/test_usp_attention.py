@@ -37,6 +37,7 @@ from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 from megatron.usp.ring_attention import ring_accum_dtype
+from tests.helpers import attention_config
 
 TOL = dict(atol=1e-10, rtol=1e-10)
 NUM_HEADS = 8
@@ -94,19 +95,11 @@ def tp_heads(x, tp_rank, tp, total_heads):
 
 def _module(groups, case, tp):
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.usp.core_attention import USPAttention
 
-    d = case["head_dim"]
-    config = TransformerConfig(
-        num_layers=1, hidden_size=NUM_HEADS * d, num_attention_heads=NUM_HEADS,
-        num_query_groups=case["num_kv_heads"], kv_channels=d,
-        tensor_model_parallel_size=tp, context_parallel_size=groups.dims.cp,
-        hierarchical_context_parallel_sizes=[groups.dims.ulysses, groups.dims.ring],
-        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        params_dtype=torch.float64,
-    )
+    config = attention_config(NUM_HEADS, case["head_dim"], case["num_kv_heads"], groups.dims,
+                              tensor_model_parallel_size=tp)
     if case["num_kv_heads"] < tp:          # what megatron's Attention hands core attention
         config.num_query_groups = tp
     mask = AttnMaskType.causal if case["causal"] else AttnMaskType.no_mask
@@ -300,12 +293,7 @@ def test_case_matrix_covers_the_issue():
 
 # --------------------------------------------------------------------------- bad input
 def _config(**overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kwargs = dict(num_layers=1, hidden_size=64, num_attention_heads=4, kv_channels=16,
-                  attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return attention_config(4, 16, **{"params_dtype": torch.float32, **overrides})
 
 
 def _build(config, **kwargs):

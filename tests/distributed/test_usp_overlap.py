@@ -32,6 +32,7 @@ from tests.distributed.test_usp_attention import (
     check_communication,
     reference_attention,
 )
+from tests.helpers import attention_config, rel_err
 
 NUM_HEADS, HEAD_DIM, BATCH = 16, 16, 2
 KV_HEADS = (16, 8, 1)          # MHA, GQA, MQA
@@ -61,17 +62,10 @@ def _inputs(seq_len, hk, seed):
 
 def _module(groups, hk, chunks):
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.usp.core_attention import USPAttention
 
-    config = TransformerConfig(
-        num_layers=1, hidden_size=NUM_HEADS * HEAD_DIM, num_attention_heads=NUM_HEADS,
-        num_query_groups=hk, kv_channels=HEAD_DIM, context_parallel_size=groups.dims.cp,
-        hierarchical_context_parallel_sizes=[groups.dims.ulysses, groups.dims.ring],
-        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        params_dtype=torch.float64,
-    )
+    config = attention_config(NUM_HEADS, HEAD_DIM, hk, groups.dims)
     module = USPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                           pg_collection=groups.pg_collection, overlap_chunks=chunks)
     assert module.overlap_chunks == chunks
@@ -81,10 +75,6 @@ def _module(groups, hk, chunks):
 def _usp(groups, q, k, v, causal, chunks, backend="auto"):
     return usp_attention(q, k, v, ulysses_group=groups.ulysses, ring_group=groups.ring,
                          causal=causal, backend=backend, overlap_chunks=chunks)
-
-
-def _rel_l2(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def run_exact_case(groups, case, seq_len, via_module=False, dtype=torch.float64):
@@ -116,7 +106,7 @@ def run_exact_case(groups, case, seq_len, via_module=False, dtype=torch.float64)
             torch.testing.assert_close(got, mine(want), **TOL,
                                        msg=lambda m, n=name: f"{n}: {m}")
         else:   # bf16 inputs: within bf16 accuracy of the float64 result
-            assert _rel_l2(got, mine(want)) < 2e-2, (name, _rel_l2(got, mine(want)))
+            assert rel_err(got, mine(want)) < 2e-2, (name, rel_err(got, mine(want)))
 
 
 # --------------------------------------------------------------------------- overlap log
@@ -317,7 +307,6 @@ def test_explicit_overlap_chunks_are_checked():
 def test_single_rank_chunks_and_module_validation():
     """U = R = 1 with chunks (pure reorder pipeline) is exact; a bad value fails at build."""
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.usp.core_attention import USPAttention
 
@@ -332,9 +321,7 @@ def test_single_rank_chunks_and_module_validation():
     for leaf, ref in zip(leaves, refs):
         torch.testing.assert_close(leaf.grad, ref.grad, **TOL)
 
-    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
-                               num_query_groups=2, kv_channels=16, attention_dropout=0.0,
-                               hidden_dropout=0.0, use_cpu_initialization=True)
+    config = attention_config(4, 16, 2, params_dtype=torch.float32)
     build = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal)
     assert USPAttention(**build).overlap_chunks == 1
     assert USPAttention(**build, overlap_chunks=2).overlap_chunks == 2

@@ -8,22 +8,17 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
+from tests.helpers import gpt_config
+
 SEQ, BATCH, VOCAB, SEED = 1024, 2, 512, 1234
 
 
 def _config(fused_swiglu: bool):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
-        kv_channels=32, ffn_hidden_size=512, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        bias_activation_fusion=not fused_swiglu, use_te_activation_func=fused_swiglu,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, params_dtype=torch.bfloat16, bf16=True,
-        pipeline_dtype=torch.bfloat16)
+    """The tiny model four times wider, in bf16, initialised on the GPU."""
+    return gpt_config(hidden_size=256, kv_channels=32, ffn_hidden_size=512,
+                      bias_activation_fusion=not fused_swiglu,
+                      use_te_activation_func=fused_swiglu, use_cpu_initialization=False,
+                      params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16)
 
 
 def _plain_name(name: str) -> str:

@@ -23,15 +23,15 @@ import sys
 
 import pytest
 
+from tests.helpers import tiny_gpt_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ARGS = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
-        "--group-query-attention", "--num-query-groups", "2", "--seq-length", "512",
-        "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--mock-data",
-        "--vocab-size", "1024", "--micro-batch-size", "1", "--global-batch-size", "4",
-        "--train-iters", "8", "--lr", "1e-3", "--lr-warmup-iters", "2", "--seed", "1234",
-        "--bf16", "--use-distributed-optimizer", "--eval-iters", "0", "--num-workers", "0",
-        "--log-interval", "4", "--device", "cuda"]
+ARGS = tiny_gpt_flags(
+    hidden_size=256, seq_length=512, max_position_embeddings=None,
+    untie_embeddings_and_output_weights=True, mock_data=True, vocab_size=1024,
+    micro_batch_size=1, global_batch_size=4, train_iters=8, lr="1e-3", lr_warmup_iters=2,
+    seed=1234, bf16=True, use_distributed_optimizer=True, eval_iters=0, num_workers=0,
+    log_interval=4, device="cuda")
 
 
 def _pretrain(extra, cwd, expect_rc=0):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import rel_err
+
 IMPLS = ["compile", "liger"]
 NORM_GLU_IMPLS = IMPLS + ["usp"]      # RMSNorm and SwiGLU also have this project's kernels
 
@@ -19,10 +21,6 @@ def _available(impl: str) -> bool:
     from megatron.layers.fused_kernels import liger_importable
 
     return impl != "liger" or liger_importable()
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _check(fn_impl, fn_torch, fn_ref, inputs, extra=()):
@@ -46,7 +44,7 @@ def _check(fn_impl, fn_torch, fn_ref, inputs, extra=()):
     outs_r, grads_r = run(fn_ref, [x.double() for x in inputs])
     for got, base, ref in list(zip(outs, outs_t, outs_r)) + list(zip(grads, grads_t, grads_r)):
         assert got.dtype == base.dtype and got.shape == base.shape
-        err, err_t = _rel(got, ref), _rel(base, ref)
+        err, err_t = rel_err(got, ref), rel_err(base, ref)
         assert err_t < 2e-2, err_t                   # the plain bf16 path is itself right
         assert err <= 2 * err_t + 1e-3, (err, err_t)
 
@@ -152,7 +150,7 @@ def test_gpt_step_with_fused_kernels_on_gpu(impl, tmp_path):
     assert abs(loss_f - loss_t) <= 1e-2 * abs(loss_t)
     assert grads_t.keys() == grads_f.keys()
     for name, g in grads_t.items():
-        assert _rel(grads_f[name], g) < 5e-2, name
+        assert rel_err(grads_f[name], g) < 5e-2, name
 
 
 @pytest.mark.gpu
@@ -168,7 +166,7 @@ def test_gpt_step_with_usp_kernels_on_gpu(lean):
     assert abs(loss_f - loss_t) <= 1e-2 * abs(loss_t)
     assert grads_t.keys() == grads_f.keys()
     for name, g in grads_t.items():
-        assert _rel(grads_f[name], g) < 5e-2, name
+        assert rel_err(grads_f[name], g) < 5e-2, name
 
 
 @pytest.mark.gpu

@@ -19,9 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel_err
 
 
 def _randn(*shape, seed=0, scale=1.0):
@@ -39,11 +37,11 @@ def test_wgrad_into_float32_main_grad_on_gpu():
     main = start.clone()
     accumulate_wgrad(main, dy, x)
     unfused = start + (dy.t() @ x).float()            # megatron-core without apex
-    err, err_unfused = _rel(main, exact), _rel(unfused, exact)
+    err, err_unfused = rel_err(main, exact), rel_err(unfused, exact)
     assert err < 2e-5 and err * 10 < err_unfused, (err, err_unfused)
     bf16_main = start.bfloat16()
     accumulate_wgrad(bf16_main, dy, x)
-    assert _rel(bf16_main, exact) < 2 ** -8, _rel(bf16_main, exact)
+    assert rel_err(bf16_main, exact) < 2 ** -8, rel_err(bf16_main, exact)
 
 
 @pytest.mark.gpu
@@ -58,7 +56,7 @@ def test_swiglu_backward_refill_on_gpu():
     ref = lk.swiglu_backward_math(dy.double(), x.double())
     xp = x.clone().requires_grad_(True)        # the plain bf16 path: silu(gate) * up in bf16
     (F.silu(xp[:, :f]) * xp[:, f:]).backward(dy)
-    err, err_plain = _rel(dx, ref), _rel(xp.grad, ref)
+    err, err_plain = rel_err(dx, ref), rel_err(xp.grad, ref)
     assert err <= 2 * err_plain + 1e-3, (err, err_plain)
     assert torch.equal(buf, forward), "the rewritten output differs from the forward's bits"
 
@@ -80,7 +78,8 @@ def test_swiglu_linear_on_gpu(fuse):
     ref = F.linear(F.silu(xr[..., :1408]) * xr[..., 1408:], wr)
     ref.backward(dy.double())
     gw = wl.main_grad if fuse else wl.grad
-    assert _rel(out, ref) < 1e-2 and _rel(xl.grad, xr.grad) < 1e-2 and _rel(gw, wr.grad) < 1e-2
+    assert rel_err(out, ref) < 1e-2 and rel_err(xl.grad, xr.grad) < 1e-2
+    assert rel_err(gw, wr.grad) < 1e-2
     if fuse:
         assert wl.grad_added_to_main_grad is True
 
@@ -94,4 +93,4 @@ def test_gpt_step_with_wgrad_fusion_on_gpu():
     assert abs(loss_f - loss_t) <= 1e-2 * abs(loss_t)
     assert grads_t.keys() == grads_f.keys()
     for name, g in grads_t.items():
-        assert _rel(grads_f[name], g) < 5e-2, name
+        assert rel_err(grads_f[name], g) < 5e-2, name

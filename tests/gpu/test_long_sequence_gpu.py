@@ -27,6 +27,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import swiglu_mlp_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REL = 2e-2
 
@@ -87,12 +89,10 @@ def test_offload_on_cuda_streams_is_exact():
 
 def _run_tiled_mlp():
     import torch.distributed as dist
-    import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.parallel_state import get_tensor_model_parallel_group
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.memory.tiled_mlp import TiledMLP
     from megatron.usp.parallel_dims import ParallelDims
@@ -104,11 +104,9 @@ def _run_tiled_mlp():
         os.environ.setdefault("MASTER_PORT", "29578")
         dist.init_process_group("nccl", rank=0, world_size=1)
     initialize_usp_parallel(ParallelDims(1))
-    config = TransformerConfig(
-        num_layers=1, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=2816,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        bias_activation_fusion=True, gradient_accumulation_fusion=False,
-        params_dtype=torch.bfloat16, bf16=True)
+    config = swiglu_mlp_config(1024, 2816, num_attention_heads=8, bias_activation_fusion=True,
+                               use_cpu_initialization=False, params_dtype=torch.bfloat16,
+                               bf16=True)
     sub = get_gpt_layer_local_spec().submodules.mlp.submodules
     outs = []
     for cls, kw in ((MLP, {}), (TiledMLP, {"tile_tokens": 2048})):

@@ -23,10 +23,8 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import (  # noqa: E
     HybridDeviceOptimizer,
 )
 
-from megatron.training.optim.offload_optimizer import (  # noqa: E402
-    StagedHybridDeviceOptimizer,
-    staging_bytes,
-)
+from megatron.training.optim.offload_optimizer import StagedHybridDeviceOptimizer  # noqa: E402
+from tests.unit.test_offload_optimizer import staging_bytes  # noqa: E402
 
 SHAPES = [(384, 256), (1000,), (256, 512), (64, 64), (3, 7, 11)]
 

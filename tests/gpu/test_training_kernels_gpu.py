@@ -16,9 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel_err
 
 
 @pytest.mark.gpu
@@ -36,7 +34,7 @@ def test_split_causal_forward_on_gpu():
     out, lse = split_causal_forward(q, kv, kernel, scale)
     whole, _ = kernel.forward(q, kv[0], kv[1], True, scale)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    err, err_whole = _rel(out, ref_out), _rel(whole, ref_out)
+    err, err_whole = rel_err(out, ref_out), rel_err(whole, ref_out)
     assert err < 2e-2 and err <= 2 * err_whole, (err, err_whole)
     assert (lse.double() - ref_lse).abs().max().item() < 1e-2
 
@@ -63,8 +61,8 @@ def test_fused_linear_cross_entropy_on_gpu():
     ref.backward(grad)
 
     assert loss.dtype == torch.float32 and loss.shape == (b, s)
-    assert _rel(loss, ref) < 1e-5
-    assert _rel(h1.grad, h2.grad) < 1e-2 and _rel(w1.grad, w2.grad) < 1e-2
+    assert rel_err(loss, ref) < 1e-5
+    assert rel_err(h1.grad, h2.grad) < 1e-2 and rel_err(w1.grad, w2.grad) < 1e-2
 
 
 @pytest.mark.gpu
@@ -89,5 +87,5 @@ def test_fused_linear_cross_entropy_gradients_in_forward_on_gpu():
     ref = F.cross_entropy(logits.reshape(s * b, vocab), labels.t().reshape(-1),
                           reduction="none").view(s, b).t()
     (ref * mask).sum().backward()
-    assert _rel(loss, ref) < 1e-5
-    assert _rel(h1.grad, h2.grad) < 1e-2 and _rel(w1.grad, w2.grad) < 1e-2
+    assert rel_err(loss, ref) < 1e-5
+    assert rel_err(h1.grad, h2.grad) < 1e-2 and rel_err(w1.grad, w2.grad) < 1e-2

@@ -25,6 +25,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import rel_err
+
 _TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "gpu_attention_check.py")
 
 
@@ -71,10 +73,6 @@ def test_usp_attention_gpu(tmp_path):
 
 
 # --------------------------------------------------------------------------- local kernels
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def _routes():
     from megatron.usp import kernels
 
@@ -98,7 +96,8 @@ def test_torch_kernel_routes_on_gpu(route):
     out/lse in the backward) against the math kernel in float64 on the same values.
 
     Tolerance: relative L2 error 2e-2 for bf16 (8 mantissa bits), 1e-4 for fp32."""
-    from megatron.usp.kernels import MathKernel, merge_block_, new_accumulators
+    from megatron.usp.kernels import MathKernel, merge_block_
+    from tests.unit.test_kernels import new_accumulators
 
     routes = _routes()
     if route not in routes:
@@ -122,7 +121,7 @@ def test_torch_kernel_routes_on_gpu(route):
                                (slice(half, s), slice(0, half), False)):
         o, lse = fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
         merge_block_(acc_out[:, :, rows], acc_lse[:, :, rows], o, lse)
-    assert _rel(acc_out, ref_out) < tol
+    assert rel_err(acc_out, ref_out) < tol
     assert (acc_lse.double() - ref_lse).abs().max().item() < 50 * tol
     out = acc_out.to(dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device="cuda") for t in (q, k, v))
@@ -135,7 +134,7 @@ def test_torch_kernel_routes_on_gpu(route):
         dk[:, :, cols] += gk
         dv[:, :, cols] += gv
     for got, want in zip((dq, dk, dv), ref_grads):
-        assert _rel(got, want) < tol
+        assert rel_err(got, want) < tol
 
 
 @pytest.mark.gpu
@@ -177,4 +176,4 @@ def test_local_attention_on_sequence_major_tensors_on_gpu(batch, causal):
     dk, dv = kvv.grad[..., :d], kvv.grad[..., d:]
     got = (heads(out), heads(qq.grad), heads(dk), heads(dv))
     for g, b_, r in zip(got, base, ref):
-        assert _rel(g, r) <= 2 * _rel(b_, r) + 1e-3, (_rel(g, r), _rel(b_, r))
+        assert rel_err(g, r) <= 2 * rel_err(b_, r) + 1e-3, (rel_err(g, r), rel_err(b_, r))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.training.loop import allocate_adam_state
+from tests.helpers import tiny_gpt_flags
 
 
 def _params(seed):
@@ -81,14 +82,10 @@ def test_left_alone_where_state_exists_or_the_optimizer_is_no_adam():
 
 
 # A 2-layer model trained one step by ``pretrain``: what ``build_optimizer`` hands the loop.
-PRETRAIN_ARGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--swiglu",
-    "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--disable-bias-linear", "--mock-data", "--vocab-size", "255",
-    "--global-batch-size", "1", "--micro-batch-size", "1", "--train-iters", "1",
-    "--lr", "1e-3", "--eval-iters", "0", "--num-workers", "0", "--device", "cpu",
-]
+PRETRAIN_ARGS = tiny_gpt_flags(
+    group_query_attention=None, num_query_groups=None, mock_data=True, vocab_size=255,
+    global_batch_size=1, micro_batch_size=1, train_iters=1, lr="1e-3", eval_iters=0,
+    num_workers=0, device="cpu")
 
 
 def _built_state(rank, world_size, out_path):

@@ -14,6 +14,7 @@ from megatron.training.cli.arguments import (
     validate_args,
 )
 from megatron.training.cli.auto_layout import resolve_auto_layout
+from tests.helpers import tiny_gpt_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,9 +44,8 @@ OURS = ["--ulysses-degree", "--ring-degree", "--attention-backend", "--metrics-f
 GROUPS = ["model", "parallelism", "data", "training", "learning rate", "checkpointing",
           "logging"]
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "64", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
-        "--vocab-size", "1000"]
+BASE = tiny_gpt_flags(llama=False, num_attention_heads=8, train_iters=10, lr="1e-3",
+                      mock_data=True, vocab_size=1000)
 
 
 def _valid(extra, world=4, cuda=False):

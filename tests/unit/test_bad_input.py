@@ -21,10 +21,9 @@ import pytest
 
 from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 from megatron.usp.parallel_dims import USPConfigError
+from tests.helpers import tiny_gpt_flags
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--train-iters", "5", "--lr", "1e-3", "--mock-data",
-        "--vocab-size", "512"]
+BASE = tiny_gpt_flags(llama=False, train_iters=5, lr="1e-3", mock_data=True, vocab_size=512)
 
 # (extra flags, world size, flag the message must name)
 BAD = [
@@ -162,6 +161,7 @@ def test_tokenizer_model_without_data_path():
         validate_args(parse_args(argv), 1, cuda_available=False)
 
 
+@pytest.mark.slow
 def test_command_line_reports_one_error_line():
     import subprocess
     import sys

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from megatron.training import cpu_shims
@@ -41,6 +42,7 @@ def test_shims_are_named_and_idempotent():
         assert name.split(".")[-1] in cpu_shims.__doc__
 
 
+@pytest.mark.slow
 def test_not_applied_when_cuda_is_available():
     code = textwrap.dedent("""
         import torch

@@ -275,6 +275,7 @@ def test_sampler_slices_global_batches_and_resumes():
         PretrainingSampler(total, 0, micro, 3, dp)
 
 
+@pytest.mark.slow
 def test_iterator_batches_are_deterministic_and_resumable(small_corpus, tok, tmp_path):
     cfg = _cfg(small_corpus.data_prefix, tmp_path, seq_length=32)
     train, _, _ = build_gpt_datasets(cfg, tok, [64, None, None])
@@ -325,6 +326,7 @@ def test_shard_batch_for_cp():
         shard_batch_for_cp({"tokens": tokens, "attention_mask": torch.ones(1)}, 0, 2)
 
 
+@pytest.mark.slow
 def test_bench_dataloader_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

@@ -16,12 +16,12 @@ from megatron.usp import load_balance as lb
 from megatron.usp import token_order
 from megatron.usp.document_mask import (
     dense_document_mask,
-    document_offsets,
     segment_ids_from_tokens,
     tiles_for_block,
     token_runs,
 )
 from megatron.usp.document_ring import build_document_ring_plan, needs_matrix, ring_positions
+from tests.helpers import document_offsets, tiny_gpt_flags
 
 EOD = 7
 
@@ -297,9 +297,8 @@ def test_document_batching_on_the_corpus(small_corpus, tmp_path):
 
 
 # --------------------------------------------------------------------------- bad input
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64", "--train-iters", "2",
-        "--lr", "1e-3", "--device", "cpu"]
+BASE = tiny_gpt_flags(llama=False, max_position_embeddings=64, train_iters=2, lr="1e-3",
+                      device="cpu")
 
 
 @pytest.mark.parametrize("extra,match", [

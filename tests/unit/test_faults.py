@@ -73,31 +73,41 @@ def test_chunked_digest_catches_a_flip_in_any_piece(tmp_path, offset):
         "__0_0.distcp does not match its checksum")
 
 
+def _hash_file(path, chunk_bytes):
+    """One file's digest through ``hash_files``: the version-2 tree over ``chunk_bytes``
+    pieces, or (``chunk_bytes=None``, version 1) one streaming hash of the whole file."""
+    from megatron.training.checkpoint import checksums
+
+    name = os.path.basename(path)
+    return checksums.hash_files(os.path.dirname(path), [name], chunk_bytes)[name][
+        checksums.ALGORITHM]
+
+
 def test_chunked_digest_is_a_tree_over_the_pieces(tmp_path):
     import xxhash
 
     data = os.urandom(2500)
     (tmp_path / "f").write_bytes(data)
     pieces = [xxhash.xxh3_128(data[i:i + 1000]).digest() for i in (0, 1000, 2000)]
-    assert checksums.hash_file(str(tmp_path / "f"), 1000) == \
+    assert _hash_file(str(tmp_path / "f"), 1000) == \
         xxhash.xxh3_128(b"".join(pieces)).hexdigest()
     # version 1: one streaming hash of the whole file
-    assert checksums.hash_file(str(tmp_path / "f"), None) == xxhash.xxh3_128(data).hexdigest()
+    assert _hash_file(str(tmp_path / "f"), None) == xxhash.xxh3_128(data).hexdigest()
     # the piece size is part of the digest: another size gives another digest
-    assert checksums.hash_file(str(tmp_path / "f"), 1000) != \
-        checksums.hash_file(str(tmp_path / "f"), 2048)
+    assert _hash_file(str(tmp_path / "f"), 1000) != \
+        _hash_file(str(tmp_path / "f"), 2048)
 
 
 def test_a_file_that_cannot_be_mapped_is_read_with_the_same_digest(tmp_path, monkeypatch):
     data = os.urandom(2500)
     (tmp_path / "f").write_bytes(data)
-    mapped = {n: checksums.hash_file(str(tmp_path / "f"), n) for n in (1000, None)}
+    mapped = {n: _hash_file(str(tmp_path / "f"), n) for n in (1000, None)}
 
     def no_mmap(*a, **k):
         raise OSError("mmap not supported here")
 
     monkeypatch.setattr(checksums.mmap, "mmap", no_mmap)
-    assert {n: checksums.hash_file(str(tmp_path / "f"), n) for n in (1000, None)} == mapped
+    assert {n: _hash_file(str(tmp_path / "f"), n) for n in (1000, None)} == mapped
 
 
 def test_a_version_1_manifest_is_still_verified(tmp_path):
@@ -229,6 +239,7 @@ def test_each_warning_once_in_one_line_and_megatron_core_on_rank_0_only():
         assert [log.filter(rec), log.filter(rec)] == [rank0, False]
 
 
+@pytest.mark.slow
 def test_filters_catch_megatron_core_import_warnings():
     """Installed before megatron-core is imported, its fallback warnings come out once."""
     code = ("import logging, warnings\n"

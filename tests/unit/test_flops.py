@@ -7,6 +7,7 @@ import pytest
 from megatron.planner.hardware import peak_tflops_for_device, preset_for_device
 from megatron.shapes import ModelShape, dense_training_flops
 from megatron.training.observe.metrics import MetricsWriter, StepStats, Throughput
+from tests.helpers import tiny_gpt_flags
 
 
 def _shape(L, h, f, n, g, d, V, swiglu):
@@ -70,9 +71,8 @@ def test_full_attention_equals_megatron_lms_formula():
 def test_shape_from_config_uses_gqa_only_when_asked():
     from megatron.training.cli.arguments import parse_args, validate_args
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-            "--seq-length", "64", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
-            "--vocab-size", "100"]
+    base = tiny_gpt_flags(llama=False, num_attention_heads=8, train_iters=2, lr="1e-3",
+                          mock_data=True, vocab_size=100)
     for extra, groups in ((["--group-query-attention", "--num-query-groups", "2"], 2), ([], 8)):
         config = validate_args(parse_args(base + extra), 1, cuda_available=False)
         shape = config.with_padded_vocab(128).model_shape()

@@ -10,6 +10,7 @@ import torch
 
 from megatron.layers import fused_kernels as fk
 from megatron.usp import backend_names
+from tests.helpers import tiny_gpt_flags
 
 
 @pytest.mark.parametrize("name,cuda,liger,triton,want", [
@@ -40,9 +41,8 @@ def test_resolve_refuses(monkeypatch, name, cuda, liger, needle):
 def test_validate_args_resolves_and_refuses():
     from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "1",
-            "--train-iters", "1", "--lr", "1e-3"]
+    base = tiny_gpt_flags(llama=False, micro_batch_size=1, global_batch_size=1, train_iters=1,
+                          lr="1e-3")
     config = validate_args(parse_args(base), 1, cuda_available=False)
     assert config.args.fused_kernels == "auto" and config.fused_kernels_impl == "torch"
     with pytest.raises(ArgumentsError, match="--fused-kernels liger"):

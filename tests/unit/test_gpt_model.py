@@ -14,7 +14,8 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from megatron.training.model.gpt_model import rotary_freqs_from_positions
 from megatron.usp import token_order
-from megatron.usp.document_mask import document_offsets, segment_ids_from_tokens
+from megatron.usp.document_mask import segment_ids_from_tokens
+from tests.helpers import document_offsets
 
 
 def _megatron_cp_slice(table, cp_rank, cp):

@@ -14,10 +14,10 @@ import torch
 
 from megatron.training.cli.arguments import ArgumentsError, build_parser, parse_args, validate_args
 from megatron.training.model.build import ddp_config_from_args, grad_buffer_dtype
+from tests.helpers import tiny_gpt_flags
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "64", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
-        "--vocab-size", "1000"]
+BASE = tiny_gpt_flags(llama=False, num_attention_heads=8, train_iters=10, lr="1e-3",
+                      mock_data=True, vocab_size=1000)
 
 
 def _valid(extra, cuda=True):

@@ -20,14 +20,23 @@ from megatron.usp.kernels import (
     AttentionBackendUnavailable,
     MathKernel,
     TorchKernel,
+    accum_dtype,
     available_backends,
     get_kernel,
     merge_block_,
-    new_accumulators,
     reduce_kv_grad,
 )
 
 F64_TOL = dict(atol=1e-8, rtol=1e-8)
+
+
+def new_accumulators(like_out):
+    """Empty running (out, lse) for rows shaped like ``like_out`` [b, h, s, d]: 0 and -inf,
+    in the accumulation dtype the ring uses for ``like_out``'s dtype."""
+    acc = accum_dtype(like_out.dtype)
+    out = torch.zeros(like_out.shape, dtype=acc, device=like_out.device)
+    lse = torch.full(like_out.shape[:-1], float("-inf"), dtype=acc, device=like_out.device)
+    return out, lse
 
 
 def reference(q, k, v, causal, scale):

@@ -8,10 +8,10 @@ FSDP sharding strategy). Megatron-LM's names parse to Megatron-LM's dests.
 import pytest
 
 from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
+from tests.helpers import tiny_gpt_flags
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "256", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
-        "--vocab-size", "1000"]
+BASE = tiny_gpt_flags(llama=False, num_attention_heads=8, seq_length=256, train_iters=10,
+                      lr="1e-3", mock_data=True, vocab_size=1000)
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1"]
 OFFLOAD = ["--use-distributed-optimizer", "--use-precision-aware-optimizer",

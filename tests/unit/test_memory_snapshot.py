@@ -8,6 +8,7 @@ import pickle
 import pytest
 
 from megatron.training.observe import memory_snapshot as ms
+from tests.helpers import tiny_gpt_flags
 
 
 def _frame(path, name, line=1):
@@ -71,9 +72,8 @@ def test_per_rank_path_and_cpu_is_off():
 def test_the_flag_is_refused_on_the_cpu():
     from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "64", "--train-iters", "3", "--lr", "1e-3", "--mock-data",
-            "--vocab-size", "1000"]
+    base = tiny_gpt_flags(llama=False, train_iters=3, lr="1e-3", mock_data=True,
+                          vocab_size=1000)
     with pytest.raises(ArgumentsError, match="--record-memory-history"):
         validate_args(parse_args(base + ["--record-memory-history"]), 1, cuda_available=False)
     with pytest.raises(ArgumentsError, match="--memory-snapshot-iteration"):

@@ -10,16 +10,14 @@ and the bytes reserved are recorded.
 
 import json
 
-ARGS = [
-    "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "2048", "--max-position-embeddings", "2048", "--swiglu",
-    "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--disable-bias-linear", "--mock-data", "--vocab-size", "255",
-    "--global-batch-size", "1", "--micro-batch-size", "1", "--train-iters", "1",
-    "--lr", "1e-3", "--eval-iters", "0", "--num-workers", "0", "--device", "cpu",
-    "--recompute-granularity", "full", "--recompute-method", "uniform",
-    "--recompute-num-layers", "1", "--recompute-cpu-offload", "layer_input",
-]
+from tests.helpers import tiny_gpt_flags
+
+ARGS = tiny_gpt_flags(
+    hidden_size=128, group_query_attention=None, num_query_groups=None, seq_length=2048,
+    max_position_embeddings=2048, mock_data=True, vocab_size=255, global_batch_size=1,
+    micro_batch_size=1, train_iters=1, lr="1e-3", eval_iters=0, num_workers=0, device="cpu",
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+    recompute_cpu_offload="layer_input")
 
 
 def _run(rank, world_size, out_path):

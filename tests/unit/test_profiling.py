@@ -8,11 +8,11 @@ import torch
 
 from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 from megatron.training.observe.profiling import StepProfiler
+from tests.helpers import tiny_gpt_flags
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "64", "--train-iters", "6", "--lr", "1e-3", "--mock-data",
-        "--vocab-size", "1000", "--num-workers", "0", "--eval-iters", "0",
-        "--global-batch-size", "4"]
+BASE = tiny_gpt_flags(llama=False, num_attention_heads=8, train_iters=6, lr="1e-3",
+                      mock_data=True, vocab_size=1000, num_workers=0, eval_iters=0,
+                      global_batch_size=4)
 
 
 def _valid(extra, world=2):

@@ -88,13 +88,6 @@ def _hash_range(path: str, start: int, length: Optional[int]) -> bytes:
         return h.digest()
 
 
-def hash_file(path: str, chunk_bytes: Optional[int] = CHUNK_BYTES) -> str:
-    """The file's digest as 32 hex digits: the version-2 tree over ``chunk_bytes`` pieces,
-    or (``chunk_bytes=None``, version 1) one streaming hash of the whole file."""
-    return hash_files(os.path.dirname(path) or ".", [os.path.basename(path)],
-                      chunk_bytes)[os.path.basename(path)][ALGORITHM]
-
-
 def _threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 

@@ -54,12 +54,6 @@ def staging_plan(numels: Sequence[int]) -> Tuple[int, int]:
     return min(2, len(numels)), max(numels)
 
 
-def staging_bytes(numels: Sequence[int]) -> int:
-    """Bytes of pinned float32 staging that :func:`staging_plan` asks for."""
-    slots, per_slot = staging_plan(numels)
-    return 4 * slots * per_slot
-
-
 class StagedHybridDeviceOptimizer(HybridDeviceOptimizer):
     """megatron-core's ``HybridDeviceOptimizer`` holding only its state (module docstring).
 

@@ -1,0 +1,152 @@
+"""Small helpers the test tiers share: a free port, a relative error, the tiny model.
+
+* ``free_port()``: a loopback TCP port free now (a rendezvous for torchrun or gloo).
+* ``rel_err(got, want)``: ``||got - want|| / ||want||`` in float64.
+* ``tiny_gpt_flags(**overrides)``: ``pretrain_gpt.py`` flags of the tiny Llama-style model
+  the CPU runs train (2 layers, hidden 64, 4 heads in 2 query groups, 64 tokens).
+* ``document_offsets(segment_ids)``: the position of each token inside its document.
+* ``gpt_config``, ``attention_config``, ``swiglu_mlp_config``: megatron-core
+  ``TransformerConfig`` objects for the same tiny model, for one core-attention module and
+  for one SwiGLU MLP, initialised on the CPU in float64 unless overridden.
+
+Nothing here imports torch or megatron at module level, so a test that only needs the
+flags stays cheap to collect.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Dict, List, Optional
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rel_err(got, want, floor: Optional[float] = None) -> float:
+    """``||got - want|| / ||want||`` (Frobenius norms) computed in float64.
+
+    ``floor`` bounds the denominator from below, for references that may be all zeros.
+    """
+    got, want = got.double(), want.double()
+    den = want.norm()
+    if floor is not None:
+        den = den.clamp_min(floor)
+    return ((got - want).norm() / den).item()
+
+
+# ------------------------------------------------------------------ pretrain_gpt.py flags
+# What validate_args requires of any model (each test adds its run flags).
+REQUIRED_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                  "seq_length": 64}
+# The Llama-style architecture every CPU training test uses on top.
+LLAMA = {"group_query_attention": True, "num_query_groups": 2, "max_position_embeddings": 64,
+         "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+         "disable_bias_linear": True}
+
+
+def flag_list(spec: Dict[str, Any]) -> List[str]:
+    """``{"hidden_size": 64, "swiglu": True, "bf16": None}`` -> ``["--hidden-size", "64",
+    "--swiglu"]``: True is a switch, None or False leaves the flag out, a list or tuple
+    gives several values, anything else one value."""
+    argv: List[str] = []
+    for key, value in spec.items():
+        if value is None or value is False:
+            continue
+        argv.append("--" + key.replace("_", "-"))
+        if isinstance(value, (list, tuple)):
+            argv.extend(str(v) for v in value)
+        elif value is not True:
+            argv.append(str(value))
+    return argv
+
+
+def tiny_gpt_flags(llama: bool = True, **overrides: Any) -> List[str]:
+    """The tiny model's flags: the required model flags, the Llama-style ones unless
+    ``llama=False``, then ``overrides`` (underscored flag names, ``flag_list`` values;
+    an override of a flag already present replaces its value in place)."""
+    spec = dict(REQUIRED_MODEL)
+    if llama:
+        spec.update(LLAMA)
+    spec.update(overrides)
+    return flag_list(spec)
+
+
+# ------------------------------------------------------------------ TransformerConfig
+def _cpu_float64(**overrides: Any):
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(use_cpu_initialization=True, params_dtype=torch.float64)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+NO_DROPOUT = {"attention_dropout": 0.0, "hidden_dropout": 0.0}
+
+
+def gpt_config(tp: int = 1, ulysses: int = 1, ring: int = 1, sequence_parallel: bool = False,
+               **overrides: Any):
+    """The tiny Llama-style GPT (2 layers, hidden 64, 8 heads in 2 groups of width 8, SwiGLU
+    96, RMSNorm, no biases, no fused kernels) on a TP x Ulysses x Ring layout."""
+    import torch.nn.functional as F
+
+    cp = ulysses * ring
+    kwargs = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=8,
+        ffn_hidden_size=96, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False, **NO_DROPOUT,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=[ulysses, ring] if cp > 1 else None,
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
+    kwargs.update(overrides)
+    return _cpu_float64(**kwargs)
+
+
+def attention_config(num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
+                     dims=None, **overrides: Any):
+    """One core-attention layer's config: ``num_heads`` heads of ``head_dim`` (K/V in
+    ``num_kv_heads`` groups), the CP sizes of ``dims`` (a ``ParallelDims``) when given."""
+    kwargs: Dict[str, Any] = dict(num_layers=1, hidden_size=num_heads * head_dim,
+                                  num_attention_heads=num_heads, num_query_groups=num_kv_heads,
+                                  kv_channels=head_dim, **NO_DROPOUT)
+    if dims is not None:
+        kwargs.update(context_parallel_size=dims.cp,
+                      hierarchical_context_parallel_sizes=[dims.ulysses, dims.ring])
+    kwargs.update(overrides)
+    return _cpu_float64(**kwargs)
+
+
+def swiglu_mlp_config(hidden_size: int, ffn_hidden_size: int, **overrides: Any):
+    """One SwiGLU MLP's config (4 heads, no biases, unfused bias-activation and weight
+    gradients) in megatron-core's local layer spec."""
+    import torch.nn.functional as F
+
+    kwargs = dict(num_layers=1, hidden_size=hidden_size, num_attention_heads=4,
+                  ffn_hidden_size=ffn_hidden_size, gated_linear_unit=True,
+                  activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
+                  gradient_accumulation_fusion=False)
+    kwargs.update(overrides)
+    return _cpu_float64(**kwargs)
+
+
+# ------------------------------------------------------------------ references
+def document_offsets(segment_ids):
+    """Position of every token inside its document (what ``--reset-position-ids`` gives).
+
+    ``segment_ids`` [..., s] non-decreasing along the last dim; returns int64 of the same shape.
+    """
+    import torch
+
+    s = segment_ids.shape[-1]
+    idx = torch.arange(s, device=segment_ids.device).expand(segment_ids.shape)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx))
+    first = torch.cummax(first, dim=-1).values
+    return idx - first
