@@ -85,7 +85,7 @@ def _check(name, hf_dir, ckpt, layout):
         batching = DocumentBatching(eod=3, ulysses=groups.ulysses_size, ring=groups.ring_size)
         assignment = batching([{"tokens": docs[0], "labels": docs[0],
                                 "loss_mask": torch.ones(SEQ), "position_ids": doc_positions[0]}
-                               ])["layout"]
+                               ])["chunk_assignment"]
         logits, loss = _run(built.model, groups, tokens, positions, labels)
         doc_logits, _ = _run(built.model, groups, docs, doc_positions, segments=segments,
                              assignment=assignment)

@@ -134,5 +134,6 @@ def test_every_layout_counts_the_documents_work(document_runs):
                        ffn_hidden_size=a["ffn_hidden_size"], vocab_size=a["padded_vocab_size"],
                        kv_channels=a["kv_channels"], swiglu=a["swiglu"])
     dense = dense_training_flops(shape, a["seq_length"], a["global_batch_size"])
-    assert all(f < dense for f, _ in reference), (reference[:3], dense)
-    assert len({round(f) for f, _ in reference}) > 1      # it follows each batch's documents
+    # a batch of samples that are each one document costs the dense count; with boundaries less
+    assert all(f <= dense for f, _ in reference), (reference[:3], dense)
+    assert sum(f < dense for f, _ in reference) >= STEPS // 2, (reference, dense)

@@ -27,7 +27,7 @@ def _pretrain_parser() -> argparse.ArgumentParser:
 
 
 def _bench_e2e_parser() -> argparse.ArgumentParser:
-    from megatron.bench.e2e import build_parser
+    from megatron.bench.e2e.cli import build_parser
 
     return build_parser()
 

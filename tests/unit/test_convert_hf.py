@@ -91,7 +91,8 @@ def imported(tmp_path_factory):
 def documents_batch(seed: int = 7, seq: int = SEQ, vocab: int = VOCAB):
     """tokens [1, seq] of EOD-closed documents (lengths 1 .. 20), their segment ids and
     per-document positions."""
-    from megatron.usp.document_mask import document_offsets, segment_ids_from_tokens
+    from megatron.usp.document_mask import segment_ids_from_tokens
+    from tests.helpers import document_offsets
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(4, vocab, (1, seq), generator=gen)

@@ -40,7 +40,8 @@ def _check(rank, world_size, hf_dir, ckpt, out_dir):
 
     from megatron.convert.checkpoint_io import loaded_checkpoint
     from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.usp.document_mask import document_offsets, segment_ids_from_tokens
+    from megatron.usp.document_mask import segment_ids_from_tokens
+    from tests.helpers import document_offsets
 
     apply_cpu_shims()
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
