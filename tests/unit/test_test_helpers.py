@@ -27,7 +27,7 @@ def test_the_tiny_model_flags_parse_and_validate():
 
     args = validate_args(parse_args(tiny_gpt_flags(mock_data=True, vocab_size=255, lr="1e-3",
                                                    train_iters=1, device="cpu")),
-                         1, cuda_available=False)
+                         1, cuda_available=False).args
     assert (args.num_layers, args.hidden_size, args.num_query_groups, args.swiglu) == \
         (2, 64, 2, True)
 
