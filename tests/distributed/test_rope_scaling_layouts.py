@@ -1,17 +1,18 @@
-"""Scaled RoPE (llama3, YaRN) under U2 and R2: the imported models of
-``tests/unit/test_convert_hf_rope.py`` loaded on 2 gloo ranks still compute what transformers
-computes (one process, the whole sequence).
+"""Scaled RoPE (llama3, YaRN) under U2, R2 and U2xR2: the imported models of
+``tests/unit/test_convert_hf_rope.py`` loaded on 2 (4) gloo ranks still compute what
+transformers computes (one process, the whole sequence).
 
 Each CP rank gets its shard of the tokens and of their positions (spread up to 4x the
 original context, so the scaled frequencies matter), and of packed documents (positions
 restarting, the balanced chunk assignment, this ring rank's document plan); the logits
-gathered over CP are compared with transformers' (KL <= 1e-9, max |dlogit| <= 1e-4). U2 runs
-``--fused-kernels usp`` (the fused QKV split + RoPE path and YaRN's factor on cos and sin;
-its plain PyTorch form on the CPU), R2 megatron-core's own RoPE.
+gathered over CP are compared with transformers' (KL <= 1e-9, max |dlogit| <= 1e-4). U2
+and U2xR2 run ``--fused-kernels usp`` (the fused QKV split + RoPE path and YaRN's factor on
+cos and sin; its plain PyTorch form on the CPU), R2 megatron-core's own RoPE.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -25,7 +26,9 @@ from tests.unit.test_convert_hf import (
 from tests.unit.test_convert_hf_rope import SCALED, imported  # noqa: F401  (fixture)
 
 LAYOUTS = {"u2_fused": ["--ulysses-degree", "2", "--fused-kernels", "usp"],
-           "r2": ["--ring-degree", "2", "--fused-kernels", "torch"]}
+           "r2": ["--ring-degree", "2", "--fused-kernels", "torch"],
+           "u2r2_fused": ["--ulysses-degree", "2", "--ring-degree", "2", "--fused-kernels",
+                          "usp"]}
 
 
 def _gather(x: torch.Tensor, group) -> list:
@@ -75,14 +78,19 @@ def _check(name, hf_dir, ckpt, layout):
     assert_logits_match(doc_logits, hf_logits(hf, docs, segments), f"{what} packed documents")
 
 
-def _check_layouts(rank, world_size, dirs):
+def _check_layouts(rank, world_size, dirs, layouts):
     from megatron.training.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
-    for layout in LAYOUTS:
+    for layout in layouts:
         for name, (hf_dir, ckpt) in dirs.items():
             _check(name, hf_dir, ckpt, layout)
 
 
 def test_scaled_rope_matches_transformers_under_u2_and_r2(dist_run, imported):  # noqa: F811
-    dist_run(_check_layouts, 2, imported, timeout=600)
+    dist_run(_check_layouts, 2, imported, ["u2_fused", "r2"], timeout=600)
+
+
+@pytest.mark.slow
+def test_scaled_rope_matches_transformers_under_u2xr2(dist_run, imported):  # noqa: F811
+    dist_run(_check_layouts, 4, imported, ["u2r2_fused"], timeout=600)
