@@ -3,20 +3,27 @@
 :func:`from_hf_config` reads a config (a dict, as ``config.json`` holds it) of a supported
 decoder (Llama 2 / 3 / 3.1 / 3.2, Qwen2 / 2.5, Qwen3, Mistral, SmolLM2: RMSNorm, SwiGLU, RoPE,
 GQA) into a :class:`PretrainedConfig`; whatever the model here cannot run (another
-architecture, a sliding window, RoPE scaling, a bias the layer spec has no slot for) raises
-``ValueError`` in one line naming the config field. :func:`model_flags` gives the flags that
+architecture, a sliding window, a RoPE scaling megatron-core lacks, a bias the layer spec has
+no slot for) raises ``ValueError`` in one line naming the config field. :func:`model_flags` gives the flags that
 build the same model; :func:`to_hf_config` writes the config back for an export.
 
 RoPE is read from ``rope_parameters`` (transformers 5) or from ``rope_theta`` and
-``rope_scaling`` (older configs); only unscaled RoPE is mapped for now.
+``rope_scaling`` (older configs). Its ``rope_type`` ``llama3``, ``linear`` and ``yarn`` map
+to the RoPE-scaling flags (:class:`~megatron.shapes.rope.RopeScaling`) and back on export
+(written in both fields); ``llama3`` only with megatron-core's fixed low / high frequency
+factors and original context, ``yarn`` only with ``truncate`` true (megatron-core rounds the
+correction range). YaRN's ``attention_factor``, or ``mscale`` over ``mscale_all_dim``, becomes
+``--yarn-mscale`` / ``--yarn-mscale-all-dim`` giving the same factor on cos and sin.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional
 
 from megatron.errors import UsageError
+from megatron.shapes.rope import LLAMA3_FIXED, RopeScaling, yarn_mscale
 
 # model_type -> the class transformers builds for it
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -41,6 +48,7 @@ class PretrainedConfig:
         tied_embeddings: output layer shares the input embedding.
         qkv_bias: biases on Q, K and V only (Qwen2).
         qk_layernorm: RMSNorm over each query / key head before RoPE (Qwen3).
+        rope_scaling: RoPE scaling for context extension (kind ``none`` without).
         extra: config fields an export writes back unchanged (token ids, dtype).
     """
 
@@ -58,6 +66,7 @@ class PretrainedConfig:
     tied_embeddings: bool
     qkv_bias: bool = False
     qk_layernorm: bool = False
+    rope_scaling: RopeScaling = RopeScaling()
     extra: Optional[Dict[str, Any]] = None
 
 
@@ -107,25 +116,100 @@ def _check_full_attention(cfg: Dict[str, Any], model_type: str) -> None:
         raise _refuse("partial_rotary_factor", factor, "is not supported yet")
 
 
-def rope_theta(cfg: Dict[str, Any]) -> int:
-    """RoPE theta of a config; refuses scaled RoPE naming the field that asks for it."""
+def _rope_fields(cfg: Dict[str, Any]):
+    """(field name, its dict with ``rope_type``, theta) of a config's RoPE."""
     params = cfg.get("rope_parameters")
     if params is not None:
         if "rope_theta" not in params:
             raise _refuse("rope_parameters", sorted(params), "is not supported (one RoPE "
                                                              "for every layer only)")
-        field, kind, theta = "rope_parameters.rope_type", params.get("rope_type"), \
-            params["rope_theta"]
-    else:
-        scaling = cfg.get("rope_scaling") or {}
-        field = "rope_scaling.rope_type"
-        kind = scaling.get("rope_type", scaling.get("type"))
-        theta = cfg.get("rope_theta", 10000)
-    if kind not in UNSCALED_ROPE:
-        raise _refuse(field, kind, "is not supported yet")
+        return "rope_parameters", params, params["rope_theta"]
+    scaling = dict(cfg.get("rope_scaling") or {})
+    scaling["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+    return "rope_scaling", scaling, cfg.get("rope_theta", 10000)
+
+
+def rope_theta(cfg: Dict[str, Any]) -> int:
+    """RoPE theta of a config (an integer, as ``--rotary-base`` takes it)."""
+    theta = _rope_fields(cfg)[2]
     if float(theta) != int(theta):
         raise _refuse("rope_theta", theta, "is not an integer (--rotary-base takes one)")
     return int(theta)
+
+
+def _original_context(cfg: Dict[str, Any], params: Dict[str, Any]) -> int:
+    """The pre-extension context as transformers reads it: a top-level
+    ``original_max_position_embeddings`` first, then the RoPE dict's, then
+    ``max_position_embeddings``."""
+    return int(cfg.get("original_max_position_embeddings")
+               or params.get("original_max_position_embeddings")
+               or cfg["max_position_embeddings"])
+
+
+def _factor(field: str, params: Dict[str, Any]) -> float:
+    factor = params.get("factor")
+    if factor is None or not float(factor) >= 1:
+        raise _refuse(f"{field}.factor", factor, "is not supported (a scaling factor >= 1)")
+    return float(factor)
+
+
+def _llama3_scaling(cfg: Dict[str, Any], field: str, params: Dict[str, Any]) -> RopeScaling:
+    values = dict(params, original_max_position_embeddings=_original_context(cfg, params))
+    for key, fixed in LLAMA3_FIXED.items():
+        if values.get(key) is None or float(values[key]) != fixed:
+            raise _refuse(f"{field}.{key}", values.get(key),
+                          f"is not supported (megatron-core's llama3 scaling fixes it at "
+                          f"{fixed:g})")
+    return RopeScaling("llama3", _factor(field, params))
+
+
+def _yarn_mscales(field: str, params: Dict[str, Any], factor: float):
+    """(mscale, mscale_all_dim) whose ratio is the factor transformers puts on cos and sin."""
+    given = params.get("attention_factor")
+    if given is None:
+        mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        # transformers uses the ratio only when both are set and non-zero
+        return (float(mscale), float(all_dim)) if mscale and all_dim else (1.0, 0.0)
+    if abs(given - yarn_mscale(factor)) <= 1e-12 * given:
+        return 1.0, 0.0
+    if factor <= 1:
+        raise _refuse(f"{field}.attention_factor", given, "is not supported with factor 1 "
+                                                          "(YaRN's factor on cos and sin is "
+                                                          "then 1)")
+    # 0.1 * mscale * ln(factor) + 1 = attention_factor, over mscale_all_dim 0 (a factor of 1)
+    return (given - 1.0) / (0.1 * math.log(factor)), 0.0
+
+
+def _yarn_scaling(cfg: Dict[str, Any], field: str, params: Dict[str, Any]) -> RopeScaling:
+    original = _original_context(cfg, params)
+    if params.get("truncate", True) is not True:
+        raise _refuse(f"{field}.truncate", params["truncate"], "is not supported (megatron-core "
+                                                               "rounds YaRN's correction range)")
+    if params.get("factor") is None:   # transformers derives it from the two contexts
+        params = dict(params, factor=cfg["max_position_embeddings"] / original)
+    factor = _factor(field, params)
+    mscale, all_dim = _yarn_mscales(field, params, factor)
+    return RopeScaling("yarn", factor, original,
+                       beta_fast=float(params.get("beta_fast") or 32),
+                       beta_slow=float(params.get("beta_slow") or 1),
+                       mscale=mscale, mscale_all_dim=all_dim)
+
+
+def rope_scaling(cfg: Dict[str, Any]) -> RopeScaling:
+    """The :class:`~megatron.shapes.rope.RopeScaling` of a config; refuses a ``rope_type``
+    or parameter megatron-core cannot run, naming the field."""
+    field, params, _ = _rope_fields(cfg)
+    kind = params.get("rope_type")
+    if kind in UNSCALED_ROPE:
+        return RopeScaling()
+    if kind == "llama3":
+        return _llama3_scaling(cfg, field, params)
+    if kind == "linear":
+        return RopeScaling("linear", _factor(field, params))
+    if kind == "yarn":
+        return _yarn_scaling(cfg, field, params)
+    raise _refuse(f"{field}.rope_type", kind, "is not supported (supported: default, llama3, "
+                                              "linear, yarn)")
 
 
 def from_hf_config(cfg: Dict[str, Any]) -> PretrainedConfig:
@@ -143,7 +227,7 @@ def from_hf_config(cfg: Dict[str, Any]) -> PretrainedConfig:
         num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads") or heads, kv_channels=head_dim,
         vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"],
-        rotary_base=rope_theta(cfg), norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        rotary_base=rope_theta(cfg), rope_scaling=rope_scaling(cfg), norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
         qk_layernorm=model_type == "qwen3",
         extra={k: cfg[k] for k in keep if cfg.get(k) is not None})
@@ -170,8 +254,10 @@ def model_flags(model: PretrainedConfig, vocab_divisible_by: Optional[int] = Non
     if model.num_query_groups != model.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
     flags += ["--max-position-embeddings", str(model.max_position_embeddings),
-              "--position-embedding-type", "rope", "--rotary-base", str(model.rotary_base),
-              "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon",
+              "--position-embedding-type", model.rope_scaling.position_embedding_type,
+              "--rotary-base", str(model.rotary_base)]
+    flags += model.rope_scaling.flags()
+    flags += ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon",
               repr(model.norm_epsilon), "--disable-bias-linear",
               "--make-vocab-size-divisible-by", str(divisor)]
     flags += ["--add-qkv-bias"] * model.qkv_bias + ["--qk-layernorm"] * model.qk_layernorm
@@ -202,7 +288,8 @@ def from_args(args: Dict[str, Any], model_type: Optional[str] = None,
         kv_channels=args["kv_channels"],
         vocab_size=extra.pop("vocab_size", args["padded_vocab_size"]),
         max_position_embeddings=args["max_position_embeddings"],
-        rotary_base=int(args["rotary_base"]), norm_epsilon=float(args["norm_epsilon"]),
+        rotary_base=int(args["rotary_base"]), rope_scaling=RopeScaling.from_flag_values(args),
+        norm_epsilon=float(args["norm_epsilon"]),
         tied_embeddings=not args.get("untie_embeddings_and_output_weights"),
         qkv_bias=qkv_bias, qk_layernorm=qk_norm, extra=extra)
     _check_model_type(model)
@@ -210,7 +297,7 @@ def from_args(args: Dict[str, Any], model_type: Optional[str] = None,
 
 
 # (flag, value the export needs) for the architecture flags every supported family shares
-_EXPORT_NEEDS = (("position_embedding_type", "rope"), ("swiglu", True),
+_EXPORT_NEEDS = (("position_embedding_type", ("rope", "yarn")), ("swiglu", True),
                  ("normalization", "RMSNorm"), ("disable_bias_linear", True),
                  ("rotary_percent", 1.0))
 
@@ -218,6 +305,10 @@ _EXPORT_NEEDS = (("position_embedding_type", "rope"), ("swiglu", True),
 def _check_exportable(args: Dict[str, Any]) -> None:
     for key, needed in _EXPORT_NEEDS:
         value = args.get(key)
+        if isinstance(needed, tuple):
+            if value in needed:
+                continue
+            needed = needed[0]
         if value != needed:
             flag = "--" + key.replace("_", "-")
             raise ConversionError(f"{flag} {value}: the checkpoint has no Hugging Face "
@@ -248,8 +339,10 @@ def to_hf_config(model: PretrainedConfig) -> Dict[str, Any]:
         "max_position_embeddings": model.max_position_embeddings,
         "rms_norm_eps": model.norm_epsilon, "hidden_act": "silu",
         "tie_word_embeddings": model.tied_embeddings,
-        "rope_theta": float(model.rotary_base), "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(model.rotary_base)},
+        "rope_theta": float(model.rotary_base),
+        "rope_scaling": _hf_rope_scaling(model.rope_scaling),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(model.rotary_base),
+                            **(_hf_rope_scaling(model.rope_scaling) or {})},
         "attention_dropout": 0.0, "use_cache": True,
     }
     if model.model_type in ("llama", "qwen3"):
@@ -260,6 +353,24 @@ def to_hf_config(model: PretrainedConfig) -> Dict[str, Any]:
         cfg.update(sliding_window=None, use_sliding_window=False)
     cfg.update(model.extra or {})
     return cfg
+
+
+def _hf_rope_scaling(rope: RopeScaling) -> Optional[Dict[str, Any]]:
+    """transformers' RoPE-scaling dict of ``rope`` (None when unscaled)."""
+    if rope.kind == "none":
+        return None
+    out: Dict[str, Any] = {"rope_type": rope.kind, "factor": rope.factor}
+    if rope.kind == "llama3":
+        out.update({k: (int(v) if k.startswith("original") else v)
+                    for k, v in LLAMA3_FIXED.items()})
+    elif rope.kind == "yarn":
+        out.update(original_max_position_embeddings=rope.original_max_position_embeddings,
+                   beta_fast=rope.beta_fast, beta_slow=rope.beta_slow)
+        if rope.mscale and rope.mscale_all_dim:
+            out.update(mscale=rope.mscale, mscale_all_dim=rope.mscale_all_dim)
+        elif rope.concentration() != yarn_mscale(rope.factor):
+            out["attention_factor"] = rope.concentration()
+    return out
 
 
 def with_vocab(model: PretrainedConfig, vocab_size: int) -> PretrainedConfig:

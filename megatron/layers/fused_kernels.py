@@ -87,12 +87,12 @@ def _rotate_half(t: Tensor) -> Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def rope_torch(t: Tensor, freqs: Tensor) -> Tensor:
+def rope_torch(t: Tensor, freqs: Tensor, mscale: float = 1.0) -> Tensor:
     """RoPE (rotate-half convention) of ``t [s, b, h, d]`` with ``freqs [s, b or 1, 1, r]``
-    (``r <= d`` rotated dims; the rest pass through), in ``t``'s dtype: megatron-core's
-    unfused bshd path with ``mscale = 1``."""
+    (``r <= d`` rotated dims; the rest pass through), cos and sin times ``mscale`` (YaRN's
+    concentration factor), in ``t``'s dtype: megatron-core's unfused bshd path."""
     rot, rest = t[..., :freqs.shape[-1]], t[..., freqs.shape[-1]:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    cos, sin = (freqs.cos() * mscale).to(t.dtype), (freqs.sin() * mscale).to(t.dtype)
     out = rot * cos + _rotate_half(rot) * sin
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
@@ -124,8 +124,10 @@ def swiglu_liger(x: Tensor) -> Tensor:
     return out.view(*shape[:-1], shape[-1] // 2)
 
 
-def rope_liger(q: Tensor, k: Tensor, freqs: Tensor) -> Tuple[Tensor, Tensor]:
-    """Liger's RoPE of q ``[s, b, h, d]`` and k ``[s, b, hk, d]`` with megatron's ``freqs``.
+def rope_liger(q: Tensor, k: Tensor, freqs: Tensor,
+               mscale: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """Liger's RoPE of q ``[s, b, h, d]`` and k ``[s, b, hk, d]`` with megatron's ``freqs``
+    (cos and sin times ``mscale``).
 
     Liger takes ``[b, h, s, d]`` views of ``[b, s, h, d]`` storage and cos/sin
     ``[b or 1, s, r]``; it rotates contiguous copies (or q itself when q is already laid out
@@ -135,7 +137,7 @@ def rope_liger(q: Tensor, k: Tensor, freqs: Tensor) -> Tuple[Tensor, Tensor]:
     _, _, rope = _liger_ops()
     s, b = q.shape[:2]
     f = freqs.squeeze(2).transpose(0, 1)                      # [b or 1, s, r]
-    cos, sin = f.cos().contiguous(), f.sin().contiguous()
+    cos, sin = (f.cos() * mscale).contiguous(), (f.sin() * mscale).contiguous()
     q_bhsd = q.permute(1, 2, 0, 3)                            # [b, h, s, d] view
     k_bhsd = k.permute(1, 2, 0, 3)
     q_out, k_out = rope.apply(q_bhsd, k_bhsd, cos, sin)
@@ -148,8 +150,9 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
-def _rope_pair_torch(q: Tensor, k: Tensor, freqs: Tensor) -> Tuple[Tensor, Tensor]:
-    return rope_torch(q, freqs), rope_torch(k, freqs)
+def _rope_pair_torch(q: Tensor, k: Tensor, freqs: Tensor,
+                     mscale: float = 1.0) -> Tuple[Tensor, Tensor]:
+    return rope_torch(q, freqs, mscale), rope_torch(k, freqs, mscale)
 
 
 # --------------------------------------------------------------------------- the switch
@@ -176,13 +179,15 @@ def swiglu(x: Tensor, impl: str) -> Tensor:
     return swiglu_torch(x)
 
 
-def rope(q: Tensor, k: Tensor, freqs: Tensor, impl: str) -> Tuple[Tensor, Tensor]:
-    """RoPE of q and k (``[s, b, heads, d]``) with per-token ``freqs [s, b or 1, 1, r]``."""
+def rope(q: Tensor, k: Tensor, freqs: Tensor, impl: str,
+         mscale: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """RoPE of q and k (``[s, b, heads, d]``) with per-token ``freqs [s, b or 1, 1, r]``,
+    cos and sin times ``mscale`` (YaRN's concentration factor; 1 otherwise)."""
     if impl == "liger":
-        return rope_liger(q, k, freqs)
+        return rope_liger(q, k, freqs, mscale)
     if impl == "compile":
-        return _compiled(_rope_pair_torch)(q, k, freqs)
-    return _rope_pair_torch(q, k, freqs)
+        return _compiled(_rope_pair_torch)(q, k, freqs, mscale)
+    return _rope_pair_torch(q, k, freqs, mscale)
 
 
 class SwiGLU(MegatronModule):
@@ -216,6 +221,4 @@ def rope_supported(config) -> Optional[str]:
         return "multi-latent attention"
     if getattr(config, "mrope_section", None) is not None:
         return "mRoPE"
-    if hasattr(config, "yarn_rotary_scaling_factor"):
-        return "YaRN (its attention scaling)"
     return None

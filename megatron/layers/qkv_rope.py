@@ -19,7 +19,9 @@ is ours; ``tools/bench_fused_kernels.py`` measures it against megatron's split +
 RoPE convention: rotate-half (megatron's non-interleaved bshd path), the first ``r`` of ``d``
 dims rotated by the per-token ``freqs [s, b or 1, 1, r]`` the layer receives (so the
 load-balanced token order's positions are used as they are), the rest passed through. Products in
-float32 from float32 cos/sin, rounded once to the input dtype.
+float32 from float32 cos/sin, rounded once to the input dtype. YaRN's concentration factor
+(``mscale``) multiplies cos and sin before the kernels read them, as megatron-core multiplies
+them, so the kernels (forward and its transpose) are unchanged by it.
 
 :func:`qkv_split_rope_reference` is the plain PyTorch function of the same thing (the CPU path
 and the tests' reference). On the CPU the Triton kernels run only under Triton's interpreter
@@ -50,15 +52,16 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def qkv_split_rope_reference(mixed: Tensor, freqs: Tensor, heads_per_group: int,
-                             head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+                             head_dim: int, mscale: float = 1.0) -> Tuple[Tensor, Tensor, Tensor]:
     """``mixed [s, b, ng, (g + 2) * d]`` -> contiguous q ``[s, b, ng*g, d]``, k, v
-    ``[s, b, ng, d]``, q and k rotated with ``freqs [s, b or 1, 1, r]`` (float32 math)."""
+    ``[s, b, ng, d]``, q and k rotated with ``freqs [s, b or 1, 1, r]``, cos and sin times
+    ``mscale`` (float32 math)."""
     s, b, ng = mixed.shape[:3]
     g, d = heads_per_group, head_dim
     q, k, v = torch.split(mixed, [g * d, d, d], dim=3)
     q = q.reshape(s, b, ng * g, d)
     f = freqs if freqs.dtype == torch.float64 else freqs.float()
-    cos, sin = f.cos(), f.sin()
+    cos, sin = f.cos() * mscale, f.sin() * mscale
     return (_rotate(q, cos, sin).to(mixed.dtype), _rotate(k, cos, sin).to(mixed.dtype),
             v.contiguous())
 
@@ -159,20 +162,23 @@ _BLOCK_T = 16   # tokens per program: 2048 programs at 32K tokens, 512 at 8K (CP
 
 
 class _CosSinCache:
-    """cos/sin of the newest ``freqs`` tensor: every layer of a step gets the same ``freqs``
-    object, so they are computed once per step instead of once per layer and direction.
-    Keyed by identity and version (the cache holds ``freqs``, so its id cannot be reused)."""
+    """cos/sin (times ``mscale``) of the newest ``freqs`` tensor: every layer of a step gets
+    the same ``freqs`` object, so they are computed once per step instead of once per layer
+    and direction. Keyed by identity, version (the cache holds ``freqs``, so its id cannot be
+    reused) and ``mscale``."""
 
     def __init__(self) -> None:
         self.freqs: Optional[Tensor] = None
         self.version = -1
+        self.mscale = 1.0
         self.value: Optional[Tuple[Tensor, Tensor]] = None
 
-    def get(self, freqs: Tensor) -> Tuple[Tensor, Tensor]:
-        if self.freqs is not freqs or self.version != freqs._version:
+    def get(self, freqs: Tensor, mscale: float = 1.0) -> Tuple[Tensor, Tensor]:
+        if (self.freqs is not freqs or self.version != freqs._version
+                or self.mscale != mscale):
             f = freqs.detach().float().squeeze(2)                 # [s, b or 1, r]
-            self.value = (f.cos().contiguous(), f.sin().contiguous())
-            self.freqs, self.version = freqs, freqs._version
+            self.value = ((f.cos() * mscale).contiguous(), (f.sin() * mscale).contiguous())
+            self.freqs, self.version, self.mscale = freqs, freqs._version, mscale
         return self.value
 
 
@@ -235,10 +241,11 @@ class _QKVSplitRope(torch.autograd.Function):
 
 
 def qkv_split_rope(mixed: Tensor, freqs: Tensor, heads_per_group: int,
-                   head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+                   head_dim: int, mscale: float = 1.0) -> Tuple[Tensor, Tensor, Tensor]:
     """q, k, v from megatron's QKV output ``mixed [s, b, ng, (g + 2) * d]``, q and k rotated
-    by ``freqs [s, b or 1, 1, r]`` (``r`` even, ``r <= d``); the Triton kernels where they
-    can run (:func:`triton_usable`), else :func:`qkv_split_rope_reference`."""
+    by ``freqs [s, b or 1, 1, r]`` (``r`` even, ``r <= d``) with cos and sin times ``mscale``
+    (YaRN's concentration factor; 1 otherwise); the Triton kernels where they can run
+    (:func:`triton_usable`), else :func:`qkv_split_rope_reference`."""
     s, b, ng, width = mixed.shape
     g, d = heads_per_group, head_dim
     r = freqs.shape[-1]
@@ -248,6 +255,6 @@ def qkv_split_rope(mixed: Tensor, freqs: Tensor, heads_per_group: int,
         raise ValueError(f"rotary frequencies {tuple(freqs.shape)} do not fit q/k "
                          f"[{s}, {b}, heads, {d}] (need [s, b or 1, 1, even r <= d])")
     if not triton_usable(mixed):
-        return qkv_split_rope_reference(mixed, freqs, g, d)
-    cos, sin = _COS_SIN.get(freqs)
+        return qkv_split_rope_reference(mixed, freqs, g, d, mscale)
+    cos, sin = _COS_SIN.get(freqs, mscale)
     return _QKVSplitRope.apply(mixed, cos, sin, g, d)

@@ -9,6 +9,10 @@ from ``Attention.forward`` and rotates q and k itself, right after the QKV proje
 (:meth:`get_query_key_value_tensors`), with the ``--fused-kernels`` implementation.
 Everything else, including every other call, is megatron-core's code.
 
+YaRN: cos and sin are multiplied by its concentration factor, read from the config exactly as
+megatron-core's attention reads it (``_yarn_get_concentration_factor_from_config``; 1 without
+YaRN), so every ``--fused-kernels`` choice rotates as megatron-core does.
+
 The frequencies are the same tensor megatron-core would have used: ``[s, b or 1, 1, r]``
 float32 for this rank's tokens in the token order (megatron-core's
 ``RotaryEmbedding`` picks each context-parallel rank's positions), so the fused kernel
@@ -22,6 +26,9 @@ parallelism never see another call's positions.
 
 from __future__ import annotations
 
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
 from megatron.core.transformer.attention import SelfAttention
 
 from megatron.layers import fused_kernels, qkv_rope
@@ -37,6 +44,7 @@ class USPSelfAttention(SelfAttention):
                              f"{list(fused_kernels.KERNEL_IMPLS)}")
         self.rope_impl = rope_impl
         self._unsupported = fused_kernels.rope_supported(self.config)
+        self._mscale = _yarn_get_concentration_factor_from_config(self.config)
         self._rope_freqs = None
 
     def _takes_rope(self, rotary_pos_emb, kwargs) -> bool:
@@ -89,7 +97,7 @@ class USPSelfAttention(SelfAttention):
             per_group = (self.num_attention_heads_per_partition
                          // self.num_query_groups_per_partition)
             return qkv_rope.qkv_split_rope(mixed, freqs, per_group,
-                                           self.hidden_size_per_attention_head)
+                                           self.hidden_size_per_attention_head, self._mscale)
         out = super().get_query_key_value_tensors(hidden_states, key_value_states,
                                                   output_gate=output_gate, split_qkv=split_qkv)
         if freqs is None:
@@ -100,5 +108,5 @@ class USPSelfAttention(SelfAttention):
         # "usp" where the fused split does not apply (output gate, q/k norms, TP > groups):
         # megatron-core's split, then the plain rotation
         impl = "torch" if self.rope_impl == "usp" else self.rope_impl
-        query, key = fused_kernels.rope(query, key, freqs, impl)
+        query, key = fused_kernels.rope(query, key, freqs, impl, self._mscale)
         return (query,) + tuple(out[1:-2]) + (key, out[-1])

@@ -4,7 +4,8 @@
   the vocabulary padding);
 * :mod:`.presets` :data:`PRESETS`, the one table of named models;
 * :mod:`.flops`   :func:`training_flops`, the one MFU numerator;
-* :mod:`.flags`   a shape as ``pretrain_gpt.py`` flags.
+* :mod:`.flags`   a shape as ``pretrain_gpt.py`` flags;
+* :mod:`.rope`    :class:`RopeScaling`, RoPE scaling for context extension.
 
 Standard library only: nothing here imports torch or another package of this project.
 """
@@ -23,10 +24,12 @@ from megatron.shapes.model import (
     padded_vocab_size,
 )
 from megatron.shapes.presets import PRESETS, get_preset
+from megatron.shapes.rope import RopeScaling
 
 __all__ = [
     "ModelShape",
     "PRESETS",
+    "RopeScaling",
     "attention_shape",
     "causal_pairs",
     "default_ffn_hidden_size",

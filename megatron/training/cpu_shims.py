@@ -10,9 +10,13 @@ Shims (upstream -> replacement):
 
 * ``megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb``
   moves ``inv_freq`` to ``torch.cuda.current_device()`` -> keep it on its device.
+* ``megatron.core.models.common.embeddings.yarn_rotary_pos_embedding.YarnRotaryEmbedding
+  .get_emb`` moves its two frequency sets to ``torch.cuda.current_device()`` -> the same
+  table and concentration factor on their device.
 * ``megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank``
   builds its index with ``pin_memory=True`` and ``.cuda()`` -> same index on the
-  embedding's device (also re-bound where ``rotary_pos_embedding`` imported it).
+  embedding's device (also re-bound where ``rotary_pos_embedding`` and
+  ``yarn_rotary_pos_embedding`` imported it).
 * ``megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add`` / ``.fork`` use
   the CUDA generator -> track and fork the CPU generator's state, which is what
   dropout and initialisation draw from on the CPU.
@@ -92,6 +96,23 @@ def _rope_get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     else:
         emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
     return emb[:, None, None, :]
+
+
+def _yarn_get_emb(self, max_seq_len: int, offset: int = 0):
+    """Replaces ``YarnRotaryEmbedding.get_emb``: the same (table, concentration factor), left
+    on the frequencies' device."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor,
+    )
+
+    from megatron.training.model.gpt_model import rope_inv_freq
+
+    inv_freq = rope_inv_freq(self)
+    seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=inv_freq.dtype) + offset
+    freqs = torch.outer(seq, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    return emb, _yarn_get_concentration_factor(self.scaling_factor, self.mscale,
+                                               self.mscale_all_dim)
 
 
 def _get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
@@ -313,14 +334,22 @@ def apply_cpu_shims() -> List[str]:
     if torch.cuda.is_available() or _APPLIED:
         return applied_shims()
 
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
     from megatron.core.tensor_parallel import random as tp_random
 
     rotary_pos_embedding.RotaryEmbedding.get_emb = _rope_get_emb
     _APPLIED.append("rotary_pos_embedding.RotaryEmbedding.get_emb")
 
+    yarn_rotary_pos_embedding.YarnRotaryEmbedding.get_emb = _yarn_get_emb
+    _APPLIED.append("yarn_rotary_pos_embedding.YarnRotaryEmbedding.get_emb")
+
     rope_utils.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
+    yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
     _APPLIED.append("rope_utils.get_pos_emb_on_this_cp_rank")
 
     from megatron.core import utils as mcore_utils

@@ -4,7 +4,10 @@ default token order, which is why every run uses it (megatron/training/model/gpt
 2 gloo ranks, U2xR1 and U1xR2, float32 on the CPU: both models are built from the same seed
 with the USP block spec, get the same CP-rank shard of tokens and positions, and must return
 the same logits, per-token losses and weight gradients bit for bit. With reset positions the
-logits differ (the path does use the positions).
+logits differ (the path does use the positions). The same holds with RoPE scaling: llama3,
+linear interpolation and YaRN (whose factor on cos and sin both paths leave to attention; on
+the CPU megatron-core's YaRN table comes through the CPU shim, which shares the frequencies
+of ``rope_inv_freq``: tests/unit/test_rope_scaling.py checks those against transformers).
 """
 
 from __future__ import annotations
@@ -20,15 +23,31 @@ from tests.helpers import gpt_config
 SEQ, BATCH = 32, 2
 
 
-def _build(cls, config, groups):
+# name -> (position_embedding_type, GPTModel's scaling arguments, YaRN's config attributes)
+SCALINGS = {
+    "none": ("rope", {}, {}),
+    "llama3": ("rope", dict(rope_scaling=True, rope_scaling_factor=8.0), {}),
+    "linear": ("rope", dict(seq_len_interpolation_factor=4.0), {}),
+    "yarn": ("yarn", {}, dict(yarn_rotary_scaling_factor=4.0,
+                              yarn_original_max_position_embeddings=8, yarn_beta_fast=8.0,
+                              yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0,
+                              yarn_correction_range_round_to_int=True)),
+}
+
+
+def _build(cls, config, groups, scaling="none"):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron.training.model.layer_specs import get_usp_gpt_block_spec
 
+    kind, kwargs, attributes = SCALINGS[scaling]
+    for name, value in attributes.items():
+        setattr(config, name, value)
     model_parallel_cuda_manual_seed(SEED)
     return cls(config=config, transformer_layer_spec=get_usp_gpt_block_spec(config, pp_rank=0),
-               vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
-               share_embeddings_and_output_weights=False, pg_collection=groups.pg_collection)
+               vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type=kind,
+               rotary_base=500000, share_embeddings_and_output_weights=False,
+               pg_collection=groups.pg_collection, **kwargs)
 
 
 def _run(model, tokens, position_ids, labels):
@@ -46,7 +65,7 @@ def _check(rank, world_size):
     from megatron.training.model.gpt_model import USPGPTModel
 
     apply_cpu_shims()
-    for ulysses, ring in ((2, 1), (1, 2)):
+    for (ulysses, ring), scaling in zip(((2, 1), (1, 2), (2, 1), (1, 2)), SCALINGS):
         groups = initialize_usp_parallel(ParallelDims(world_size, ulysses=ulysses, ring=ring))
         config = gpt_config(ulysses=ulysses, ring=ring)
         config.params_dtype = torch.float32
@@ -58,13 +77,13 @@ def _check(rank, world_size):
         def shard(t, cp_rank=groups.cp_rank):
             return token_order.shard_for_cp_rank(t, 1, cp_rank, 2)
 
-        ref = _run(_build(GPTModel, config, groups), shard(tokens), shard(position_ids),
-                   shard(labels))
-        ours_model = _build(USPGPTModel, config, groups)
+        ref = _run(_build(GPTModel, config, groups, scaling), shard(tokens),
+                   shard(position_ids), shard(labels))
+        ours_model = _build(USPGPTModel, config, groups, scaling)
         ours = _run(ours_model, shard(tokens), shard(position_ids), shard(labels))
         assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
         for name, grad in ref[2].items():
-            assert torch.equal(ours[2][name], grad), name
+            assert torch.equal(ours[2][name], grad), (scaling, name)
         reset = position_ids % 8                                 # documents of 8 tokens
         moved = ours_model(shard(tokens), shard(reset), None).detach()
         assert not torch.equal(moved, ours[0])

@@ -79,9 +79,11 @@ def test_swiglu_on_gpu(impl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_rope_on_gpu(impl, batch):
+@pytest.mark.parametrize("mscale", [1.0, 1.1386])
+def test_rope_on_gpu(impl, batch, mscale):
     """Positions in a load-balanced order (chunks 0 and 3 of 4) and, for batch 2, per-row
-    positions: the kernel must follow the frequencies it is given."""
+    positions: the kernel must follow the frequencies it is given; with YaRN's factor on cos
+    and sin too."""
     from megatron.bench.fused_kernels_bench import rope_freqs
     from megatron.layers import fused_kernels as fk
 
@@ -97,18 +99,20 @@ def test_rope_on_gpu(impl, batch):
         freqs = torch.cat([freqs, table[other]], dim=1)                # [s, 2, 1, d]
     q = torch.randn(s, batch, 16, 128, generator=gen, device="cuda").bfloat16()
     k = torch.randn(s, batch, 4, 128, generator=gen, device="cuda").bfloat16()
-    _check(lambda q, k: fk.rope(q, k, freqs, impl), lambda q, k: fk.rope(q, k, freqs, "torch"),
-           lambda q, k: fk._rope_pair_torch(q, k, freqs), [q, k])
+    _check(lambda q, k: fk.rope(q, k, freqs, impl, mscale),
+           lambda q, k: fk.rope(q, k, freqs, "torch", mscale),
+           lambda q, k: fk._rope_pair_torch(q, k, freqs, mscale), [q, k])
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mscale", [1.0, 1.1386])       # 1.1386: YaRN's factor at 4x
 @pytest.mark.parametrize("batch,heads,groups,rot", [(1, 16, 4, 128), (2, 16, 4, 128),
                                                    (1, 8, 8, 64), (1, 32, 1, 128)])
-def test_qkv_split_rope_on_gpu(batch, heads, groups, rot):
+def test_qkv_split_rope_on_gpu(batch, heads, groups, rot, mscale):
     """megatron.layers.qkv_rope's Triton kernel (split + RoPE of the QKV output) in bf16 against
     megatron's split with the plain rotation, both against float64; load-balanced positions
     (chunks 0 and 3 of 4), per-row positions for batch 2, partial rotation (rot < d), MHA
-    and MQA as well as GQA."""
+    and MQA as well as GQA, and YaRN's factor on cos and sin."""
     from megatron.bench.fused_kernels_bench import rope_freqs
     from megatron.layers import fused_kernels as fk
     from megatron.layers.qkv_rope import qkv_split_rope, qkv_split_rope_reference
@@ -128,12 +132,12 @@ def test_qkv_split_rope_on_gpu(batch, heads, groups, rot):
     def plain(m):                        # megatron's split, then its unfused rotation
         q, k, v = torch.split(m, [per * d, d, d], dim=3)
         q = q.reshape(s, batch, heads, d)
-        return fk.rope_torch(q, freqs), fk.rope_torch(k, freqs), v
+        return fk.rope_torch(q, freqs, mscale), fk.rope_torch(k, freqs, mscale), v
 
-    out = qkv_split_rope(mixed, freqs, per, d)
+    out = qkv_split_rope(mixed, freqs, per, d, mscale)
     assert all(t.is_contiguous() for t in out)
-    _check(lambda m: qkv_split_rope(m, freqs, per, d), plain,
-           lambda m: qkv_split_rope_reference(m, freqs.double(), per, d), [mixed])
+    _check(lambda m: qkv_split_rope(m, freqs, per, d, mscale), plain,
+           lambda m: qkv_split_rope_reference(m, freqs.double(), per, d, mscale), [mixed])
 
 
 @pytest.mark.gpu

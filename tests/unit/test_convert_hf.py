@@ -226,10 +226,10 @@ LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermedia
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-     "rope_scaling.rope_type=llama3 is not supported yet"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}),
-     "rope_parameters.rope_type=yarn is not supported yet"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 8.0}),
+     "rope_scaling.rope_type=dynamic is not supported"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6}),
+     "rope_parameters.rope_type=longrope is not supported"),
     (dict(model_type="gemma"), "model_type=gemma is not supported"),
     (dict(model_type="mistral", sliding_window=4096), "sliding_window=4096 is not supported"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=32),

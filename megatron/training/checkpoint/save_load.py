@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.errors import UsageError
+from megatron.shapes.rope import RopeScaling
 from megatron.training.checkpoint import checksums
 from megatron.training.checkpoint.faults import (
     CheckpointSaveError,
@@ -522,12 +523,32 @@ def model_mismatches(saved_args: Mapping[str, Any], now: Mapping[str, Any]) -> L
     return out
 
 
+def _rope_text(values: Mapping[str, Any]) -> str:
+    flags = RopeScaling.from_flag_values(values).flags()
+    return f"--rotary-base {values.get('rotary_base')}" + "".join(" " + f for f in flags)
+
+
+def rope_mismatches(saved_args: Mapping[str, Any], now: Mapping[str, Any]) -> List[str]:
+    """The RoPE flags (theta and scaling) of the checkpoint when they differ from this
+    run's: a resume continues the same positions' rotation. A checkpoint written before
+    the scaling flags existed counts as unscaled."""
+    same_theta = saved_args.get("rotary_base") in (None, now.get("rotary_base"))
+    if same_theta and (RopeScaling.from_flag_values(saved_args)
+                       == RopeScaling.from_flag_values(now)):
+        return []
+    return [f"RoPE {_rope_text(saved_args)} (this run: {_rope_text(now)}; --finetune may "
+            f"change RoPE)"]
+
+
 def check_model_matches(saved_args: Mapping[str, Any], now: Mapping[str, Any],
-                        path: str) -> None:
+                        path: str, finetune: bool = False) -> None:
     """Refuse a checkpoint of another model shape before megatron-core's load (which
-    would fail with a "Global shape mismatch" traceback per tensor, naming no flag); say
-    in one line when only ``--seq-length`` changed."""
+    would fail with a "Global shape mismatch" traceback per tensor, naming no flag), and a
+    resume (not ``finetune``: context extension starts from a checkpoint with other RoPE)
+    with other RoPE flags; say in one line when only ``--seq-length`` changed."""
     wrong = model_mismatches(saved_args, now)
+    if not finetune and saved_args.get("position_embedding_type") in ("rope", "yarn"):
+        wrong += rope_mismatches(saved_args, now)
     if wrong:
         raise CheckpointError(
             f"--load {path}: the checkpoint holds another model; it was saved with "
@@ -740,7 +761,7 @@ def load_checkpoint(config: RunConfig, model, optimizer, scheduler) -> Resume:
     iteration, path = found
     common = dist_checkpointing.load_common_state_dict(path)
     now = config.flag_values()
-    check_model_matches(common.get("args", {}), now, path)
+    check_model_matches(common.get("args", {}), now, path, finetune=args.finetune)
     if common.get("weights_only") and not config.args.finetune:
         raise CheckpointError(f"--load {path} holds model weights only (an imported "
                               f"pretrained model); add --finetune to start training from it")

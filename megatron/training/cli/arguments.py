@@ -32,6 +32,7 @@ from megatron.training.cli.document_args import add_document_args, document_flag
 from megatron.training.cli.errors import ArgumentsError
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
 from megatron.training.cli.pretrained_args import add_pretrained_args
+from megatron.training.cli.rope_args import add_rope_args, rope_scaling_from_args
 from megatron.training.data.errors import DataConfigError
 from megatron.usp.backend_names import (
     BACKEND_NAMES,
@@ -101,8 +102,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="position table size; default --seq-length")
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=("learned_absolute", "rope", "none"),
-                   help="rope for Llama-style models")
+                   choices=("learned_absolute", "rope", "yarn", "none"),
+                   help="rope for Llama-style models; yarn: RoPE with YaRN scaling (the "
+                        "--yarn-* flags)")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of the head dimension RoPE rotates")
@@ -125,6 +127,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary of --tokenizer-type NullTokenizer (and --mock-data)")
     add_pretrained_args(g)
+    add_rope_args(g)
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -486,7 +489,7 @@ def _model_sizes(args) -> Dict[str, int]:
     if not 0.0 <= args.hidden_dropout < 1.0:
         raise ArgumentsError(f"--hidden-dropout {args.hidden_dropout} must be in [0, 1)")
     return {"kv_channels": kv_channels, "ffn_hidden_size": ffn,
-            "max_position_embeddings": positions,
+            "max_position_embeddings": positions, "rope": rope_scaling_from_args(args),
             "shape": ModelShape(
                 num_layers=args.num_layers, hidden_size=args.hidden_size,
                 num_attention_heads=args.num_attention_heads,

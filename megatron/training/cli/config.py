@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from megatron.shapes import ModelShape
+from megatron.shapes import ModelShape, RopeScaling
 from megatron.usp.parallel_dims import ParallelDims
 
 
@@ -36,6 +36,8 @@ class RunConfig:
         grad_reduce_in_fp32: gradients accumulate and reduce in float32 (all but
             ``--bf16 --grad-reduce-in-bf16``).
         kv_channels / ffn_hidden_size / max_position_embeddings: the flags or their defaults.
+        rope: the RoPE scaling of the RoPE flags (:mod:`megatron.shapes.rope`; kind
+            ``none`` without).
         shape: the model flags as one :class:`~megatron.shapes.ModelShape` (its vocabulary
             unknown here: :meth:`model_shape` has it once the tokenizer is built).
         lr_decay_iters / lr_warmup_iters: the schedule in iterations (``--lr-warmup-fraction``
@@ -65,6 +67,7 @@ class RunConfig:
     kv_channels: int
     ffn_hidden_size: int
     max_position_embeddings: int
+    rope: RopeScaling
     shape: ModelShape
     lr_decay_iters: int
     lr_warmup_iters: int
@@ -109,6 +112,8 @@ class RunConfig:
         sizes: what checkpoints and metrics files record, and what a checkpoint's recorded
         arguments are compared with."""
         out = dict(vars(self.args))
+        if self.args.position_embedding_type in ("rope", "yarn"):
+            out.update(self.rope.flag_values())    # the defaults resolved
         out.update(
             world_size=self.world_size, device=self.device,
             distributed_backend=self.distributed_backend,

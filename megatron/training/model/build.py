@@ -67,7 +67,7 @@ def transformer_config_from_args(config: RunConfig):
         mcore_modules = [m for m in args.recompute_modules if m not in SPEC_RECOMPUTE_MODULES]
         if granularity == "selective" and not mcore_modules:
             granularity = None      # all of it is done by the layer spec
-    return TransformerConfig(
+    config_out = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=config.ffn_hidden_size,
@@ -109,6 +109,25 @@ def transformer_config_from_args(config: RunConfig):
         # warning per model build; [] is its non-deprecated spelling of the same.
         cuda_graph_scope=[],
     )
+    _set_yarn_fields(config_out, config.rope)
+    return config_out
+
+
+def _set_yarn_fields(transformer_config, rope) -> None:
+    """YaRN's parameters where megatron-core 0.16.1 reads them: attributes of the
+    ``TransformerConfig`` (not fields of the dataclass; ``GPTModel`` builds its
+    ``YarnRotaryEmbedding`` from them and attention takes the cos/sin factor from them), set
+    as Megatron-LM sets them. Nothing is set for the other kinds, whose absence is how
+    megatron-core tells plain RoPE."""
+    if rope.kind != "yarn":
+        return
+    for name, value in (("rotary_scaling_factor", rope.factor),
+                        ("original_max_position_embeddings",
+                         rope.original_max_position_embeddings),
+                        ("beta_fast", rope.beta_fast), ("beta_slow", rope.beta_slow),
+                        ("mscale", rope.mscale), ("mscale_all_dim", rope.mscale_all_dim),
+                        ("correction_range_round_to_int", True)):
+        setattr(transformer_config, "yarn_" + name, value)
 
 
 def _pipeline_stage(groups: USPGroups):
@@ -178,6 +197,7 @@ def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        **_rope_scaling_kwargs(config),
         pg_collection=groups.pg_collection,
         **loss_kwargs,
     )
@@ -187,6 +207,17 @@ def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):
         install_recompute_offload(model.decoder, offloader)
         model.activation_offloader = offloader
     return model.to(device)
+
+
+def _rope_scaling_kwargs(config: RunConfig) -> dict:
+    """``GPTModel``'s arguments of llama3 and linear RoPE scaling (YaRN's are config
+    attributes: :func:`_set_yarn_fields`)."""
+    rope = config.rope
+    if rope.kind == "llama3":
+        return {"rope_scaling": True, "rope_scaling_factor": rope.factor}
+    if rope.kind == "linear":
+        return {"seq_len_interpolation_factor": rope.factor}
+    return {}
 
 
 def _recompute_offloader(config: RunConfig, device: torch.device):

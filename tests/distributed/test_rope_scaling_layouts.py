@@ -1,0 +1,96 @@
+"""Scaled RoPE (llama3, YaRN) under U2, R2 and U2xR2: the imported models of
+``tests/unit/test_convert_hf_rope.py`` loaded on 2 (4) gloo ranks still compute what
+transformers computes (one process, the whole sequence).
+
+Each CP rank gets its shard of the tokens and of their positions (spread up to 4x the
+original context, so the scaled frequencies matter), and of packed documents (positions
+restarting, the balanced chunk assignment, this ring rank's document plan); the logits
+gathered over CP are compared with transformers' (KL <= 1e-9, max |dlogit| <= 1e-4). U2
+and U2xR2 run ``--fused-kernels usp`` (the fused QKV split + RoPE path and YaRN's factor on
+cos and sin; its plain PyTorch form on the CPU), R2 megatron-core's own RoPE.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit.test_convert_hf import (
+    SEQ,
+    assert_logits_match,
+    document_params,
+    documents_batch,
+    hf_logits,
+)
+from tests.unit.test_convert_hf_rope import SCALED, imported  # noqa: F401  (fixture)
+
+LAYOUTS = {"u2_fused": ["--ulysses-degree", "2", "--fused-kernels", "usp"],
+           "r2": ["--ring-degree", "2", "--fused-kernels", "torch"],
+           "u2r2_fused": ["--ulysses-degree", "2", "--ring-degree", "2", "--fused-kernels",
+                          "usp"]}
+
+
+def _gather(x: torch.Tensor, group) -> list:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
+def _run(model, groups, tokens, positions, segments=None, assignment=None):
+    """Full-sequence logits ``[b, s, V]`` of the model fed this CP rank's tokens (TP 1)."""
+    from megatron.usp.token_order import shard_for_cp_rank, unshard_from_cp_ranks
+
+    def shard(x):
+        return shard_for_cp_rank(x, 1, groups.cp_rank, groups.dims.cp, assignment)
+
+    packed = None if segments is None else document_params(
+        segments, groups.ring_rank, groups.ring_size, assignment)
+    with torch.no_grad():
+        logits = model(shard(tokens), shard(positions), None, packed_seq_params=packed)
+    return unshard_from_cp_ranks(_gather(logits, groups.cp), 1, assignment)
+
+
+def _check(name, hf_dir, ckpt, layout):
+    from transformers import AutoModelForCausalLM
+
+    from megatron.convert.checkpoint_io import loaded_checkpoint
+    from megatron.training.data.documents import DocumentBatching
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    vocab, what = hf.config.vocab_size, f"{name} {layout}"
+    tokens = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(11))
+    step = 4 * SCALED[name][1] // SEQ
+    positions = (torch.arange(SEQ) * step).expand(2, SEQ).contiguous()
+    docs, segments, doc_positions = documents_batch(vocab=vocab)
+    with loaded_checkpoint(ckpt, layout_flags=LAYOUTS[layout]) as built:
+        groups = built.groups
+        batching = DocumentBatching(eod=3, ulysses=groups.ulysses_size, ring=groups.ring_size)
+        assignment = batching([{"tokens": docs[0], "labels": docs[0],
+                                "loss_mask": torch.ones(SEQ), "position_ids": doc_positions[0]}
+                               ])["chunk_assignment"]
+        logits = _run(built.model, groups, tokens, positions)
+        doc_logits = _run(built.model, groups, docs, doc_positions, segments=segments,
+                             assignment=assignment)
+    with torch.no_grad():
+        ref = hf(tokens, position_ids=positions).logits.double()
+    assert_logits_match(logits, ref, f"{what} positions up to {int(positions.max())}")
+    assert_logits_match(doc_logits, hf_logits(hf, docs, segments), f"{what} packed documents")
+
+
+def _check_layouts(rank, world_size, dirs, layouts):
+    from megatron.training.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    for layout in layouts:
+        for name, (hf_dir, ckpt) in dirs.items():
+            _check(name, hf_dir, ckpt, layout)
+
+
+def test_scaled_rope_matches_transformers_under_u2_and_r2(dist_run, imported):  # noqa: F811
+    dist_run(_check_layouts, 2, imported, ["u2_fused", "r2"], timeout=600)
+
+
+@pytest.mark.slow
+def test_scaled_rope_matches_transformers_under_u2xr2(dist_run, imported):  # noqa: F811
+    dist_run(_check_layouts, 4, imported, ["u2r2_fused"], timeout=600)
