@@ -42,17 +42,20 @@ def main(argv=None) -> int:
 
 
 def preflight(args):
-    """The flag and output-directory checks, before megatron-core is imported (seconds of
+    """The flag, input-file and output-directory checks, before megatron-core is imported (seconds of
     imports and its warnings); exit status 2 after one line from rank 0, else None.
     ``pretrain`` repeats them (``validate_args`` only reads ``args``)."""
     import os
 
     from megatron.errors import UsageError
     from megatron.training.cli.arguments import validate_args
+    from megatron.training.cli.input_paths import check_input_paths
     from megatron.training.cli.output_paths import check_output_paths
 
     try:
-        check_output_paths(validate_args(args, int(os.environ.get("WORLD_SIZE", "1"))))
+        config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        check_input_paths(config)
+        check_output_paths(config)
     except UsageError as exc:
         from megatron.training.cli.arguments import launch_rank
 

@@ -4,8 +4,11 @@
    initialised process group, or a single process);
 2. ``validate_args`` checks every flag on every rank, before any process group exists,
    and returns the run's :class:`~megatron.training.cli.config.RunConfig`;
-   :func:`~megatron.training.cli.output_paths.check_output_paths` checks that ``--save``,
-   the metrics file's folder and ``--tensorboard-dir`` can be written;
+   :func:`~megatron.training.cli.input_paths.check_input_paths` that each ``--data-path``
+   prefix has its files and a tokenizer; and
+   :func:`~megatron.training.cli.output_paths.check_output_paths` that ``--save``,
+   the metrics file's folder and ``--tensorboard-dir`` can be written (``--save`` with
+   room for one checkpoint);
 3. :func:`init_process_group` (gloo on CPU, NCCL on GPU) unless the caller already did;
 4. the CPU shims (:func:`megatron.training.cpu_shims.apply_cpu_shims`) on a machine without CUDA;
 5. the data source (:func:`resolve_data_source`: the default corpus is built here when no
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from megatron.training.cli.arguments import padded_vocab_size, validate_args
 from megatron.training.cli.auto_layout import resolve_auto_layout
 from megatron.training.cli.config import RunConfig
+from megatron.training.cli.input_paths import check_input_paths
 from megatron.training.cli.output_paths import check_output_paths
 from megatron.usp.parallel_state import USPGroups, initialize_usp_parallel
 
@@ -175,6 +179,7 @@ def initialize(args) -> Runtime:
 
     rank, world, local_rank = launch_env()
     config = validate_args(args, world)
+    check_input_paths(config)
     check_output_paths(config)
     device, owns = init_process_group(config, rank, world, local_rank)
     rt = Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device,

@@ -161,6 +161,31 @@ def test_tokenizer_model_without_data_path():
         validate_args(parse_args(argv), 1, cuda_available=False)
 
 
+@pytest.mark.parametrize("argv_tail", [["--data-path", ""], ["--data-path", "--split", "99,1,0"],
+                                       ["--data-path", " ", "--tokenizer-model", "t.model"]],
+                         ids=["empty-string", "followed-by-a-flag", "blank"])
+def test_empty_data_path_is_refused(argv_tail):
+    """An unset shell variable after --data-path must not train on the default corpus."""
+    argv = [a for a in BASE if a not in ("--mock-data",)] + argv_tail
+    with pytest.raises(ArgumentsError, match="--data-path was given no prefix.*drop --data-path"):
+        validate_args(parse_args(argv), 1, cuda_available=False)
+
+
+def test_missing_data_prefix_names_its_files_before_the_tokenizer(tmp_path):
+    from megatron.training.cli.input_paths import check_input_paths
+    from megatron.training.data.errors import DataConfigError
+
+    prefix = str(tmp_path / "corpus_text_document")
+    argv = [a for a in BASE if a not in ("--mock-data",)] + ["--data-path", prefix]
+    config = validate_args(parse_args(argv), 1, cuda_available=False)
+    with pytest.raises(DataConfigError, match=f"missing {prefix}.idx and {prefix}.bin"):
+        check_input_paths(config)
+    for ext in (".idx", ".bin"):
+        (tmp_path / f"corpus_text_document{ext}").write_bytes(b"")
+    with pytest.raises(ArgumentsError, match="--data-path needs --tokenizer-model"):
+        check_input_paths(config)
+
+
 @pytest.mark.slow
 def test_command_line_reports_one_error_line():
     import subprocess

@@ -649,6 +649,13 @@ def _validate_recompute(args) -> None:
 
 def _tokenizer_type(args) -> str:
     """The data flags' checks; returns ``--tokenizer-type`` or its default."""
+    if args.data_path is not None and not "".join(args.data_path).strip():
+        # `--data-path "$DATA"` with DATA unset, or `--data-path` straight before another
+        # flag: argparse accepts both, and the run would train on the default corpus.
+        raise ArgumentsError(
+            "--data-path was given no prefix (an unset shell variable?); pass --data-path "
+            "PREFIX (a .bin/.idx pair from tools/preprocess_data.py), or drop --data-path to "
+            "train on the built-in default corpus")
     if args.mock_data and args.data_path:
         raise ArgumentsError("--mock-data and --data-path exclude one another; drop one")
     _check_positive(args, ["num_workers"], allow_zero=True)
@@ -664,9 +671,9 @@ def _tokenizer_type(args) -> str:
             "--tokenizer-model without --data-path: the default corpus comes with its own "
             "tokenizer; pass the --data-path made with this tokenizer, or drop "
             "--tokenizer-model")
-    if args.data_path and tokenizer_type != "NullTokenizer" and args.tokenizer_model is None:
-        raise ArgumentsError(f"--data-path needs --tokenizer-model (the {tokenizer_type} "
-                             f"the data was preprocessed with)")
+    # "--data-path needs --tokenizer-model" is checked with the files
+    # (megatron.training.cli.input_paths), after a missing prefix, which is the likelier
+    # mistake and the one to name first.
     return tokenizer_type
 
 

@@ -63,7 +63,7 @@ class IndexedDatasetInfo:
         return int((self.sequence_lengths == 0).sum())
 
 
-def _check_prefix_files(prefix: str, flag: str) -> Tuple[str, str]:
+def check_prefix_files(prefix: str, flag: str) -> Tuple[str, str]:
     """The ``.idx`` and ``.bin`` paths of ``prefix``; a DataConfigError if either is missing."""
     for ext in (".bin", ".idx"):
         if prefix.endswith(ext):
@@ -95,7 +95,7 @@ def inspect_indexed_dataset(prefix: str, flag: str = "--data-path") -> IndexedDa
     the ``.bin`` size equals the token count times the dtype size (a truncated ``.bin``,
     or one from another run, fails). Reads only the ``.idx``.
     """
-    idx_path, bin_path = _check_prefix_files(prefix, flag)
+    idx_path, bin_path = check_prefix_files(prefix, flag)
     idx_bytes = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         head = f.read(_IDX_HEADER_BYTES)
