@@ -7,13 +7,13 @@
    :func:`~megatron.training.cli.input_paths.check_input_paths` that each ``--data-path``
    prefix has its files and a tokenizer; and
    :func:`~megatron.training.cli.output_paths.check_output_paths` that ``--save``,
-   the metrics file's folder and ``--tensorboard-dir`` can be written (``--save`` with
-   room for one checkpoint);
+   the metrics file's folder and ``--tensorboard-dir`` can be written;
 3. :func:`init_process_group` (gloo on CPU, NCCL on GPU) unless the caller already did;
 4. the CPU shims (:func:`megatron.training.cpu_shims.apply_cpu_shims`) on a machine without CUDA;
 5. the data source (:func:`resolve_data_source`: the default corpus is built here when no
    data is given; ``args`` keeps the flags as given), the tokenizer, the padded vocabulary,
-   the ``auto`` layout, and the data checks, on every rank alike;
+   the ``auto`` layout, room for one checkpoint in ``--save`` (:func:`check_save_room`),
+   and the data checks, on every rank alike;
 6. the USP process groups and the random seeds.
 """
 
@@ -196,6 +196,7 @@ def initialize(args) -> Runtime:
     rt.config = config = config.with_padded_vocab(padded_vocab_size(
         rt.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
         args.tensor_model_parallel_size))
+    check_save_room(config, device)
     rt.data_config = data_config_from_args(config, rt.data_source)
     validate_data_config(rt.data_config, rt.tokenizer, config.dims.cp)
     rt.groups = initialize_usp_parallel(
@@ -204,6 +205,24 @@ def initialize(args) -> Runtime:
     init_num_microbatches_calculator(rank, None, config.global_batch_size,
                                      args.micro_batch_size, config.dims.dp)
     return rt
+
+
+def check_save_room(config: RunConfig, device: torch.device) -> None:
+    """Refuse a ``--save`` without room for one checkpoint (needs the padded vocabulary).
+
+    Every rank decides from the least free space any rank sees (one int64 all-reduce), so
+    all refuse together: a rank that alone raised would leave the others waiting in the
+    next collective.
+    """
+    if not config.args.save:
+        return
+    from megatron.training.checkpoint.faults import free_bytes
+    from megatron.training.checkpoint.room import check_room
+
+    free = free_bytes(config.args.save)
+    least = torch.tensor([2**62 if free is None else free], dtype=torch.int64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    check_room(config, int(least.item()))
 
 
 def shutdown(rt: Optional[Runtime]) -> None:

@@ -11,6 +11,7 @@ import errno
 import io
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -344,3 +345,84 @@ def test_the_same_grad_buffer_dtype_loads():
                                 dict(use_distributed_optimizer=True, bf16=False,
                                      accumulate_allreduce_grads_in_fp32=True),
                                 "ckpt")
+
+
+# --------------------------------------------------------------------------- room to save
+_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
+         "--vocab-size", "500", "--num-workers", "0", "--eval-iters", "0",
+         "--save-interval", "1"]
+_LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+          "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
+          "--untie-embeddings-and-output-weights"]
+
+
+def _tensor_bytes(path):
+    """The tensor payload of a saved checkpoint, from its DCP metadata."""
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    return sum(math.prod(m.size) * m.properties.dtype.itemsize
+               for m in meta.values() if hasattr(m, "size"))
+
+
+_SAVES = """
+import json, os, sys
+from megatron.core import dist_checkpointing
+from megatron.training.checkpoint import faults
+from megatron.training.checkpoint.room import checkpoint_bytes
+from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training.loop import pretrain
+
+root, tiny, runs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+out = []
+for i, extra in enumerate(runs):
+    args = parse_args(tiny + extra + ["--save", os.path.join(root, str(i))])
+    pretrain(args)
+    path = os.path.join(root, str(i), "iter_0000001")
+    padded = dist_checkpointing.load_common_state_dict(path)["args"]["padded_vocab_size"]
+    config = validate_args(args, 1, cuda_available=False).with_padded_vocab(padded)
+    out.append([extra, checkpoint_bytes(config), path, faults.directory_bytes(path)])
+faults.free_bytes = lambda path: out[-1][1] - 1
+try:
+    pretrain(parse_args(tiny + runs[-1] + ["--save", os.path.join(root, "full")]))
+except ArgumentsError as exc:
+    out.append(str(exc))
+print(json.dumps(out))
+"""
+
+
+def test_room_for_one_checkpoint_is_known_from_the_flags_and_checked(tmp_path):
+    """The estimate equals the tensor bytes of real tiny checkpoints (plain and distributed
+    optimizer; GPT and Llama-style flags); a --save without that room is refused at
+    start-up naming the need and the free space, before anything is trained."""
+    import json
+
+    runs = [[], ["--use-distributed-optimizer"], _LLAMA,
+            _LLAMA + ["--use-distributed-optimizer"]]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", _SAVES, str(tmp_path), json.dumps(_TINY),
+                           json.dumps(runs)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *saves, refusal = json.loads(proc.stdout.strip().splitlines()[-1])
+    for extra, need, path, on_disk in saves:
+        assert need == _tensor_bytes(path), (extra, need, _tensor_bytes(path))
+        assert need <= on_disk <= 1.2 * need, (extra, need, on_disk)
+    assert re.fullmatch(r"--save \S+: one checkpoint of this model needs about .* MiB "
+                        r"\(weights and optimizer state\) and \S+ has .* MiB free; .*", refusal)
+    assert not os.path.exists(tmp_path / "full" / "iter_0000001")
+
+
+def test_room_message_names_need_and_free():
+    from megatron.training.checkpoint.room import room_problem
+
+    assert room_problem("/ckpt", 10 << 30, 10 << 30) is None
+    assert room_problem("/ckpt", 10 << 30, None) is None
+    msg = room_problem("/ckpt", 12 << 30, 3 << 30)
+    assert msg == ("--save /ckpt: one checkpoint of this model needs about 12.00 GiB (weights "
+                   "and optimizer state) and /ckpt has 3.00 GiB free; free 9.00 GiB there or "
+                   "pass --save on a disk with room")
