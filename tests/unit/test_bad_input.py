@@ -298,13 +298,22 @@ def _bad_load_on_ranks(rank, world_size, root):
             for it in (2, 6):
                 _fake_complete_checkpoint(iteration_dir(os.path.join(root, name), it), True)
             _write(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "6\n")
-        flip = iteration_dir(os.path.join(root, "bitflip"), 6)
-        data = sorted(f for f in os.listdir(flip) if f.endswith(".distcp"))[0]
-        with open(os.path.join(flip, data), "r+b") as f:
-            f.seek(200)
-            byte = f.read(1)
-            f.seek(200)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        # The older checkpoints are corrupt too: the hint must verify them, not suggest them.
+        for it in (2, 4, 6):
+            _fake_complete_checkpoint(iteration_dir(os.path.join(root, "two_flipped"), it), True)
+        _write(os.path.join(root, "two_flipped", "latest_checkpointed_iteration.txt"), "6\n")
+        for it in (2, 6):
+            _fake_complete_checkpoint(iteration_dir(os.path.join(root, "all_flipped"), it), True)
+        _write(os.path.join(root, "all_flipped", "latest_checkpointed_iteration.txt"), "6\n")
+        for name, it in (("bitflip", 6), ("two_flipped", 6), ("two_flipped", 4),
+                         ("all_flipped", 6), ("all_flipped", 2)):
+            flip = iteration_dir(os.path.join(root, name), it)
+            data = sorted(f for f in os.listdir(flip) if f.endswith(".distcp"))[0]
+            with open(os.path.join(flip, data), "r+b") as f:
+                f.seek(200)
+                byte = f.read(1)
+                f.seek(200)
+                f.write(bytes([byte[0] ^ 0xFF]))
         cut = iteration_dir(os.path.join(root, "truncated_with_older"), 6)
         with open(os.path.join(cut, data), "r+b") as f:
             f.truncate(100)
@@ -319,11 +328,16 @@ def _bad_load_on_ranks(rank, world_size, root):
         (args(j("truncated")), "corrupt"),
         (args(j("untracked")), "--ckpt-step 4"),
         (args(j("good"), step=9), "iter_0000009 does not exist"),
-        (args(j("bitflip")), r"__0_0.distcp does not match its checksum .*--ckpt-step 2"),
+        (args(j("bitflip")), r"__0_0.distcp does not match its checksum .*the newest intact "
+                             r"older checkpoint .* is iteration 2, its checksums verified; "
+                             r"to resume from it, pass --load \S+ --ckpt-step 2$"),
         (args(j("truncated_with_older")), r"corrupt: __0_0.distcp holds 100 bytes.*"
-                                          r"older complete checkpoint\(s\).*\[2\].*"
-                                          r"--ckpt-step 2"),
-        (args(j("truncated")), "holds no older complete checkpoint"),
+                                          r"intact older checkpoint.*--ckpt-step 2$"),
+        (args(j("truncated")), "holds no older checkpoint$"),
+        (args(j("two_flipped")), r"is iteration 2, its checksums verified \(iteration\(s\) 4 "
+                                 r"between are corrupt too\); .*--ckpt-step 2$"),
+        (args(j("all_flipped")), r"does not match its checksum.*holds no intact older "
+                                 r"checkpoint \(iteration\(s\) 2 are corrupt too\)$"),
     ]
     for a, message in cases:
         with pytest.raises(CheckpointError, match=message):

@@ -35,8 +35,9 @@ Loading (:func:`load_checkpoint`) only ever opens a directory without the ``.tmp
 suffix, named by the tracker (or ``--ckpt-step``), after rank 0 checked that it is complete
 (every file PyTorch's ``.metadata`` refers to exists and is long enough) and broadcast the
 verdict, and every rank verified its share of the checksums, so a bad ``--load`` fails on
-every rank with the same message (naming the file, and the older complete checkpoints
-with the ``--ckpt-step`` that loads one) before any collective of the load itself. A
+every rank with the same message (naming the file, and the newest older checkpoint that
+is intact, its checksums verified, with the ``--ckpt-step`` that loads it, or that none is)
+before any collective of the load itself. A
 checkpoint of another model shape is refused naming the flags (:func:`check_model_matches`).
 
 Saved beside model and optimizer: the LR scheduler, the iteration, the consumed train and
@@ -222,28 +223,38 @@ def locate_checkpoint(load: str, save: Optional[str], ckpt_step: Optional[int]
     return iteration, path
 
 
-def complete_iterations(root: str, below: Optional[int] = None) -> List[int]:
-    """Published iterations (below ``below``) whose files pass :func:`verify_complete`
-    (sizes only; checksums are verified when one is loaded)."""
-    out = []
-    for it in published_iterations(root):
-        if below is not None and it >= below:
-            continue
-        try:
-            verify_complete(iteration_dir(root, it))
-        except CheckpointError:
-            continue
-        out.append(it)
-    return out
+def intact_problem(path: str) -> Optional[str]:
+    """Why the checkpoint at ``path`` cannot be loaded (its files against its ``.metadata``,
+    then every file against ``checksums.json``), or None when it is intact. One process
+    reads the whole checkpoint; only the corruption path calls it."""
+    try:
+        verify_complete(path)
+        manifest = checksums.read_manifest(path)
+        if manifest is None:   # saved before checksums: the sizes are all there is to check
+            return None
+        return checksums.verify_files(path, manifest, sorted(manifest))
+    except (CheckpointError, checksums.ChecksumMismatch, OSError) as exc:
+        return str(exc)
 
 
 def older_hint(root: str, iteration: int) -> str:
-    """"; older complete checkpoints: ... pass --ckpt-step N" (empty when there is none)."""
-    older = complete_iterations(root, below=iteration)
-    if not older:
-        return f"; {root} holds no older complete checkpoint"
-    return (f"; older complete checkpoint(s) in {root}: iteration(s) {older}; to resume from "
-            f"the newest, pass --load {root} --ckpt-step {older[-1]}")
+    """The sentence that ends a corrupt-checkpoint error: the newest older checkpoint that
+    is intact (verified, checksums included, before it is suggested) with the
+    ``--ckpt-step`` that loads it, or that none is. Older ones are checked newest first,
+    and the search stops at the first intact one."""
+    corrupt = []
+    for it in reversed([i for i in published_iterations(root) if i < iteration]):
+        if intact_problem(iteration_dir(root, it)) is None:
+            also = (f" (iteration(s) {', '.join(map(str, corrupt))} between are corrupt too)"
+                    if corrupt else "")
+            return (f"; the newest intact older checkpoint in {root} is iteration {it}, its "
+                    f"checksums verified{also}; to resume from it, pass --load {root} "
+                    f"--ckpt-step {it}")
+        corrupt.append(it)
+    if corrupt:
+        return (f"; {root} holds no intact older checkpoint (iteration(s) "
+                f"{', '.join(map(str, corrupt))} are corrupt too)")
+    return f"; {root} holds no older checkpoint"
 
 
 def verify_checksums_on_all_ranks(load: str, iteration: int, path: str) -> None:
