@@ -26,6 +26,7 @@ from typing import Callable, FrozenSet, List, Optional, Tuple
 
 from megatron.planner.cost_model import ZERO_STAGES, Layout
 from megatron.shapes import ModelShape
+from megatron.shapes.flags import shape_flags
 
 ZERO_FLAGS = {0: [], 1: ["--use-distributed-optimizer"]}
 
@@ -100,16 +101,13 @@ def loss_flags(loss_chunk_tokens: Optional[int]) -> List[str]:
             str(loss_chunk_tokens)]
 
 
+# The precision the cost model counts bytes in (bf16 weights and activations, float32
+# main weights, gradient buffer and Adam states: megatron-core's --bf16 defaults).
+PRECISION_FLAGS = ["--bf16"]
+
+
 def model_flags(model: ModelShape, seq_length: int) -> List[str]:
-    """The model's shape as ``pretrain_gpt.py`` flags (the vocabulary comes from the
-    tokenizer; position embeddings, norms and biases are the user's choice)."""
-    flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
-             "--num-attention-heads", str(model.num_attention_heads),
-             "--ffn-hidden-size", str(model.ffn_hidden_size), "--seq-length", str(seq_length)]
-    if model.num_query_groups != model.num_attention_heads:
-        flags += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
-    if model.swiglu:
-        flags.append("--swiglu")
-    if model.untied_embeddings:
-        flags.append("--untie-embeddings-and-output-weights")
-    return flags
+    """The model as ``pretrain_gpt.py`` flags: its shape and architecture
+    (:func:`megatron.shapes.flags.shape_flags`) and the sequence length; the vocabulary
+    comes from the tokenizer."""
+    return shape_flags(model) + ["--seq-length", str(seq_length)]

@@ -16,7 +16,10 @@ from megatron.planner.errors import PlannerError
 from megatron.shapes import PRESETS, ModelShape
 
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
-_OPTIONAL = ("num_query_groups", "ffn_hidden_size", "swiglu", "untied_embeddings", "name")
+_OPTIONAL = ("num_query_groups", "ffn_hidden_size", "swiglu", "untied_embeddings", "name",
+             "normalization", "position_embedding_type", "add_bias_linear")
+_CHOICES = {"normalization": ("RMSNorm", "LayerNorm"),
+            "position_embedding_type": ("rope", "learned_absolute")}
 
 
 def check_model(model: ModelShape) -> ModelShape:
@@ -33,7 +36,9 @@ def model_from_mapping(data: Mapping[str, Any], name: str) -> ModelShape:
     Required: num_layers, hidden_size, num_attention_heads, vocab_size. Optional:
     num_query_groups (default: heads), ffn_hidden_size (default: Megatron's, 4h or the
     SwiGLU width of :func:`megatron.shapes.default_ffn_hidden_size`), swiglu (default
-    False, as megatron), untied_embeddings (default True), name.
+    False, as megatron), untied_embeddings (default True), normalization (RMSNorm or
+    LayerNorm), position_embedding_type (rope or learned_absolute), add_bias_linear
+    (default: the Llama-style RMSNorm, rope, no bias), name.
     """
     allowed = set(_REQUIRED) | set(_OPTIONAL)
     unknown = sorted(set(data) - allowed)
@@ -44,6 +49,13 @@ def model_from_mapping(data: Mapping[str, Any], name: str) -> ModelShape:
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise PlannerError(f"model file {name}: missing field(s) {missing}")
+    for key, choices in _CHOICES.items():
+        if key in data and data[key] not in choices:
+            raise PlannerError(f"model file {name}: {key} {data[key]!r} is not one of "
+                               f"{list(choices)}")
+    arch = {k: data[k] for k in _CHOICES if k in data}
+    if "add_bias_linear" in data:
+        arch["add_bias_linear"] = bool(data["add_bias_linear"])
     return check_model(ModelShape(
         name=str(data.get("name", name)),
         num_layers=data["num_layers"],
@@ -54,6 +66,7 @@ def model_from_mapping(data: Mapping[str, Any], name: str) -> ModelShape:
         vocab_size=data["vocab_size"],
         swiglu=bool(data.get("swiglu", False)),
         untied_embeddings=bool(data.get("untied_embeddings", True)),
+        **arch,
     ))
 
 

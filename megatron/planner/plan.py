@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron.planner.capabilities import (
+    PRECISION_FLAGS,
     Capabilities,
     installed_capabilities,
     layout_flags,
@@ -84,7 +85,8 @@ class Plan:
 
     def command(self) -> str:
         """The launch line: ``torchrun`` over the plan's nodes and ``pretrain_gpt.py`` with
-        :attr:`pretrain_flags` (model shape, degrees, ZeRO, recompute, batch)."""
+        :attr:`pretrain_flags` (model shape and architecture, precision, degrees, ZeRO,
+        recompute, loss, batch)."""
         if not self.pretrain_flags:
             return "(not runnable by pretrain_gpt.py in this installation)"
         world = (self.tensor_model_parallel_size * self.context_parallel_size
@@ -107,12 +109,13 @@ class Plan:
 
 
 def plan_flags(result: SearchResult, e: Estimate) -> List[str]:
-    """``pretrain_gpt.py`` flags that run estimate ``e`` of ``result``: model, layout and
-    batch (the global batch the cost model assumed)."""
+    """``pretrain_gpt.py`` flags that run estimate ``e`` of ``result``: everything the cost
+    model counted (model and architecture, ``--bf16``, layout, loss, and the global batch
+    it assumed); the data, LR and output flags are the user's."""
     w, a, lay = result.workload, result.assumptions, e.layout
     if runnable(lay, installed_capabilities()):
         return []  # planned for another stack (capabilities=FULL_MEGATRON): no flags here
-    return (model_flags(w.model, w.seq_length)
+    return (model_flags(w.model, w.seq_length) + PRECISION_FLAGS
             + layout_flags(lay, a.selective_recompute_modules, a.tp_sequence_parallel)
             + loss_flags(a.loss_chunk_tokens)
             + ["--micro-batch-size", str(w.micro_batch_size),

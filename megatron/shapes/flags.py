@@ -12,9 +12,9 @@ def shape_flags(shape: ModelShape, vocab: bool = False) -> List[str]:
 
     Layers, hidden size, MLP width, heads; KV groups when fewer than the heads
     (``--group-query-attention``); ``--kv-channels`` when the head dim is not ``h/a``;
-    ``--swiglu``; ``--untie-embeddings-and-output-weights``; and with ``vocab``
-    ``--vocab-size`` (otherwise the tokenizer decides it). Sequence length, positions,
-    norms and biases are the run's choice, not the shape's.
+    ``--swiglu``; ``--untie-embeddings-and-output-weights``; the position embedding, the
+    norm and ``--disable-bias-linear``; and with ``vocab`` ``--vocab-size`` (otherwise the
+    tokenizer decides it). The sequence length is the run's choice, not the shape's.
     """
     flags = ["--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
              "--ffn-hidden-size", str(shape.ffn_hidden_size),
@@ -27,6 +27,10 @@ def shape_flags(shape: ModelShape, vocab: bool = False) -> List[str]:
         flags.append("--swiglu")
     if shape.untied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
+    flags += ["--position-embedding-type", shape.position_embedding_type,
+              "--normalization", shape.normalization]
+    if not shape.add_bias_linear:
+        flags.append("--disable-bias-linear")
     if vocab:
         flags += ["--vocab-size", str(shape.vocab_size)]
     return flags

@@ -55,6 +55,11 @@ class ModelShape:
         kv_channels: head dim ``d``; None means ``h / a``.
         swiglu: gated MLP with three matrices (Llama) instead of two (GPT).
         untied_embeddings: the output layer has its own ``V*h`` weights.
+        normalization: ``RMSNorm`` (Llama: a weight per norm) or ``LayerNorm`` (GPT: a
+            weight and a bias).
+        position_embedding_type: ``rope`` (Llama) or ``learned_absolute`` (GPT: a table of
+            positions x ``h``, sized by the run's sequence length, so not counted here).
+        add_bias_linear: biases on the linear layers (GPT) or none (Llama).
 
     Only the defaults are filled in here; whether the numbers fit together is asked of
     :meth:`problems` (the layout rules report bad head counts naming the flag instead).
@@ -70,6 +75,9 @@ class ModelShape:
     kv_channels: Optional[int] = None
     swiglu: bool = True
     untied_embeddings: bool = True
+    normalization: str = "RMSNorm"
+    position_embedding_type: str = "rope"
+    add_bias_linear: bool = False
 
     def __post_init__(self) -> None:
         # Megatron's defaults, filled in once so that every reader sees the same numbers.
@@ -125,12 +133,23 @@ class ModelShape:
         return (3 if self.swiglu else 2) * self.hidden_size * self.ffn_hidden_size
 
     def norm_params_per_layer(self) -> int:
-        """Two RMSNorm weight vectors; replicated over TP, not sharded."""
-        return 2 * self.hidden_size
+        """Two norms (a weight each, and a bias each for LayerNorm); replicated over TP."""
+        return 2 * self._norm_params()
+
+    def bias_params_per_layer(self) -> int:
+        """With ``add_bias_linear``: QKV, projection, FC1 (two with SwiGLU) and FC2."""
+        if not self.add_bias_linear:
+            return 0
+        qkv = (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+        fc1 = self.ffn_hidden_size * (2 if self.swiglu else 1)
+        return qkv + self.hidden_size + fc1 + self.hidden_size
+
+    def _norm_params(self) -> int:
+        return self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
 
     def params_per_layer(self) -> int:
         return (self.attention_params_per_layer() + self.mlp_params_per_layer()
-                + self.norm_params_per_layer())
+                + self.norm_params_per_layer() + self.bias_params_per_layer())
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -141,7 +160,7 @@ class ModelShape:
 
     def total_params(self) -> int:
         return (self.num_layers * self.params_per_layer() + self.embedding_params()
-                + self.output_params() + self.hidden_size)
+                + self.output_params() + self._norm_params())
 
     def to_dict(self) -> Dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -25,7 +25,8 @@ def _llama(name, layers, hidden, heads, groups, ffn, vocab, **kw) -> ModelShape:
 def _gpt(name, layers, hidden, heads, vocab) -> ModelShape:
     return ModelShape(name=name, num_layers=layers, hidden_size=hidden,
                       num_attention_heads=heads, vocab_size=vocab, swiglu=False,
-                      untied_embeddings=False)
+                      untied_embeddings=False, normalization="LayerNorm",
+                      position_embedding_type="learned_absolute", add_bias_linear=True)
 
 
 PRESETS: Dict[str, ModelShape] = {

@@ -166,3 +166,48 @@ def test_the_loss_the_plan_assumes(capsys):
     assert fused["memory_gib"] < unfused["memory_gib"]
     rc, _, err = run_cli(capsys, *args[:-1], "--linear-cross-entropy-chunk-tokens", "0")
     assert rc == 2 and "--linear-cross-entropy-chunk-tokens 0 must be >= 1" in err
+
+
+TINY_MODELS = {
+    "llama": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "num_query_groups": 2, "ffn_hidden_size": 128, "vocab_size": 512, "swiglu": True},
+    "gpt": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512,
+            "untied_embeddings": False, "normalization": "LayerNorm",
+            "position_embedding_type": "learned_absolute", "add_bias_linear": True},
+}
+
+
+@pytest.mark.parametrize("name,gpus", [("llama", 2), ("gpt", 1)])
+def test_the_printed_command_trains_the_planned_model(tmp_path, capsys, name, gpus):
+    """A model file through the planner: its printed command (on the CPU without --bf16,
+    which needs a GPU; plus the data and LR flags it leaves to the user) passes validation
+    and trains a step, and the model it builds has the parameters the plan counted, so no
+    architecture flag (norm, positions, biases, GQA, SwiGLU, tied output) is missing."""
+    import dataclasses
+    import re
+
+    from megatron.shapes import padded_vocab_size
+
+    model_file = tmp_path / f"{name}.json"
+    model_file.write_text(json.dumps(TINY_MODELS[name]))
+    rc, out, _ = run_cli(capsys, "--model", str(model_file), "--seq-length", "128",
+                         "--gpus", str(gpus), "--gpus-per-node", "8", "--top", "1")
+    assert rc == 0
+    command = out.split("run #1 (add the data, LR and output flags):\n")[1].split()
+    assert command[:3] == ["torchrun", "--nproc-per-node", str(gpus)] and "--bf16" in command
+    flags = [f for f in command[command.index("pretrain_gpt.py") + 1:] if f != "--bf16"]
+    run = flags + ["--lr", "1e-3", "--train-iters", "1", "--mock-data", "--vocab-size", "512",
+                   "--eval-iters", "0", "--num-workers", "0", "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(gpus)] if gpus > 1 else [sys.executable])
+    proc = subprocess.run(launch + [os.path.join(ROOT, "pretrain_gpt.py")] + run, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"lm loss \(mean of 1 iter\): \d", proc.stdout), proc.stdout[-2000:]
+    built = int(re.search(r"number of parameters on rank 0 [^:]*: (\d+)", proc.stdout)[1])
+    planned = dataclasses.replace(load_model(str(model_file)),
+                                  vocab_size=padded_vocab_size(513, 128, 1))  # 512 + EOD
+    positions = 128 * 64 if name == "gpt" else 0
+    assert built == planned.total_params() + positions

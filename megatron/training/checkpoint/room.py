@@ -28,20 +28,12 @@ from megatron.training.cli.errors import ArgumentsError
 
 
 def parameter_count(config: RunConfig) -> int:
-    """Every parameter of the model (padded vocabulary): the shape's count plus what its
-    flags add beyond a Llama-style model (linear biases, LayerNorm biases, learned
-    position embeddings)."""
-    args, shape = config.args, config.model_shape()
+    """Every parameter of the model (padded vocabulary): the shape's count plus the learned
+    position table, whose size is the run's (``--max-position-embeddings``)."""
+    shape = config.model_shape()
     count = shape.total_params()
-    h = shape.hidden_size
-    if not args.disable_bias_linear:
-        qkv = (shape.num_attention_heads + 2 * shape.kv_heads) * shape.head_dim
-        fc1 = shape.ffn_hidden_size * (2 if shape.swiglu else 1)
-        count += shape.num_layers * (qkv + h + fc1 + h)
-    if args.normalization == "LayerNorm":
-        count += (2 * shape.num_layers + 1) * h
-    if args.position_embedding_type == "learned_absolute":
-        count += config.max_position_embeddings * h
+    if shape.position_embedding_type == "learned_absolute":
+        count += config.max_position_embeddings * shape.hidden_size
     return count
 
 

@@ -495,7 +495,10 @@ def _model_sizes(args) -> Dict[str, int]:
                 num_attention_heads=args.num_attention_heads,
                 num_query_groups=args.num_query_groups if args.group_query_attention else None,
                 ffn_hidden_size=ffn, kv_channels=kv_channels, swiglu=args.swiglu,
-                untied_embeddings=args.untie_embeddings_and_output_weights)}
+                untied_embeddings=args.untie_embeddings_and_output_weights,
+                normalization=args.normalization,
+                position_embedding_type=args.position_embedding_type,
+                add_bias_linear=not args.disable_bias_linear)}
 
 
 def _validate_overlap_chunks(args, dims: ParallelDims, shape: ModelShape) -> None:
