@@ -19,6 +19,7 @@ PP2xU2 against PP2xDP2 (every stage reads the batch's positions and document pla
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -137,3 +138,91 @@ def test_every_layout_counts_the_documents_work(document_runs):
     # a batch of samples that are each one document costs the dense count; with boundaries less
     assert all(f <= dense for f, _ in reference), (reference[:3], dense)
     assert sum(f < dense for f, _ in reference) >= STEPS // 2, (reference, dense)
+
+
+# --------------------------------------------------------------------------- empty shards
+# Every document is 3 tokens and 61 EODs, 64 tokens: GPTDataset's samples (64 tokens plus
+# one, each starting 64 after the last) are whole documents, so every micro-batch has its
+# loss tokens in the first 3 positions and EODs (no loss with --eod-mask-loss) in the other
+# 61. Any chunk assignment cuts chunks of at least 4 tokens (load_balance.MIN_CHUNK_TOKENS),
+# so one CP rank holds the 3 and the other three hold only EODs: no loss token.
+EMPTY_VOCAB, EMPTY_STEPS = 96, 6
+EMPTY_LAYOUTS = {
+    "dp4": ["--micro-batch-size", "1"],
+    "u2r2": ["--ulysses-degree", "2", "--ring-degree", "2", "--micro-batch-size", "4"],
+    "u1r4": ["--ring-degree", "4", "--micro-batch-size", "2"],
+    "u2r2-fused-loss": ["--ulysses-degree", "2", "--ring-degree", "2", "--micro-batch-size",
+                        "4", "--fused-linear-cross-entropy"],
+}
+
+
+def _write_mostly_eod_dataset(prefix: str) -> None:
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for _ in range(256):
+        doc = np.concatenate([rng.integers(0, EMPTY_VOCAB, 3), np.full(61, EMPTY_VOCAB)])
+        builder.add_document(doc.astype(np.int32), [64])
+    builder.finalize(prefix + ".idx")
+
+
+def _train_with_empty_shards(rank, world_size, prefix, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    import megatron.training.data.batch as batch
+    from megatron.training.cli.arguments import parse_args
+    from megatron.training.loop import pretrain
+
+    real, empty = batch.loss_func, []
+
+    def counting(loss_mask, output_tensor, **kwargs):
+        empty.append(int(loss_mask.sum()) == 0)
+        return real(loss_mask, output_tensor, **kwargs)
+
+    batch.loss_func = counting
+    common = [a for a in MODEL if a != "--make-vocab-size-divisible-by"
+              and a != "32"] + FLAGS + [
+        "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
+        str(EMPTY_VOCAB), "--split", "100,0,0", "--eval-iters", "0", "--global-batch-size",
+        "4", "--train-iters", str(EMPTY_STEPS), "--lr", "2e-3", "--clip-grad", "1.0",
+        "--log-interval", "1", "--num-workers", "0", "--device", "cpu", "--seed", "1234"]
+    for name, layout in EMPTY_LAYOUTS.items():
+        empty.clear()
+        pretrain(parse_args(common + layout + [
+            "--metrics-file", os.path.join(out_dir, f"{name}.jsonl")]))
+        seen = torch.tensor([sum(empty), len(empty)])
+        dist.all_reduce(seen)
+        # DP ranks always see loss tokens; on CP 4 some ranks' shards never do.
+        assert (seen[0] > 0) == (name != "dp4"), (name, seen.tolist())
+
+
+def test_a_cp_rank_without_loss_tokens_trains_like_dp(tmp_path):
+    """A CP rank whose shard of a packed micro-batch is all EOD (no loss token under
+    --eod-mask-loss) contributes zero to the loss sum and to the token count; the step
+    divides by the global count, so loss and grad norm equal DP's per step to 1e-5."""
+    import json
+
+    from tests.harness import run_on_ranks
+
+    prefix = str(tmp_path / "mostly_eod_text_document")
+    _write_mostly_eod_dataset(prefix)
+    run_on_ranks(_train_with_empty_shards, 4, prefix, str(tmp_path), timeout=600)
+
+    def series(name):
+        with open(tmp_path / f"{name}.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        return [(r["lm_loss"], r["grad_norm"]) for r in records if r["kind"] == "train"]
+
+    reference = series("dp4")
+    assert len(reference) == EMPTY_STEPS
+    for name in EMPTY_LAYOUTS:
+        for step, ((loss, norm), (want_loss, want_norm)) in enumerate(
+                zip(series(name), reference), 1):
+            assert math.isfinite(loss) and math.isfinite(norm), (name, step, loss, norm)
+            assert abs(loss - want_loss) <= TOLERANCE * abs(want_loss), (name, step, loss,
+                                                                          want_loss)
+            assert abs(norm - want_norm) <= TOLERANCE * abs(want_norm), (name, step, norm,
+                                                                          want_norm)
