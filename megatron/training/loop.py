@@ -337,12 +337,15 @@ def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
 
     g, args = rt.groups, config.args
     pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
+    agreement = (batch_mod.BatchAgreement(g.same_batch, args.batch_agreement_interval)
+                 if g.same_batch is not None and args.batch_agreement_interval > 0 else None)
     return batch_mod.BatchContext(cp_rank=g.cp_rank, cp_size=dist.get_world_size(g.cp),
                                   device=rt.device, first_stage=pp_rank == 0,
                                   last_stage=pp_rank == pp_size - 1, ring_rank=g.ring_rank,
                                   ring_size=g.ring_size,
                                   documents=documents_enabled(args.reset_attention_mask,
-                                                              args.reset_position_ids))
+                                                              args.reset_position_ids),
+                                  agreement=agreement)
 
 
 # --------------------------------------------------------------------------- one step

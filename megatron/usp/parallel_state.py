@@ -15,6 +15,7 @@ getters below exist for tools and tests that want them; model code does not use 
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +41,10 @@ class USPGroups:
     dp_cp: dist.ProcessGroup
     pp: dist.ProcessGroup
     pg_collection: ProcessGroupCollection
+    # gloo over the TP x CP ranks of this DP rank and stage, the ranks that read the same
+    # micro-batch; None when that is this rank alone. On the host, so the batch check
+    # (megatron.training.data.batch.BatchAgreement) never waits for the device.
+    same_batch: Optional[dist.ProcessGroup] = None
 
     @property
     def ulysses_size(self) -> int:
@@ -87,6 +92,14 @@ def initialize_usp_parallel(
         create_gloo_process_groups=create_gloo_process_groups,
     )
     ulysses, ring = mpu.get_hierarchical_context_parallel_groups()
+    same_batch = None
+    if dims.tp * dims.cp > 1:
+        # every rank creates every group (new_group is collective over the world)
+        timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
+        for ranks in dims.rank_groups(("tp", "ulysses", "ring")):
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if dist.get_rank() in ranks:
+                same_batch = group
     _USP_GROUPS = USPGroups(
         dims=dims,
         tp=mpu.get_tensor_model_parallel_group(),
@@ -97,6 +110,7 @@ def initialize_usp_parallel(
         dp_cp=mpu.get_data_parallel_group(with_context_parallel=True),
         pp=mpu.get_pipeline_model_parallel_group(),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        same_batch=same_batch,
     )
     return _USP_GROUPS
 

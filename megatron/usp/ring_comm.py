@@ -23,10 +23,18 @@ same schedule from the same batch, so each send has its matching receive. Becaus
 sit a step out, :meth:`RingComm.ensure_ready` first runs one collective over the whole Ring
 group (once per group and process): with NCCL, the first point-to-point batch on a group must
 involve all of its ranks (``torch.distributed.batch_isend_irecv``'s documentation).
+
+Timeouts. Ranks whose schedules differ (they hold different batches: the document plan is
+derived from the batch) would wait for a message that never comes. A wait on host buffers
+(gloo) is bounded by the Ring group's own timeout (``--distributed-timeout-minutes``, or the
+``timeout`` given) and raises :class:`RingTimeoutError` in one line naming this rank and the
+ranks it waited for. On CUDA the wait only orders streams (blocking the host would cost the
+overlap), and NCCL's watchdog aborts the group after the same timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import weakref
 from typing import List, Optional
 
@@ -41,23 +49,54 @@ Tensor = torch.Tensor
 _READY_GROUPS: "weakref.WeakSet" = weakref.WeakSet()
 
 
+class RingTimeoutError(RuntimeError):
+    """A ring exchange whose peer never answered: the ring ranks ran different schedules."""
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelta]:
+    """The timeout ``group`` was created with (its gloo backend's), or None when it has none
+    on the host."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 class PendingExchange:
     """An in-flight exchange; ``wait()`` returns the received buffer.
 
     Holds a reference to the send buffer until completion so the caching allocator cannot
-    hand its memory to another tensor while the transfer still reads it.
+    hand its memory to another tensor while the transfer still reads it. ``timeout`` bounds
+    a wait on host buffers (module docstring); ``peers`` says who was waited for.
     """
 
     def __init__(self, requests: List, send_buf: Optional[Tensor],
-                 recv_buf: Optional[Tensor]) -> None:
+                 recv_buf: Optional[Tensor], timeout: Optional[datetime.timedelta] = None,
+                 peers: str = "") -> None:
         self._requests = requests
         self._send_buf: Optional[Tensor] = send_buf
         self._recv_buf = recv_buf
+        on_host = all(b is None or b.device.type == "cpu" for b in (send_buf, recv_buf))
+        self._timeout = timeout if on_host else None
+        self._peers = peers
 
     def wait(self) -> Optional[Tensor]:
-        """Finish the transfer; the received buffer (None for a send-only transfer)."""
+        """Finish the transfer; the received buffer (None for a send-only transfer).
+        Raises :class:`RingTimeoutError` when a host transfer outlives the timeout."""
         for req in self._requests:
-            req.wait()
+            if self._timeout is None:
+                req.wait()
+                continue
+            try:
+                req.wait(self._timeout)
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+                raise RingTimeoutError(
+                    f"ring exchange timed out after {self._timeout.total_seconds():g} s: "
+                    f"{self._peers}; the ring ranks ran different schedules (their batches or "
+                    f"document plans differ; --batch-agreement-interval 1 checks the batches)"
+                ) from None
         self._requests = []
         self._send_buf = None
         return self._recv_buf
@@ -68,14 +107,17 @@ class RingComm:
 
     Args:
         group: the Ring group (ranks ordered by ring rank), or ``None`` for a ring of one.
+        timeout: the longest wait on host buffers; default the group's own timeout.
 
     Attributes:
         size, rank: ring size R and this process's ring rank r.
         send_to, recv_from: global ranks of ring ranks (r+1) % R and (r-1) % R.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup],
+                 timeout: Optional[datetime.timedelta] = None) -> None:
         self.group = group
+        self.timeout = timeout if timeout is not None else group_timeout(group)
         if group is None:
             self.size, self.rank = 1, 0
             self.send_to = self.recv_from = None
@@ -104,7 +146,15 @@ class RingComm:
             dist.P2POp(dist.isend, send_buf, self.send_to, self.group),
             dist.P2POp(dist.irecv, recv_buf, self.recv_from, self.group),
         ]
-        return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf)
+        return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf, self.timeout,
+                               self._peers(self.send_to, self.recv_from))
+
+    def _peers(self, dst: Optional[int], src: Optional[int]) -> str:
+        """Who this rank exchanges with, for the timeout message."""
+        me = f"ring rank {self.rank} (global rank {dist.get_rank()})"
+        parts = ([f"sending to global rank {dst}"] if dst is not None else []) + (
+            [f"receiving from global rank {src}"] if src is not None else [])
+        return f"{me} was {' and '.join(parts)}"
 
     def ensure_ready(self, device: torch.device) -> None:
         """One all-reduce of one element over the Ring group, the first time only.
@@ -127,7 +177,7 @@ class RingComm:
         """
         if self.size == 1:
             raise RuntimeError("a ring of size 1 has no neighbour to exchange with")
-        ops = []
+        ops, dst, src = [], None, None
         if send_buf is not None:
             if not send_buf.is_contiguous():
                 raise ValueError("ring exchange buffers must be contiguous")
@@ -138,4 +188,5 @@ class RingComm:
             ops.append(dist.P2POp(dist.irecv, recv_buf, src, self.group))
         if not ops:
             return None
-        return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf)
+        return PendingExchange(dist.batch_isend_irecv(ops), send_buf, recv_buf, self.timeout,
+                               self._peers(dst, src))

@@ -206,6 +206,11 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--corpus-cache-dir", default=None,
                    help="where the default corpus is built (default ~/.cache/megatron-usp)")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD predictions")
+    g.add_argument("--batch-agreement-interval", type=int, default=1, metavar="N",
+                   help="every N-th micro-batch the TP and context-parallel ranks that must "
+                        "read the same micro-batch compare a 64-bit hash of its token ids, "
+                        "segment ids and chunk assignment (one int64 all-gather on the host, "
+                        "gloo); a mismatch stops the run naming the ranks. 0 turns it off")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="positions (RoPE) restart after each EOD token (Megatron-LM's meaning)")
     g.add_argument("--reset-attention-mask", action="store_true",
@@ -661,7 +666,7 @@ def _tokenizer_type(args) -> str:
             "train on the built-in default corpus")
     if args.mock_data and args.data_path:
         raise ArgumentsError("--mock-data and --data-path exclude one another; drop one")
-    _check_positive(args, ["num_workers"], allow_zero=True)
+    _check_positive(args, ["num_workers", "batch_agreement_interval"], allow_zero=True)
     tokenizer_type = args.tokenizer_type
     if tokenizer_type is None:
         tokenizer_type = ("NullTokenizer" if (args.mock_data and args.tokenizer_model is None)

@@ -38,12 +38,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+import xxhash
 
 from megatron.shapes import causal_pairs, document_pairs
 from megatron.training.data.config import DataConfigError
+from megatron.training.data.errors import BatchMismatchError
 from megatron.usp.document_kernels import pinned_to_device
 from megatron.usp.token_order import shard_for_cp_rank
 
@@ -73,6 +76,57 @@ def shard_batch_for_cp(batch: Dict, cp_rank: int, cp_size: int) -> Dict:
     return out
 
 
+def batch_fingerprint(full: Dict) -> int:
+    """A 63-bit hash of what a micro-batch's ranks must agree on: the token ids, the segment
+    ids and the chunk assignment (the rest, labels, loss mask and positions, follow from
+    them). XXH3-64 of the host bytes: about 1 ms per MiB of tokens."""
+    h = xxhash.xxh3_64()
+    for key in ("tokens", "segment_ids"):
+        if full.get(key) is not None:
+            h.update(full[key].detach().cpu().contiguous().numpy().tobytes())
+        h.update(key.encode())
+    assignment = full.get("chunk_assignment")
+    if assignment is not None:
+        h.update(repr((assignment.ulysses_size, assignment.ring_chunks)).encode())
+    return h.intdigest() >> 1   # fits an int64
+
+
+def mismatch_message(count: int, hashes: List[int], ranks: List[int]) -> str:
+    """One line naming which ranks of a group hold which batch."""
+    by_hash: Dict[int, List[int]] = {}
+    for h, rank in zip(hashes, ranks):
+        by_hash.setdefault(h, []).append(rank)
+    groups = sorted(by_hash.values(), key=lambda g: (-len(g), g))
+    parts = [f"rank(s) {', '.join(map(str, g))}" for g in groups]
+    return (f"micro-batch {count}: the TP and context-parallel ranks {ranks} must read the same "
+            f"micro-batch, but {' hold one, '.join(parts)} hold another (hashes of token ids, "
+            f"segment ids and chunk assignment differ); their data loaders must see the same "
+            f"samples in the same order (same --seed, --data-path, data-parallel rank)")
+
+
+class BatchAgreement:
+    """Every ``interval``-th micro-batch the ranks of ``group`` (the TP x CP ranks that read
+    the same micro-batch, a gloo group: :attr:`~megatron.usp.parallel_state.USPGroups.same_batch`)
+    compare :func:`batch_fingerprint`: one all-gather of one int64 per rank on the host.
+    A mismatch raises :class:`BatchMismatchError` on every rank of the group."""
+
+    def __init__(self, group: dist.ProcessGroup, interval: int) -> None:
+        self.group, self.interval, self.count = group, interval, 0
+        self.ranks = dist.get_process_group_ranks(group)
+
+    def check(self, full: Dict) -> None:
+        self.count += 1
+        if self.interval < 1 or (self.count - 1) % self.interval:
+            return
+        mine = torch.tensor([batch_fingerprint(full)], dtype=torch.int64)
+        found = [torch.empty_like(mine) for _ in self.ranks]
+        dist.all_gather(found, mine, group=self.group)
+        hashes = [int(t) for t in found]
+        if len(set(hashes)) > 1:
+            raise BatchMismatchError(mismatch_message(self.count, hashes, self.ranks),
+                                     primary=dist.get_rank() == self.ranks[0])
+
+
 @dataclass(frozen=True)
 class BatchContext:
     """What a forward step needs to know about this rank's place in the grid."""
@@ -85,6 +139,7 @@ class BatchContext:
     ring_rank: int = 0
     ring_size: int = 1
     documents: bool = False     # --reset-position-ids / --reset-attention-mask
+    agreement: Optional[BatchAgreement] = None   # --batch-agreement-interval
 
 
 def _document_params(full: Dict, ctx: BatchContext):
@@ -106,11 +161,13 @@ def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tens
     Middle pipeline stages read nothing (their input comes from the previous stage) and
     get ``None`` for every key, unless the batches carry documents (module docstring); the
     first stage needs tokens and positions, the last labels and the loss mask, and both read
-    the full micro-batch. ``packed_seq_params`` is the document mask (None without one).
+    the full micro-batch, which ``ctx.agreement`` compares across the TP x CP group. ``packed_seq_params`` is the document mask (None without one).
     """
     if not (ctx.first_stage or ctx.last_stage or ctx.documents):
         return {key: None for key in SEQUENCE_KEYS + ("packed_seq_params",)}
     full = next(data_iterator)                                   # [b, s]
+    if ctx.agreement is not None:
+        ctx.agreement.check(full)
     local = shard_batch_for_cp(full, ctx.cp_rank, ctx.cp_size)   # [b, s/CP]
     out = {key: (pinned_to_device(local[key], device=ctx.device) if local.get(key) is not None
                  else None) for key in SEQUENCE_KEYS}
