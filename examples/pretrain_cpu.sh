@@ -22,9 +22,7 @@ RUN_DIR=${RUN_DIR:-runs/cpu}
 
 # The shape comes from the one preset table (megatron/shapes/presets.py).
 MODEL=($(python3 "$ROOT/tools/model_flags.py" cpu-tiny)
-       --seq-length 256 --max-position-embeddings 256
-       --position-embedding-type rope --normalization RMSNorm
-       --disable-bias-linear --make-vocab-size-divisible-by 32)
+       --seq-length 256 --max-position-embeddings 256 --make-vocab-size-divisible-by 32)
 TRAINING=(--micro-batch-size 2 --global-batch-size 8 --train-iters "$TRAIN_ITERS"
           --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 10
           --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --num-workers 1)

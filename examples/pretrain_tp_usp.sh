@@ -26,9 +26,7 @@ PRECISION=${PRECISION:-bf16}
 
 # The shape comes from the one preset table (megatron/shapes/presets.py).
 MODEL=($(python3 "$ROOT/tools/model_flags.py" llama-4.5b)
-       --seq-length 32768 --max-position-embeddings 32768
-       --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm
-       --disable-bias-linear)
+       --seq-length 32768 --max-position-embeddings 32768 --rotary-base 500000)
 TRAINING=(--micro-batch-size 1 --global-batch-size 8 --train-iters 1000
           --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 50
           --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer

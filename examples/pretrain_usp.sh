@@ -25,9 +25,7 @@ PRECISION=${PRECISION:-bf16}
 
 # The shape comes from the one preset table (megatron/shapes/presets.py).
 MODEL=($(python3 "$ROOT/tools/model_flags.py" llama-0.85b)
-       --seq-length 16384 --max-position-embeddings 16384
-       --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm
-       --disable-bias-linear)
+       --seq-length 16384 --max-position-embeddings 16384 --rotary-base 500000)
 TRAINING=(--micro-batch-size 1 --global-batch-size 16 --train-iters 1000
           --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 50
           --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer)
