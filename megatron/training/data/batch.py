@@ -161,7 +161,8 @@ def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tens
     Middle pipeline stages read nothing (their input comes from the previous stage) and
     get ``None`` for every key, unless the batches carry documents (module docstring); the
     first stage needs tokens and positions, the last labels and the loss mask, and both read
-    the full micro-batch, which ``ctx.agreement`` compares across the TP x CP group. ``packed_seq_params`` is the document mask (None without one).
+    the full micro-batch, which ``ctx.agreement`` compares across the TP x CP group.
+    ``packed_seq_params`` is the document mask (None without one).
     """
     if not (ctx.first_stage or ctx.last_stage or ctx.documents):
         return {key: None for key in SEQUENCE_KEYS + ("packed_seq_params",)}
