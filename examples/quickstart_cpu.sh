@@ -10,7 +10,7 @@
 # TRAIN_ITERS (40) TOLERANCE (1e-5, the largest relative per-step loss difference). The two
 # layouts sum in different orders, so fp32 rounding differences (~1e-7) grow chaotically after
 # ~50 steps to ~1e-3 by step 100 and stay there: for longer runs use TOLERANCE 5e-3 (see
-# docs/perf/cpu_300steps/).
+# benchmarks/results/loss_curves/cpu-2026-11-30/).
 # PYTHON (python3, for the venv) MASTER_PORT (unset: a free port). About 2 minutes on 2 cores.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

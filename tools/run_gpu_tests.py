@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Run the GPU tests (tests/gpu) in chunks that fit a time budget and write a dated record.
 
-    python tools/run_gpu_tests.py --out docs/perf/gpu_tests              # every chunk
-    python tools/run_gpu_tests.py --out docs/perf/gpu_tests --list       # the plan only
-    python tools/run_gpu_tests.py --out docs/perf/gpu_tests --chunk 2    # one chunk
+    python tools/run_gpu_tests.py --out gpu_records              # every chunk
+    python tools/run_gpu_tests.py --out gpu_records --list       # the plan only
+    python tools/run_gpu_tests.py --out gpu_records --chunk 2    # one chunk
     python tools/run_gpu_tests.py --out DIR tests/gpu/test_x.py -- -k bf16
 
 Each chunk is one pytest process stopped after --budget-s seconds (a hang costs a chunk);

@@ -6,7 +6,7 @@ one key and one value head each). On the way to the attention kernel the trainin
 spends, per layer and per direction, a reshape copy of q, RoPE's copies of k, the attention
 kernel's contiguous copy of v, the RoPE kernel itself and, in the backward, the
 ``torch.split`` backward that concatenates dq, dk, dv. The one-H200 profile of the 0.85B model
-at 32K tokens (``docs/perf/issue14/s9_2026-12-02``) puts those at ~8.4 ms per step.
+at 32K tokens (one H200) puts those at ~8.4 ms per step.
 
 :func:`qkv_split_rope` does the same work as one Triton kernel each way: the forward reads the
 projection output once and writes contiguous ``q [s, b, ng*g, d]``, ``k [s, b, ng, d]`` (both

@@ -225,7 +225,7 @@ def allocate_adam_state(optimizer) -> int:
     ``tools/bench_e2e.py``) appear in the first step's optimizer step, after that step's
     forward and backward have reached their peak; from the second step on they are there
     during both. So a run whose first step fits could run out of memory in its second (at
-    512K on one H200 the peak went from 102.5 to 108.9 GiB, docs/performance.md 6.5), and
+    512K on one H200 the peak went from 102.5 to 108.9 GiB, docs/long_sequences.md), and
     a one-step memory measurement missed them. Allocated here, the first step already holds
     the memory of every later one, and start-up's memory report ("after building the
     optimizer") includes it. The state is :func:`checkpointing.zero_adam_state`'s (the

@@ -216,7 +216,7 @@ def test_bench_e2e_packed_documents_count_useful_flops(tmp_path):
 
 
 def test_bench_checkpoint_tiny_model_on_the_cpu(tmp_path):
-    """tools/bench_checkpoint.py (the device script docs/perf/device_calls/checksum_h200.sh
+    """tools/bench_checkpoint.py (benchmarks/checkpoint_cost.sh
     runs it at 0.85B) saves with and without checksums and verifies one checkpoint."""
     out = tmp_path / "cost.json"
     env = {k: v for k, v in os.environ.items()

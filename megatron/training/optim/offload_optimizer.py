@@ -2,7 +2,7 @@
 
 megatron-core 0.16.1's ``HybridDeviceOptimizer`` (HDO) keeps the float32 master weights, Adam
 moments and update of a fraction F of the parameters on the CPU and the rest on the GPU.
-Measured with Llama-3-8B on one H200 (docs/perf/longseq_h200_2026-12-02/), three of its
+Measured with Llama-3-8B on one H200 (docs/long_sequences.md), three of its
 copies decide whether a long sequence fits, and none of them is state:
 
 * ``get_megatron_optimizer`` builds the HDO twice (once on the model's parameters, again inside
