@@ -24,6 +24,7 @@ import argparse
 import os
 import re
 import sys
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron.shapes import ModelShape, default_ffn_hidden_size, padded_vocab_size
@@ -371,6 +372,21 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+USAGE_WAIT_S = 20.0
+
+
+def leave_the_message_to_rank_0() -> None:
+    """On a rank other than 0 of a multi-rank launch, wait (at most :data:`USAGE_WAIT_S`)
+    before exiting with a usage error that only rank 0 prints.
+
+    torchrun stops every worker as soon as one exits; a rank that parsed faster than rank 0
+    ended the job before rank 0 had printed anything (exit 2, no message). Waiting, it is
+    stopped by torchrun once rank 0 has printed and exited (its SIGTERM ends the sleep).
+    """
+    if launch_rank() != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(USAGE_WAIT_S)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose usage errors (exit status 2) only rank 0 prints: under
     torchrun every rank parses the same command line and fails alike."""
@@ -379,6 +395,7 @@ class _Parser(argparse.ArgumentParser):
         if launch_rank() == 0:
             self.print_usage(sys.stderr)
             self.exit(2, f"{self.prog}: error: {message}\n")
+        leave_the_message_to_rank_0()
         self.exit(2)
 
 
