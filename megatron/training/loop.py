@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -543,6 +544,20 @@ class StopSignalFlag:
         return int(flag.item())
 
 
+def keep_own_exit_status() -> None:
+    """Under torchrun, ignore SIGTERM from now on: this rank is leaving with an error.
+
+    Its peers notice it gone as soon as it closes its connections and exit first; torchrun
+    then sends SIGTERM to the ranks still running, and this one, killed by it, lost the
+    exit status with which ``tools/launch.py`` names the rank that failed first. Leaving is
+    bounded anyway (the workers are stopped with a timeout; torchrun SIGKILLs after its
+    grace).
+    """
+    if ("TORCHELASTIC_RUN_ID" in os.environ
+            and threading.current_thread() is threading.main_thread()):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 # --------------------------------------------------------------------------- the loop
 def _max_over_ranks(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float32, device=device)
@@ -766,6 +781,9 @@ def _pretrain(args: argparse.Namespace, forward_step_func: Optional[Callable],
               memory).run(train_iter, valid_iter)
         result.iteration = state.iteration
         return result
+    except BaseException:
+        keep_own_exit_status()
+        raise
     finally:
         if memory is not None:
             memory.close()

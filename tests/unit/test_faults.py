@@ -368,6 +368,26 @@ def test_a_stopped_rank_asked_to_terminate_is_killed_by_its_guard():
             os.killpg(proc.pid, 9)
 
 
+def test_a_checkpoint_writer_that_dies_ends_the_wait_for_it():
+    """megatron-core waits on a JoinableQueue for its forked writers with no timeout; a
+    writer killed mid-write used to leave the rank waiting for ever."""
+    import multiprocessing as mp
+
+    from megatron.training.checkpoint.writer_watch import WriterDiedError, writers_watched
+
+    ctx = mp.get_context("fork")
+    count = ctx.JoinableQueue()
+    count.put(0)
+    t0 = time.monotonic()
+    with pytest.raises(WriterDiedError, match=r"killed by signal 9 \(SIGKILL\) mid-write"):
+        with writers_watched():
+            writer = ctx.Process(target=lambda: (count.get(), os.kill(os.getpid(), 9)))
+            writer.start()
+            count.join()          # what megatron-core's write_preloaded_data_multiproc does
+    assert time.monotonic() - t0 < 5
+    writer.join()
+
+
 def test_launcher_names_the_rank_that_ended_the_job():
     """torchrun's own "first failure" compares whole seconds; the killed rank, not one
     that lost it or that torchrun stopped, is named."""

@@ -68,6 +68,7 @@ from megatron.training.checkpoint.faults import (
     directory_bytes,
     save_failure_message,
 )
+from megatron.training.checkpoint.writer_watch import WriterDiedError, writers_watched
 from megatron.training.cli.config import RunConfig
 from megatron.training.model.build import unwrap
 from megatron.training.peer_faults import peer_failure_text
@@ -671,8 +672,9 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
                             resolved_args=resolved_args)
         if weights_only:
             state["weights_only"] = True
-        # The writer's helpers must outlive a group-wide stop signal.
-        with children_ignore_stop_signals():
+        # The writer's helpers must outlive a group-wide stop signal; one that dies ends
+        # the save here instead of in megatron-core's wait for it.
+        with writers_watched(), children_ignore_stop_signals():
             dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
         dist.barrier()
         if with_checksums:
@@ -686,7 +688,10 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
             raise  # a rank died or went silent: the loop says so, not as a storage fault
         message, storage = save_failure_message(it, final, root, previous, exc, written)
         # Rank 0 holds every rank's failure (megatron-core gathers them there); a rank
-        # that met a storage error itself also says so, in case rank 0 did not.
+        # that met a storage error itself also says so, in case rank 0 did not, and so
+        # does a rank whose writer died (the others only lose contact with it).
+        if isinstance(exc, WriterDiedError):
+            raise CheckpointSaveError(message, primary=True) from exc
         own = dist.get_rank() == 0 or (isinstance(exc, OSError)
                                         and not getattr(exc, "raised_on_rank_0", False))
         raise CheckpointSaveError(message, primary=storage and own) from exc
