@@ -9,8 +9,8 @@ Exit status: 0 when training ends (or stops on SIGTERM after saving), 2 for bad 
 (flags, layout, data, ``--save``, ``--load``), with one ``error:`` line from rank 0 instead
 of a traceback from every rank, 1 for a NaN/inf loss or grad norm and for a failed save
 (one line naming the directory and the last complete checkpoint), 3 when another rank died
-or went silent (one line from each rank that noticed), 130 for a Ctrl-C (SIGINT) that
-found no ``--save`` (with ``--save`` it saves like SIGTERM and exits 0). ``torchrun`` itself
+or went silent (one line from each rank that noticed), 130 for a Ctrl-C (SIGINT) without
+``--save`` or before training began (with ``--save`` it saves like SIGTERM and exits 0). ``torchrun`` itself
 exits 1 whenever a worker fails; ``tools/launch.py`` (what ``examples/`` use) is torchrun
 with the first failed worker's exit status passed through. See docs/reliability.md.
 """
@@ -37,17 +37,19 @@ def main(argv=None) -> int:
     from megatron.training.loop import RUN_ERRORS, pretrain
 
     try:
-        pretrain(args)
+        result = pretrain(args)
     except RUN_ERRORS as exc:
         return report_error(exc)
     except KeyboardInterrupt:
         return report_interrupt(args)
+    if result.stop_signal and not args.save:
+        return 128 + result.stop_signal   # stopped unsaved, as its line said
     return 0
 
 
 def report_interrupt(args) -> int:
-    """A SIGINT the loop did not turn into a save (no ``--save``, or still starting up):
-    one line from rank 0 saying that nothing was saved; exit status 130 (128 + SIGINT)."""
+    """A SIGINT before the training loop could take it: one line from rank 0 saying that
+    nothing was saved; exit status 130 (128 + SIGINT)."""
     from megatron.training.cli.arguments import launch_rank
 
     if launch_rank() == 0:
@@ -70,7 +72,8 @@ def preflight(args):
     try:
         check_output_paths(validate_args(args, int(os.environ.get("WORLD_SIZE", "1"))))
     except UsageError as exc:
-        from megatron.training.cli.arguments import launch_rank, leave_the_message_to_rank_0
+        from megatron.training.cli.arguments import launch_rank
+        from megatron.training.exit_paths import leave_the_message_to_rank_0
 
         if launch_rank() == 0:
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
@@ -82,7 +85,8 @@ def preflight(args):
 def report_error(exc: BaseException) -> int:
     """Print ``exc`` in one line (rank 0, or the rank where it arose) and return its exit
     status (:func:`megatron.training.loop.exit_status`)."""
-    from megatron.training.cli.arguments import launch_rank, leave_the_message_to_rank_0
+    from megatron.training.cli.arguments import launch_rank
+    from megatron.training.exit_paths import leave_the_message_to_rank_0
     from megatron.training.loop import exit_status, reported_here
 
     if reported_here(exc, launch_rank()):

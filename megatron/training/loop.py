@@ -20,9 +20,10 @@ One iteration (:func:`train_step`)::
     LR scheduler step (in samples, as Megatron-LM)
 
 Around it: validation every ``--eval-interval`` over ``--eval-iters`` global batches,
-checkpoints every ``--save-interval`` and at the end, a SIGTERM and SIGINT handler (when
-``--save`` is set) that saves at the end of the current iteration and returns, and the
-metrics of :mod:`megatron.training.observe.metrics`. Every way out (the end, an error, a
+checkpoints every ``--save-interval`` and at the end, a SIGTERM and SIGINT handler that
+saves at the end of the current iteration (SIGTERM only when ``--save`` is set; SIGINT
+without it stops there unsaved) and returns, and the metrics of
+:mod:`megatron.training.observe.metrics`. Every way out (the end, an error, a
 lost peer) stops the DataLoader workers first, so no exit waits on them.
 
 The loop never branches on the device: CPU runs go through the same megatron-core calls,
@@ -60,6 +61,7 @@ from megatron.training.checkpoint.save_load import (
 from megatron.training.cli.config import RunConfig
 from megatron.training.data import batch as batch_mod
 from megatron.training.data.loader import shut_down_data_iterators
+from megatron.training.exit_paths import keep_own_exit_status
 from megatron.training.initialize import Runtime, initialize, launch_env, shutdown
 from megatron.training.model.build import build_model, count_parameters, reserve_offload_buffers
 from megatron.training.observe.memory_snapshot import MemoryHistory
@@ -114,6 +116,7 @@ class TrainResult:
     loaded_from: Optional[str] = None
     saved: List[str] = field(default_factory=list)
     stopped_by_signal: bool = False
+    stop_signal: int = 0   # the signal that stopped it (SIGTERM, SIGINT), 0 for none
 
 
 def print_rank_0(rt: Runtime, msg: str) -> None:
@@ -517,16 +520,16 @@ def evaluate(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator, m
 # --------------------------------------------------------------------------- signals
 class StopSignalFlag:
     """Records a SIGTERM or SIGINT (torchrun passes a Ctrl-C on as SIGINT); every rank
-    learns of it at the same iteration (all-reduce MAX of the signal number)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    learns of it at the same iteration (all-reduce MAX of the signal number), so all stop
+    together instead of one rank's KeyboardInterrupt cutting the others' collectives."""
 
     def __init__(self) -> None:
         self.received = 0
         self._previous: Dict[int, object] = {}
 
-    def install(self) -> None:
-        for sig in self.SIGNALS:
+    def install(self, with_sigterm: bool) -> None:
+        """Catch SIGINT, and SIGTERM too when ``with_sigterm`` (a run that saves on it)."""
+        for sig in (signal.SIGTERM, signal.SIGINT) if with_sigterm else (signal.SIGINT,):
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
@@ -542,20 +545,6 @@ class StopSignalFlag:
         flag = torch.tensor([self.received], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
-
-
-def keep_own_exit_status() -> None:
-    """Under torchrun, ignore SIGTERM from now on: this rank is leaving with an error.
-
-    Its peers notice it gone as soon as it closes its connections and exit first; torchrun
-    then sends SIGTERM to the ranks still running, and this one, killed by it, lost the
-    exit status with which ``tools/launch.py`` names the rank that failed first. Leaving is
-    bounded anyway (the workers are stopped with a timeout; torchrun SIGKILLs after its
-    grace).
-    """
-    if ("TORCHELASTIC_RUN_ID" in os.environ
-            and threading.current_thread() is threading.main_thread()):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -652,8 +641,8 @@ class _Loop:
 
     def run(self, train_iter, valid_iter) -> TrainResult:
         args, st = self.config.args, self.state
-        if args.save:
-            self.stop_signal.install()
+        if threading.current_thread() is threading.main_thread():
+            self.stop_signal.install(with_sigterm=bool(args.save))
         try:
             while st.iteration < args.train_iters:
                 self._one_iteration(train_iter)
@@ -664,11 +653,15 @@ class _Loop:
                 if saved_now:
                     self._save()
                 stop = bool(args.exit_interval) and it % args.exit_interval == 0
-                received = args.save and self.stop_signal.any_rank(self.rt.device)
+                received = self.stop_signal.any_rank(self.rt.device)
                 if received:
                     stop = self.result.stopped_by_signal = True
-                    print_rank_0(self.rt, f"{signal.Signals(received).name} received: saving "
-                                          f"at iteration {it} and exiting")
+                    self.result.stop_signal = received
+                    name = signal.Signals(received).name
+                    print_rank_0(self.rt, f"{name} received: saving at iteration {it} and "
+                                          f"exiting" if args.save else
+                                          f"{name} received: stopping at iteration {it} "
+                                          f"without a checkpoint (no --save)")
                 if stop:
                     if args.save and not saved_now:
                         self._save()
@@ -730,7 +723,8 @@ def pretrain(args: argparse.Namespace,
             raise
         raise lost from exc
     finally:
-        # First, while the rank can still send its workers the signal they obey.
+        # On every way out: an exception's traceback would keep the iterators, and their
+        # workers, alive until the interpreter exits.
         shut_down_data_iterators(*iterators)
 
 

@@ -282,10 +282,15 @@ class _Job:
         """Wait for the launcher and everything it started; return the seconds after ``t0``."""
         import psutil
 
-        self.proc.wait(timeout=max(1.0, t0 + bound - time.monotonic()) + 5)
+        try:
+            self.proc.wait(timeout=max(1.0, t0 + bound - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
         psutil.wait_procs(self.started, timeout=max(0.1, t0 + bound - time.monotonic()))
         alive = [p for p in self.started if p.is_running() and p.status() != "zombie"]
-        assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+        assert self.proc.poll() is not None and not alive, (
+            f"still running {time.monotonic() - t0:.1f} s after the fault: "
+            f"{[(p.pid, p.status(), p.cmdline()[:3]) for p in alive]}\n{self.out[-5000:]}")
         self._reader.join(timeout=5)
         return time.monotonic() - t0
 
@@ -416,10 +421,9 @@ def test_ctrl_c_to_the_launcher_saves_like_sigterm_or_says_it_did_not(tmp_path, 
             assert not list(ckpt.glob("*.tmp"))
         else:
             assert not re.search(r"saved checkpoint at iteration \d", out), out[-4000:]
-            assert "SIGINT received" not in out
-            assert len(_errors(out)) == 0
-            assert "interrupted (SIGINT) before training reached a save: no checkpoint was " \
-                   "written (with --save" in out, out[-4000:]
+            assert len(_errors(out)) == 0, out[-4000:]
+            assert re.search(r"SIGINT received: stopping at iteration \d+ without a "
+                             r"checkpoint \(no --save\)", out), out[-4000:]
         print(f"SIGINT, --save-interval {save_interval}: gone {took:.1f} s after it")
     finally:
         job.close()

@@ -474,3 +474,19 @@ def test_the_same_grad_buffer_dtype_loads():
                                 dict(use_distributed_optimizer=True, bf16=False,
                                      accumulate_allreduce_grads_in_fp32=True),
                                 "ckpt")
+
+
+def test_a_silent_failing_rank_waits_for_torchrun_but_no_longer():
+    """A rank other than 0 that leaves rank 0 to print the error waits for torchrun's
+    SIGTERM (rank 0 has printed and exited by then), and returns at once on it."""
+    code = ("import time; from megatron.training.exit_paths import leave_the_message_to_rank_0; "
+            "print('waiting', flush=True); t = time.monotonic(); "
+            "leave_the_message_to_rank_0(); print(round(time.monotonic() - t, 1), flush=True)")
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="x", WORLD_SIZE="4", RANK="1")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "waiting"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0 and float(out) < 3.0

@@ -71,7 +71,7 @@ from megatron.training.checkpoint.faults import (
 from megatron.training.checkpoint.writer_watch import WriterDiedError, writers_watched
 from megatron.training.cli.config import RunConfig
 from megatron.training.model.build import unwrap
-from megatron.training.peer_faults import peer_failure_text
+from megatron.training.peer_faults import peer_lost
 from megatron.training.process_guard import children_ignore_stop_signals
 from megatron.usp.parallel_dims import ORDER, ParallelDims
 from megatron.usp.parallel_state import USPGroups
@@ -684,8 +684,9 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
         written = directory_bytes(tmp)
         if dist.get_rank() == 0:   # nothing will ever load it; the next save would empty it
             shutil.rmtree(tmp, ignore_errors=True)
-        if peer_failure_text(exc) is not None:
-            raise  # a rank died or went silent: the loop says so, not as a storage fault
+        lost = peer_lost(exc, dist.get_rank(), config.args.distributed_timeout_minutes)
+        if lost is not None:   # a rank died or went silent: not a storage fault
+            raise lost from exc
         message, storage = save_failure_message(it, final, root, previous, exc, written)
         # Rank 0 holds every rank's failure (megatron-core gathers them there); a rank
         # that met a storage error itself also says so, in case rank 0 did not, and so

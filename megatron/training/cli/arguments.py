@@ -24,7 +24,6 @@ import argparse
 import os
 import re
 import sys
-import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron.shapes import ModelShape, default_ffn_hidden_size, padded_vocab_size
@@ -34,6 +33,7 @@ from megatron.training.cli.errors import ArgumentsError
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
 from megatron.training.cli.pretrained_args import add_pretrained_args
 from megatron.training.data.errors import DataConfigError
+from megatron.training.exit_paths import leave_the_message_to_rank_0
 from megatron.usp.backend_names import (
     BACKEND_NAMES,
     FUSED_KERNEL_CHOICES,
@@ -370,21 +370,6 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
 def launch_rank() -> int:
     """This process's global rank as the launcher set it (0 without torchrun)."""
     return int(os.environ.get("RANK", "0"))
-
-
-USAGE_WAIT_S = 20.0
-
-
-def leave_the_message_to_rank_0() -> None:
-    """On a rank other than 0 of a multi-rank launch, wait (at most :data:`USAGE_WAIT_S`)
-    before exiting with a usage error that only rank 0 prints.
-
-    torchrun stops every worker as soon as one exits; a rank that parsed faster than rank 0
-    ended the job before rank 0 had printed anything (exit 2, no message). Waiting, it is
-    stopped by torchrun once rank 0 has printed and exited (its SIGTERM ends the sleep).
-    """
-    if launch_rank() != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        time.sleep(USAGE_WAIT_S)
 
 
 class _Parser(argparse.ArgumentParser):
