@@ -9,7 +9,7 @@ Two races followed:
   wait for torchrun to stop them (:func:`leave_the_message_to_rank_0`);
 * the rank with its own error closes its connections, its peers notice and exit first, and
   torchrun's SIGTERM then killed it before its own exit status could name it: a failing rank
-  now records that SIGTERM instead of dying of it (:func:`keep_own_exit_status`).
+  now ignores that SIGTERM (:func:`keep_own_exit_status`).
 
 Standard library only: the command-line parser uses it before torch is imported.
 """
@@ -33,17 +33,18 @@ def _note_sigterm(signum, frame) -> None:
 
 
 def keep_own_exit_status() -> None:
-    """Under torchrun, from now on record SIGTERM instead of dying of it: this rank is
-    leaving with its own error. Leaving stays bounded (the DataLoader workers are stopped
-    with a timeout; torchrun SIGKILLs after its grace)."""
+    """Under torchrun, ignore SIGTERM from now on: this rank is leaving with its own error.
+    Ignored, not handled: the interpreter resets Python handlers to the default while it
+    finalizes, when the SIGTERM often arrives. Leaving stays bounded (the DataLoader workers
+    are stopped with a timeout; torchrun SIGKILLs after its grace)."""
     if _under_torchrun() and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _note_sigterm)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def leave_the_message_to_rank_0() -> None:
     """On a rank other than 0 of a torchrun job, before exiting with an error that only rank
     0 prints: wait, at most :data:`USAGE_WAIT_S`, for torchrun's SIGTERM, which comes once
-    rank 0 has printed and exited; return at once if it came already."""
+    rank 0 has printed and exited, and return on it."""
     if not _under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
         return
     if threading.current_thread() is threading.main_thread():
