@@ -1,4 +1,4 @@
-"""Faults a user meets, end to end through ``tools/launch.py`` (torchrun) on 2 CPU ranks.
+"""Faults a user meets, end to end through ``tools/launch.py`` (torchrun) on 2 or 4 CPU ranks.
 
 * Bad input exits 2 through the launcher, with its message once (rank 0), no traceback.
 * kill -9 of the whole job (torchrun and its workers, by PID) during its saves: within
@@ -11,6 +11,10 @@
 * Resuming with another ``--hidden-size``: exit 2, one line naming the flag.
 * SIGTERM to the launcher (torchrun then signals each worker's whole group): the ranks
   save at the end of their iteration, the launcher exits 128 + 15, nothing survives.
+* Every rank exits promptly, 4 ranks (U2 x R2) with a DataLoader worker each: a full disk,
+  a checkpoint writer killed mid-save, kill -9 or SIGSTOP of one rank, Ctrl-C (SIGINT) to
+  the launcher; each test states its bound (GONE_S, SIGNAL_SAVE_S) and checks that nothing
+  the job started is left and which rank the launcher names. Usage errors always print.
 
 The mount-namespace tests need root and ``unshare`` (CI runs as root); elsewhere they skip.
 See docs/reliability.md for the table of faults.
