@@ -8,7 +8,9 @@ Flags: ``python pretrain_gpt.py --help`` (Megatron-LM's names, grouped). Launch 
 Exit status: 0 when training ends (or stops on SIGTERM after saving), 2 for bad input
 (flags, layout, data, ``--save``, ``--load``), with one ``error:`` line from rank 0 instead
 of a traceback from every rank, 1 for a NaN/inf loss or grad norm and for a failed save
-(one line naming the directory and the last complete checkpoint). ``torchrun`` itself
+(one line naming the directory and the last complete checkpoint), 3 when another rank died
+or went silent (one line from each rank that noticed), 130 for a Ctrl-C (SIGINT) without
+``--save`` or before training began (with ``--save`` it saves like SIGTERM and exits 0). ``torchrun`` itself
 exits 1 whenever a worker fails; ``tools/launch.py`` (what ``examples/`` use) is torchrun
 with the first failed worker's exit status passed through. See docs/reliability.md.
 """
@@ -35,10 +37,26 @@ def main(argv=None) -> int:
     from megatron.training.loop import RUN_ERRORS, pretrain
 
     try:
-        pretrain(args)
+        result = pretrain(args)
     except RUN_ERRORS as exc:
         return report_error(exc)
+    except KeyboardInterrupt:
+        return report_interrupt(args)
+    if result.stop_signal and not args.save:
+        return 128 + result.stop_signal   # stopped unsaved, as its line said
     return 0
+
+
+def report_interrupt(args) -> int:
+    """A SIGINT before the training loop could take it: one line from rank 0 saying that
+    nothing was saved; exit status 130 (128 + SIGINT)."""
+    from megatron.training.cli.arguments import launch_rank
+
+    if launch_rank() == 0:
+        advice = "" if args.save else " (with --save, SIGINT and SIGTERM save first)"
+        print(f"pretrain_gpt.py: interrupted (SIGINT) before training reached a save: no "
+              f"checkpoint was written{advice}", file=sys.stderr, flush=True)
+    return 130
 
 
 def preflight(args):
@@ -58,9 +76,11 @@ def preflight(args):
         check_output_paths(config)
     except UsageError as exc:
         from megatron.training.cli.arguments import launch_rank
+        from megatron.training.exit_paths import leave_the_message_to_rank_0
 
         if launch_rank() == 0:
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        leave_the_message_to_rank_0()
         return 2
     return None
 
@@ -69,10 +89,13 @@ def report_error(exc: BaseException) -> int:
     """Print ``exc`` in one line (rank 0, or the rank where it arose) and return its exit
     status (:func:`megatron.training.loop.exit_status`)."""
     from megatron.training.cli.arguments import launch_rank
+    from megatron.training.exit_paths import leave_the_message_to_rank_0
     from megatron.training.loop import exit_status, reported_here
 
     if reported_here(exc, launch_rank()):
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+    else:
+        leave_the_message_to_rank_0()
     return exit_status(exc)
 
 

@@ -4,9 +4,13 @@
 flag, which ``pretrain_gpt.py`` reports with exit status 2, came out of ``torchrun`` as 1,
 followed by a 40-line ``ChildFailedError`` traceback. ``tools/launch.py`` (used by every
 script in ``examples/``) takes torchrun's own arguments and runs torchrun's own
-``torch.distributed.run.run``; when a worker fails it prints one line naming the rank and
-status of the first failure (the root cause; the others are stopped by torchrun) and exits
-with that status (1 for a worker killed by a signal).
+``torch.distributed.run.run``; when a worker fails it prints one line naming the rank that
+ended the job and how (:func:`root_cause`), and the ranks that lost contact with it, and
+exits with that rank's status (1 for a worker killed by a signal).
+
+On SIGTERM or SIGINT torchrun passes the signal on to the workers and stops them; the
+launcher then exits 128 + N and says where to read whether they saved (rank 0's "saved
+checkpoint" line), which it cannot know itself.
 
 Before starting, a ``--master-port`` given on node 0 must be free: a busy port otherwise
 ends in the TCP store's ``EADDRINUSE`` traceback. Without ``--master-port`` on one node,
@@ -16,9 +20,12 @@ torchrun picks a free port itself (its ``c10d`` rendezvous on ``localhost:0``).
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
+
+from megatron.training.peer_faults import PEER_LOST_STATUS
 
 
 def port_problem(host: str, port: int) -> Optional[str]:
@@ -48,6 +55,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _is_consequence(exitcode: int) -> bool:
+    """A rank that lost a peer, or that torchrun stopped (SIGTERM) once another failed."""
+    return exitcode in (PEER_LOST_STATUS, -signal.SIGTERM)
+
+
+def root_cause(failures: Dict[int, Tuple[int, float]]) -> int:
+    """The rank whose failure ended the job, from each failed rank's (exit code, time).
+
+    torchrun's own "first failure" compares times in whole seconds, and the ranks it stops,
+    or that lose a peer, fail in the same second as the root cause, so a rank that lost a
+    peer was often named. A rank's own error (exit status other than
+    :data:`PEER_LOST_STATUS`) or a death by a signal other than torchrun's SIGTERM comes
+    before those consequences; then the earlier time, then the lower rank.
+    """
+    return min(failures, key=lambda r: (_is_consequence(failures[r][0]), failures[r][1], r))
+
+
+def failure_line(name: str, failures: Dict[int, Tuple[int, float]]) -> Tuple[str, int]:
+    """(the launcher's one line about a failed job, its exit status)."""
+    rank = root_cause(failures)
+    code = failures[rank][0]
+    others = ", ".join(str(r) for r in sorted(failures) if r != rank)
+    if code == PEER_LOST_STATUS:
+        lost = sorted(r for r, (c, _) in failures.items() if c == PEER_LOST_STATUS)
+        return (f"launch: {name}: rank(s) {', '.join(map(str, lost))} lost contact with "
+                f"another rank, which died or stopped answering (their messages are above); "
+                f"exit status 1", 1)
+    if code > 0:
+        how = f"exited with status {code} first (its own message is above)"
+    else:
+        how = f"was killed by signal {-code} ({signal.Signals(-code).name}) first"
+    status = code if code > 0 else 1
+    also = f"; rank(s) {others} stopped after it" if others else ""
+    return f"launch: {name}: rank {rank} {how}{also}; exit status {status}", status
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -62,17 +105,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         run(args)
     except SignalException as exc:
-        # torchrun passed the signal on to the workers (SIGTERM: they save when --save is
-        # set) and stopped them; its own traceback says nothing more.
-        print(f"launch: received signal {exc.sigval}; the workers were stopped (with --save "
-              f"they saved at the end of their iteration)", file=sys.stderr, flush=True)
+        # torchrun passed the signal on to the workers and stopped them; whether they saved
+        # only they know (with --save they save at the end of their iteration, unless
+        # torchrun's 30 s grace ends first).
+        name = signal.Signals(exc.sigval).name
+        print(f"launch: received {name}; passed it to the workers and stopped them. A save "
+              f"they made is announced above by rank 0 (\"saved checkpoint at iteration "
+              f"N\"); without that line nothing was saved since the last checkpoint",
+              file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        status = failure.exitcode if failure.exitcode > 0 else 1
-        how = (f"exited with status {failure.exitcode}" if failure.exitcode > 0
-               else f"was killed by signal {-failure.exitcode}")
-        print(f"launch: {exc.name}: rank {rank} {how} first (its own message is above); "
-              f"exit status {status}", file=sys.stderr, flush=True)
+        failures = {r: (f.exitcode, f.timestamp) for r, f in exc.failures.items()}
+        line, status = failure_line(exc.name, failures)
+        print(line, file=sys.stderr, flush=True)
         return status
     return 0

@@ -20,9 +20,11 @@ One iteration (:func:`train_step`)::
     LR scheduler step (in samples, as Megatron-LM)
 
 Around it: validation every ``--eval-interval`` over ``--eval-iters`` global batches,
-checkpoints every ``--save-interval`` and at the end, a SIGTERM handler (when ``--save``
-is set) that saves at the end of the current iteration and returns, and the metrics of
-:mod:`megatron.training.observe.metrics`.
+checkpoints every ``--save-interval`` and at the end, a SIGTERM and SIGINT handler that
+saves at the end of the current iteration (SIGTERM only when ``--save`` is set; SIGINT
+without it stops there unsaved) and returns, and the metrics of
+:mod:`megatron.training.observe.metrics`. Every way out (the end, an error, a
+lost peer) stops the DataLoader workers first, so no exit waits on them.
 
 The loop never branches on the device: CPU runs go through the same megatron-core calls,
 with the stand-ins of :mod:`megatron.training.cpu_shims` installed by start-up.
@@ -34,7 +36,9 @@ import argparse
 import contextlib
 import logging
 import math
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,7 +60,9 @@ from megatron.training.checkpoint.save_load import (
 )
 from megatron.training.cli.config import RunConfig
 from megatron.training.data import batch as batch_mod
-from megatron.training.initialize import Runtime, initialize, shutdown
+from megatron.training.data.loader import shut_down_data_iterators
+from megatron.training.exit_paths import keep_own_exit_status
+from megatron.training.initialize import Runtime, initialize, launch_env, shutdown
 from megatron.training.model.build import build_model, count_parameters, reserve_offload_buffers
 from megatron.training.observe.memory_snapshot import MemoryHistory
 from megatron.training.observe.metrics import (
@@ -69,7 +75,8 @@ from megatron.training.observe.metrics import (
 )
 from megatron.training.observe.profiling import StepProfiler
 from megatron.training.optim import grad_clip
-from megatron.training.process_guard import children_ignore_sigterm
+from megatron.training.peer_faults import PeerLostError, peer_lost
+from megatron.training.process_guard import children_ignore_stop_signals, stop_with_the_rank
 from megatron.usp.parallel_state import USPGroups
 
 logger = logging.getLogger(__name__)
@@ -79,16 +86,17 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; the message names the iteration."""
 
 
-RUN_ERRORS = (UsageError, NonFiniteLossError)
+RUN_ERRORS = (UsageError, NonFiniteLossError, PeerLostError)
 """Every error ``pretrain_gpt.py`` reports in one line instead of a traceback: bad input
 from any subsystem (flags, layout, data, ``--save``, ``--load``; raised identically on every
-rank before any collective that could hang, or a failed save), and a non-finite loss."""
+rank before any collective that could hang, or a failed save), a non-finite loss, and a
+collective that failed because another rank died or went silent."""
 
 
 def exit_status(exc: BaseException) -> int:
-    """A :class:`~megatron.errors.UsageError`'s own status (2 for bad input, 1 for a failed
-    save), 1 for the other :data:`RUN_ERRORS`."""
-    return exc.exit_status if isinstance(exc, UsageError) else 1
+    """The error's own status (2 for bad input, 1 for a failed save, 3 for a lost peer),
+    1 for the other :data:`RUN_ERRORS`."""
+    return getattr(exc, "exit_status", 1)
 
 
 def reported_here(exc: BaseException, rank: int) -> bool:
@@ -108,6 +116,7 @@ class TrainResult:
     loaded_from: Optional[str] = None
     saved: List[str] = field(default_factory=list)
     stopped_by_signal: bool = False
+    stop_signal: int = 0   # the signal that stopped it (SIGTERM, SIGINT), 0 for none
 
 
 def print_rank_0(rt: Runtime, msg: str) -> None:
@@ -318,9 +327,11 @@ def build_data_iterators(config: RunConfig, rt: Runtime, state: TrainState):
         loader_args["collate_fn"] = DocumentBatching(
             int(rt.tokenizer.eod), rt.groups.dims.ulysses, rt.groups.dims.ring,
             args.chunk_assignment)
-    # The (persistent) DataLoader workers start here; a group-wide SIGTERM is the rank's to
-    # handle (it saves at the end of the iteration), not theirs to die of.
-    with children_ignore_sigterm():
+    # The (persistent) DataLoader workers start here; a group-wide SIGTERM or SIGINT is the
+    # rank's to handle (it saves at the end of the iteration), not theirs to die of, but the
+    # rank itself must still be able to stop them.
+    loader_args["worker_init_fn"] = partial(stop_with_the_rank, os.getpid())
+    with children_ignore_stop_signals():
         train = build_data_iterator(train_ds, args.micro_batch_size, dp_rank, dp_size,
                                     state.consumed_train_samples, args.num_workers,
                                     **loader_args)
@@ -516,28 +527,33 @@ def evaluate(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator, m
 
 
 # --------------------------------------------------------------------------- signals
-class SigtermFlag:
-    """Records a SIGTERM; every rank learns of it at the same iteration (all-reduce MAX)."""
+class StopSignalFlag:
+    """Records a SIGTERM or SIGINT (torchrun passes a Ctrl-C on as SIGINT); every rank
+    learns of it at the same iteration (all-reduce MAX of the signal number), so all stop
+    together instead of one rank's KeyboardInterrupt cutting the others' collectives."""
 
     def __init__(self) -> None:
-        self.received = False
-        self._previous = None
+        self.received = 0
+        self._previous: Dict[int, object] = {}
 
-    def install(self) -> None:
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+    def install(self, with_sigterm: bool) -> None:
+        """Catch SIGINT, and SIGTERM too when ``with_sigterm`` (a run that saves on it)."""
+        for sig in (signal.SIGTERM, signal.SIGINT) if with_sigterm else (signal.SIGINT,):
+            self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = True
+        self.received = max(self.received, int(signum))
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
-    def any_rank(self, device: torch.device) -> bool:
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)
+    def any_rank(self, device: torch.device) -> int:
+        """The signal received by any rank (the highest number), 0 for none."""
+        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())
 
 
 # --------------------------------------------------------------------------- the loop
@@ -574,7 +590,7 @@ class _Loop:
         self.config, self.rt, self.model = config, rt, model
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.step_fn, self.writer, self.result = step_fn, writer, result
-        self.sigterm = SigtermFlag()
+        self.stop_signal = StopSignalFlag()
         args = config.args
         self.profiler = StepProfiler(
             bool(args.profile) and rt.rank in args.profile_ranks, args.profile_step_start,
@@ -634,8 +650,8 @@ class _Loop:
 
     def run(self, train_iter, valid_iter) -> TrainResult:
         args, st = self.config.args, self.state
-        if args.save:
-            self.sigterm.install()
+        if threading.current_thread() is threading.main_thread():
+            self.stop_signal.install(with_sigterm=bool(args.save))
         try:
             while st.iteration < args.train_iters:
                 self._one_iteration(train_iter)
@@ -646,10 +662,15 @@ class _Loop:
                 if saved_now:
                     self._save()
                 stop = bool(args.exit_interval) and it % args.exit_interval == 0
-                if args.save and self.sigterm.any_rank(self.rt.device):
+                received = self.stop_signal.any_rank(self.rt.device)
+                if received:
                     stop = self.result.stopped_by_signal = True
-                    print_rank_0(self.rt, f"SIGTERM received: saving at iteration {it} and "
-                                          f"exiting")
+                    self.result.stop_signal = received
+                    name = signal.Signals(received).name
+                    print_rank_0(self.rt, f"{name} received: saving at iteration {it} and "
+                                          f"exiting" if args.save else
+                                          f"{name} received: stopping at iteration {it} "
+                                          f"without a checkpoint (no --save)")
                 if stop:
                     if args.save and not saved_now:
                         self._save()
@@ -661,7 +682,7 @@ class _Loop:
             return self.result
         finally:
             self.profiler.close()
-            self.sigterm.restore()
+            self.stop_signal.restore()
 
 
 def _log_setup(config: RunConfig, rt: Runtime, model, loaded: Optional[str],
@@ -697,8 +718,28 @@ def pretrain(args: argparse.Namespace,
     :func:`megatron.training.data.batch.forward_step` (same contract). Works inside an already
     initialised process group (tests) or creates one (torchrun, or a single process).
     Raises the start-up errors of :func:`megatron.training.cli.arguments.validate_args`, the
-    data and checkpoint checks, and :class:`NonFiniteLossError`.
+    data and checkpoint checks, :class:`NonFiniteLossError`, and
+    :class:`~megatron.training.peer_faults.PeerLostError` for a collective that failed
+    because another rank died or went silent.
     """
+    iterators: List = []
+    try:
+        return _pretrain(args, forward_step_func, iterators)
+    except RuntimeError as exc:
+        lost = None if isinstance(exc, RUN_ERRORS) else peer_lost(
+            exc, launch_env()[0], args.distributed_timeout_minutes)
+        if lost is None:
+            raise
+        raise lost from exc
+    finally:
+        # On every way out: an exception's traceback would keep the iterators, and their
+        # workers, alive until the interpreter exits.
+        shut_down_data_iterators(*iterators)
+
+
+def _pretrain(args: argparse.Namespace, forward_step_func: Optional[Callable],
+              iterators: List) -> TrainResult:
+    """:func:`pretrain`'s body; the data iterators it builds go into ``iterators``."""
     rt = None
     writer = None
     memory = None
@@ -731,6 +772,7 @@ def pretrain(args: argparse.Namespace,
                              f"--train-iters {args.train_iters}: nothing to train")
             return result
         train_iter, valid_iter = build_data_iterators(config, rt, state)
+        iterators += [train_iter, valid_iter]
         if resume.rng_state is not None:
             set_rng_state(resume.rng_state, rt.device)
         writer = _make_writer(config, rt)
@@ -742,6 +784,9 @@ def pretrain(args: argparse.Namespace,
               memory).run(train_iter, valid_iter)
         result.iteration = state.iteration
         return result
+    except BaseException:
+        keep_own_exit_status()
+        raise
     finally:
         if memory is not None:
             memory.close()

@@ -19,9 +19,15 @@ rank's process group. When the launcher that started the rank (torchrun's agent,
 itself, the rank included: torchrun is no longer there to stop it. The guard then exits.
 Processes are matched by pid *and* start time, so a reused pid is never killed.
 
+A rank that is stopped (SIGSTOP, Ctrl-Z) cannot act on the SIGTERM with which torchrun
+stops a failed job; torchrun would SIGKILL it only after its 30 s grace. The guard kills it
+once a termination signal has been pending for :data:`STOPPED_GRACE_S`, with one line
+naming the rank.
+
 The guard costs one idle Python process (~10 MB) per rank. Outside Linux it is not started.
-:func:`children_ignore_sigterm` is the other half: helpers are started immune to the
-group-wide SIGTERM, so that the rank alone decides (it saves and exits).
+:func:`children_ignore_stop_signals` is the other half: helpers are started immune to the
+group-wide SIGTERM and SIGINT, so that the rank alone decides (it saves and exits);
+:func:`stop_with_the_rank` lets the rank itself still stop its DataLoader workers.
 """
 
 from __future__ import annotations
@@ -31,10 +37,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
 POLL_S = 0.5
+STOPPED_GRACE_S = 2.0
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 Key = Tuple[int, int]  # (pid, start time in clock ticks since boot)
 
 
@@ -94,10 +103,41 @@ def _group_members(pgid: int, exclude: int) -> List[Key]:
             if st[2] == pgid and pid != exclude and st[0] != "Z"]
 
 
+def _pending_stop(pid: int) -> bool:
+    """Whether SIGTERM or SIGINT waits, undelivered, for ``pid`` (its pending masks)."""
+    bits = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("SigPnd:", "ShdPnd:")):
+                    bits |= int(line.split()[1], 16)
+    except (OSError, ValueError):
+        return False
+    return any(bits >> (int(sig) - 1) & 1 for sig in STOP_SIGNALS)
+
+
+def _kill_if_stopped_too_long(rank_pid: int, since: Optional[float]) -> Optional[float]:
+    """SIGKILL the rank when it has been stopped with a termination signal pending for
+    :data:`STOPPED_GRACE_S`; returns when that state was first seen (None: not in it)."""
+    st = _stat(rank_pid)
+    if st is None or st[0] != "T" or not _pending_stop(rank_pid):
+        return None
+    now = time.monotonic()
+    if since is None:
+        return now
+    if now - since >= STOPPED_GRACE_S:
+        rank = os.environ.get("RANK", "?")
+        print(f"guard: rank {rank} (pid {rank_pid}) is stopped (SIGSTOP) and was asked to "
+              f"terminate {STOPPED_GRACE_S:.0f} s ago; killing it", file=sys.stderr, flush=True)
+        os.kill(rank_pid, signal.SIGKILL)
+    return since
+
+
 def guard(rank_pid: int, own_session: bool, launcher: Optional[Key]) -> None:
     """The guard's loop (see the module docstring); returns when the rank is gone."""
     me = os.getpid()
     seen: Dict[int, int] = {}
+    stopped_since: Optional[float] = None
     while os.getppid() == rank_pid:
         if launcher is not None and not _alive(launcher):
             if own_session:
@@ -108,6 +148,7 @@ def guard(rank_pid: int, own_session: bool, launcher: Optional[Key]) -> None:
             break
         procs = _processes()
         seen.update((pid, start) for pid, start in descendants(procs, rank_pid) if pid != me)
+        stopped_since = _kill_if_stopped_too_long(rank_pid, stopped_since)
         time.sleep(POLL_S)
     # The rank is gone: what it started goes too. Repeat while anything is found (a
     # process being killed may have forked).
@@ -121,27 +162,52 @@ def guard(rank_pid: int, own_session: bool, launcher: Optional[Key]) -> None:
 
 
 @contextlib.contextmanager
-def children_ignore_sigterm():
-    """Block SIGTERM in this thread while helper processes are started (megatron-core's
-    checkpoint writer Manager and writers, DataLoader workers): they inherit the blocked
-    mask across fork and exec.
+def children_ignore_stop_signals():
+    """Block SIGTERM and SIGINT in this thread while helper processes are started
+    (megatron-core's checkpoint writer Manager and writers, DataLoader workers): they
+    inherit the blocked mask across fork and exec.
 
-    torchrun's shutdown and Slurm's time limit send SIGTERM to every process of a worker's
-    group; the helpers died of it at once, so the save the rank then made on SIGTERM failed
-    ("Broken pipe" from the dead Manager) and the next batch failed (a dead DataLoader
-    worker). With the mask only the rank acts on SIGTERM: it finishes the iteration, saves
-    and exits, and its helpers end with it (or by its guard). A SIGTERM arriving meanwhile
-    stays pending for this thread or is taken by another thread of the rank; either way
-    the rank's handler runs.
+    torchrun's shutdown and Slurm's time limit send SIGTERM (torchrun passes a Ctrl-C on as
+    SIGINT) to every process of a worker's group; the helpers died of it at once, so the
+    save the rank then made failed ("Broken pipe" from the dead Manager) and the next batch
+    failed (a dead DataLoader worker). With the mask only the rank acts on the signal: it
+    finishes the iteration, saves and exits, and its helpers end with it (or by its guard).
+    A signal arriving meanwhile stays pending for this thread or is taken by another thread
+    of the rank; either way the rank's handler runs.
     """
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def stop_with_the_rank(rank_pid: int, worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn`` (bind ``rank_pid`` with ``functools.partial``): the
+    worker, started under :func:`children_ignore_stop_signals`, exits on a SIGTERM or
+    SIGINT sent by the rank ``rank_pid`` (the DataLoader's shutdown, multiprocessing's exit
+    handler) or arriving once the rank is gone, and ignores one sent by anyone else (the
+    group-wide signal of torchrun or Slurm: the rank decides).
+
+    Why: with the signals only blocked, a rank leaving through an error sent its workers
+    SIGTERM from multiprocessing's exit handler and then joined them with no timeout, so
+    it never exited. The signals stay blocked; a thread takes them with ``sigwaitinfo``,
+    which tells who sent each.
+    """
+    del worker_id
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo(STOP_SIGNALS)
+            if info.si_pid == rank_pid or _stat(rank_pid) is None:
+                os._exit(0)
+
+    threading.Thread(target=wait, name="stop-with-the-rank", daemon=True).start()
 
 
 def start_guard() -> Optional[subprocess.Popen]:
@@ -157,8 +223,9 @@ def start_guard() -> Optional[subprocess.Popen]:
             launcher = f"{os.getppid()}:{parent[3]}"
     cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__), str(me),
            "1" if own_session else "0", launcher]
+    # stderr stays the rank's: the guard's one line about a stopped rank goes there.
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+                            close_fds=True, start_new_session=True)
 
 
 def main(argv: List[str]) -> None:

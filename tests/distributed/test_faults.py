@@ -1,4 +1,4 @@
-"""Faults a user meets, end to end through ``tools/launch.py`` (torchrun) on 2 CPU ranks.
+"""Faults a user meets, end to end through ``tools/launch.py`` (torchrun) on 2 or 4 CPU ranks.
 
 * Bad input exits 2 through the launcher, with its message once (rank 0), no traceback.
 * kill -9 of the whole job (torchrun and its workers, by PID) during its saves: within
@@ -11,6 +11,10 @@
 * Resuming with another ``--hidden-size``: exit 2, one line naming the flag.
 * SIGTERM to the launcher (torchrun then signals each worker's whole group): the ranks
   save at the end of their iteration, the launcher exits 128 + 15, nothing survives.
+* Every rank exits promptly, 4 ranks (U2 x R2) with a DataLoader worker each: a full disk,
+  a checkpoint writer killed mid-save, kill -9 or SIGSTOP of one rank, Ctrl-C (SIGINT) to
+  the launcher; each test states its bound (GONE_S, SIGNAL_SAVE_S) and checks that nothing
+  the job started is left and which rank the launcher names. Usage errors always print.
 
 The mount-namespace tests need root and ``unshare`` (CI runs as root); elsewhere they skip.
 See docs/reliability.md for the table of faults.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -223,3 +228,266 @@ def test_sigterm_to_the_launcher_saves_and_exits(tmp_path):
                 p.kill()
             except psutil.Error:
                 pass
+
+
+# ----------------------------------------------------------------- every rank exits promptly
+# Four ranks (U2 x R2), each with a DataLoader worker: the ranks' helpers used to keep a rank
+# that left through an error from ever exiting (multiprocessing joined its workers, which
+# ignored the SIGTERM it sent them). Each test measures how long the job takes to be gone
+# after the fault and checks that nothing the job started is left.
+U2R2 = TINY + ["--ulysses-degree", "2", "--ring-degree", "2", "--num-workers", "1"]
+GONE_S = 20          # every process gone this long after a rank's fault
+SIGNAL_SAVE_S = 30   # ... after a signal that makes the ranks save first (torchrun's grace)
+TIMEOUT_MIN = 1      # --distributed-timeout-minutes for the stalled-peer test
+
+
+class _Job:
+    """The launcher in its own session, its output read line by line with arrival times."""
+
+    def __init__(self, cmd, cwd):
+        import threading
+
+        self.proc = subprocess.Popen(cmd, cwd=str(cwd), env=_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines = []            # (monotonic time, line)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.started = []
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    @property
+    def out(self):
+        return "\n".join(line for _, line in self.lines)
+
+    def when(self, words, timeout=300):
+        """The time the first line holding ``words`` arrived (waits for it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if words in line:
+                    return t
+            assert self.proc.poll() is None or self._reader.is_alive(), self.out[-4000:]
+            time.sleep(0.1)
+        raise AssertionError(f"no line with {words!r}:\n{self.out[-4000:]}")
+
+    def ranks(self):
+        """The ranks' processes by global rank (torchrun's direct children)."""
+        import psutil
+
+        return {int(p.environ()["RANK"]): p for p in psutil.Process(self.proc.pid).children()
+                if PRETRAIN in " ".join(p.cmdline())}
+
+    def snapshot(self):
+        import psutil
+
+        self.started = psutil.Process(self.proc.pid).children(recursive=True)
+
+    def gone_within(self, t0, bound):
+        """Wait for the launcher and everything it started; return the seconds after ``t0``."""
+        import psutil
+
+        try:
+            self.proc.wait(timeout=max(1.0, t0 + bound - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        psutil.wait_procs(self.started, timeout=max(0.1, t0 + bound - time.monotonic()))
+        alive = [p for p in self.started if p.is_running() and p.status() != "zombie"]
+        assert self.proc.poll() is not None and not alive, (
+            f"still running {time.monotonic() - t0:.1f} s after the fault: "
+            f"{[(p.pid, p.status(), p.cmdline()[:3]) for p in alive]}\n{self.out[-5000:]}")
+        self._reader.join(timeout=5)
+        return time.monotonic() - t0
+
+    def close(self):
+        import psutil
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in self.started:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def _one_launch_line(out):
+    lines = [line for line in out.splitlines() if line.startswith("launch: ")]
+    assert len(lines) == 1, out[-6000:]
+    return lines[0]
+
+
+def _first_checkpoint(job, ckpt):
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and job.proc.poll() is None and not tracker.exists():
+        time.sleep(0.2)
+    assert job.proc.poll() is None and tracker.exists(), job.out[-4000:]
+    time.sleep(1.0)   # into the next iterations
+    job.snapshot()
+
+
+@pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
+def test_a_dead_or_stalled_rank_ends_the_job_promptly(tmp_path, fault):
+    """kill -9 of rank 2: every process is gone within GONE_S s; SIGSTOP of rank 2: within
+    --distributed-timeout-minutes plus GONE_S s (the others wait that long for it). One
+    launcher line names rank 2; no traceback; the published checkpoint is intact."""
+    pytest.importorskip("psutil")
+    ckpt = tmp_path / "ckpt"
+    job = _Job(_launch_cmd(U2R2 + ["--train-iters", "100000", "--save", str(ckpt),
+                                   "--save-interval", "3", "--distributed-timeout-minutes",
+                                   str(TIMEOUT_MIN)], nproc=4), tmp_path)
+    try:
+        _first_checkpoint(job, ckpt)
+        victim = job.ranks()[2]
+        t0 = time.monotonic()
+        victim.send_signal(signal.SIGKILL if fault == "kill -9" else signal.SIGSTOP)
+        bound = GONE_S + (60 * TIMEOUT_MIN if fault == "SIGSTOP" else 0)
+        took = job.gone_within(t0, bound)
+        out = job.out
+        assert took <= bound, (took, out[-4000:])
+        assert job.proc.returncode == 1, out[-6000:]
+        assert "rank 2 was killed by signal 9 (SIGKILL) first" in _one_launch_line(out)
+        assert "Traceback" not in out, out[-6000:]
+        if fault == "SIGSTOP":
+            assert "guard: rank 2 " in out and "is stopped (SIGSTOP)" in out, out[-4000:]
+            assert "Timed out waiting" in out, out[-4000:]
+        last = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+        assert (ckpt / f"iter_{last:07d}" / "checksums.json").is_file()
+        print(f"{fault}: every process gone {took:.1f} s after the fault")
+    finally:
+        job.close()
+
+
+@needs_mount_namespace
+def test_full_disk_on_four_ranks_exits_promptly_and_removes_the_partial_save(tmp_path):
+    """A 3 MiB tmpfs fills during the second save: one line naming the directory and the
+    intact first checkpoint, every process gone within GONE_S s of it, no ``.tmp`` left."""
+    pytest.importorskip("psutil")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    ckpt = disk / "ckpt"
+    cmd = " ".join(f"'{c}'" for c in _launch_cmd(
+        U2R2 + ["--train-iters", "6", "--save", str(ckpt), "--save-interval", "2"], nproc=4))
+    script = (f"mount -t tmpfs -o size=3m tmpfs {disk} && {{ {cmd}; echo $? > "
+              f"{tmp_path}/status; }}; cat {ckpt}/latest_checkpointed_iteration.txt > "
+              f"{tmp_path}/tracker; ls -a {ckpt} > {tmp_path}/listing; "
+              f"ls {ckpt}/iter_0000002 > {tmp_path}/first")
+    job = _Job(["unshare", "-m", "bash", "-c", script], tmp_path)
+    try:
+        job.when("saved checkpoint at iteration 2")
+        job.snapshot()
+        t0 = job.when("saving iteration 4 to")
+        took = job.gone_within(t0, GONE_S)
+        out = job.out
+        assert int((tmp_path / "status").read_text()) == 1, out[-6000:]
+        errors = _errors(out)
+        assert len(errors) == 1 and "the disk is full" in errors[0], out[-6000:]
+        assert f"the last complete checkpoint, {ckpt}/iter_0000002, is intact" in errors[0]
+        assert "rank 0 exited with status 1 first" in _one_launch_line(out)
+        assert "Traceback" not in out, out[-6000:]
+        assert (tmp_path / "tracker").read_text().strip() == "2"
+        listing = (tmp_path / "listing").read_text().split()
+        assert "iter_0000002" in listing and not [n for n in listing if "0000004" in n], listing
+        assert "checksums.json" in (tmp_path / "first").read_text()
+        print(f"full disk: every process gone {took:.1f} s after the error line")
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("save_interval", [None, 1, 1000])
+def test_ctrl_c_to_the_launcher_saves_like_sigterm_or_says_it_did_not(tmp_path, save_interval):
+    """SIGINT (Ctrl-C) to the launcher: with --save the ranks save at the end of their
+    iteration (save interval 1: the signal lands during saves) and exit; without, rank 0
+    says that nothing was saved. Exit 130, no traceback, nothing left running."""
+    pytest.importorskip("psutil")
+    ckpt = tmp_path / "ckpt"
+    metrics = tmp_path / "metrics.jsonl"
+    flags = U2R2 + ["--train-iters", "100000", "--metrics-file", str(metrics)]
+    if save_interval:
+        flags += ["--save", str(ckpt), "--save-interval", str(save_interval)]
+    job = _Job(_launch_cmd(flags, nproc=4), tmp_path)
+    try:
+        job.when(" iteration        3/")
+        job.snapshot()
+        t0 = time.monotonic()
+        job.proc.send_signal(signal.SIGINT)
+        took = job.gone_within(t0, SIGNAL_SAVE_S if save_interval else GONE_S)
+        out = job.out
+        assert job.proc.returncode == 130, out[-6000:]
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-6000:]
+        assert "launch: received SIGINT" in _one_launch_line(out)
+        if save_interval:
+            with open(metrics) as f:
+                last = max(r["iteration"] for r in map(json.loads, f) if r["kind"] == "train")
+            assert f"SIGINT received: saving at iteration {last} and exiting" in out, out[-4000:]
+            assert f"saved checkpoint at iteration {last}" in out, out[-4000:]
+            assert int((ckpt / "latest_checkpointed_iteration.txt").read_text()) == last
+            assert not list(ckpt.glob("*.tmp"))
+        else:
+            assert not re.search(r"saved checkpoint at iteration \d", out), out[-4000:]
+            assert len(_errors(out)) == 0, out[-4000:]
+            assert re.search(r"SIGINT received: stopping at iteration \d+ without a "
+                             r"checkpoint \(no --save\)", out), out[-4000:]
+        print(f"SIGINT, --save-interval {save_interval}: gone {took:.1f} s after it")
+    finally:
+        job.close()
+
+
+def test_usage_errors_are_always_printed_through_the_launcher(tmp_path):
+    """A trailing --seq-length with no value, 20 launches of 4 ranks (5 at a time): each
+    exits 2 and prints the message once. (Rank 0 was sometimes stopped by torchrun before
+    it printed, when another rank failed first.)"""
+    cmd = _launch_cmd(TINY[:6] + ["--mock-data", "--train-iters", "2", "--seq-length"],
+                      nproc=4)
+    for _ in range(4):
+        procs = [subprocess.Popen(cmd, cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for _ in range(5)]
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 2, out[-3000:]
+            assert len(_errors(out)) == 1 and "--seq-length: expected one argument" in out
+            assert "Traceback" not in out, out[-3000:]
+
+
+def test_a_checkpoint_writer_killed_mid_save_ends_the_job_promptly(tmp_path):
+    """SIGKILL of a writer process that megatron-core forked for rank 1's save: rank 1 says
+    so in one line (it waited for that writer with no timeout before), every process is
+    gone within GONE_S s, the last complete checkpoint is intact and no ``.tmp`` is left."""
+    psutil = pytest.importorskip("psutil")
+    ckpt = tmp_path / "ckpt"
+    job = _Job(_launch_cmd(U2R2 + ["--train-iters", "100000", "--save", str(ckpt),
+                                   "--save-interval", "1"], nproc=4), tmp_path)
+    try:
+        _first_checkpoint(job, ckpt)
+        rank = job.ranks()[1]
+        settled = {p.pid for p in rank.children()}   # DataLoader worker, writer Manager
+        time.sleep(0.5)
+        settled &= {p.pid for p in rank.children()}
+        deadline = time.monotonic() + 120
+        writer = None
+        while writer is None and time.monotonic() < deadline:
+            fresh = [p for p in rank.children() if p.pid not in settled]
+            writer = fresh[0] if fresh else None
+            time.sleep(0.005)
+        assert writer is not None, "no writer process seen"
+        t0 = time.monotonic()
+        writer.kill()
+        took = job.gone_within(t0, GONE_S)
+        out = job.out
+        assert job.proc.returncode == 1, out[-6000:]
+        errors = [e for e in _errors(out) if "lost contact" not in e]
+        assert len(errors) == 1 and "a checkpoint writer process (pid" in errors[0], out[-6000:]
+        assert "killed by signal 9 (SIGKILL) mid-write" in errors[0]
+        assert "rank 1 exited with status 1 first" in _one_launch_line(out)
+        assert "Traceback" not in out, out[-6000:]
+        last = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+        assert (ckpt / f"iter_{last:07d}" / "checksums.json").is_file()
+        assert not list(ckpt.glob("*.tmp")), list(ckpt.iterdir())
+        del psutil
+        print(f"writer killed: every process gone {took:.1f} s after it")
+    finally:
+        job.close()

@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -294,6 +295,146 @@ def test_guard_kills_what_the_process_left_behind(tmp_path):
             proc.kill()
 
 
+WORKER_SCRIPT = """
+import functools, os, signal, sys, time
+import torch
+from megatron.training.process_guard import children_ignore_stop_signals, stop_with_the_rank
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        return torch.zeros(4)
+
+with children_ignore_stop_signals():
+    it = iter(torch.utils.data.DataLoader(
+        Numbers(), batch_size=2, num_workers=1, persistent_workers=True,
+        worker_init_fn=functools.partial(stop_with_the_rank, os.getpid())))
+next(it)
+worker = [p for p in __import__("multiprocessing").active_children()][0]
+if sys.argv[1] == "group":   # from another process, as torchrun or Slurm sends it
+    import subprocess
+    subprocess.run(["kill", "-TERM", "--", f"-{os.getpgid(0)}"])
+time.sleep(0.5)
+next(it)   # a signal from anyone but the rank leaves the worker serving
+print(worker.pid, flush=True)
+try:
+    raise RuntimeError("the rank leaves through an error, its iterator still referenced")
+except RuntimeError as exc:
+    kept = exc
+"""
+
+
+@pytest.mark.parametrize("first", ["none", "group"])
+def test_a_rank_leaving_through_an_error_is_not_held_by_its_workers(tmp_path, first):
+    """DataLoader workers started with SIGTERM blocked ignored the SIGTERM that
+    multiprocessing's exit handler sends them and were joined with no timeout: the rank
+    never exited. Now they obey the rank's own signal, and still ignore a group-wide one
+    (what torchrun and Slurm send), which the rank handles."""
+    import psutil
+
+    script = tmp_path / "rank.py"
+    script.write_text(WORKER_SCRIPT)
+    # Its own session and group, ignoring SIGTERM itself as a rank with --save would.
+    code = ("import signal, runpy, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            f"sys.argv = ['rank', '{first}']; runpy.run_path('{script}', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        worker = int(out.split()[0])
+        assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+
+
+def test_a_stopped_rank_asked_to_terminate_is_killed_by_its_guard():
+    """A rank stopped with SIGSTOP cannot act on torchrun's SIGTERM; its guard kills it
+    once the signal has waited STOPPED_GRACE_S, saying so in one line."""
+    from megatron.training.process_guard import STOPPED_GRACE_S
+
+    # It handles SIGTERM (as a rank with --save does); a stopped process with SIGTERM's
+    # default action would be killed by the kernel at once.
+    code = ("import signal, time; from megatron.training.process_guard import start_guard; "
+            "signal.signal(signal.SIGTERM, lambda *a: None); start_guard(); "
+            "print('ready', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, RANK="5"))
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.5)   # sent together, SIGTERM (the lower number) is taken first
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        proc.wait(timeout=STOPPED_GRACE_S + 5)
+        assert proc.returncode == -signal.SIGKILL
+        assert time.monotonic() - t0 <= STOPPED_GRACE_S + 2
+        assert "guard: rank 5 " in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+
+
+def test_a_checkpoint_writer_that_dies_ends_the_wait_for_it():
+    """megatron-core waits on a JoinableQueue for its forked writers with no timeout; a
+    writer killed mid-write used to leave the rank waiting for ever."""
+    import multiprocessing as mp
+
+    from megatron.training.checkpoint.writer_watch import WriterDiedError, writers_watched
+
+    ctx = mp.get_context("fork")
+    count = ctx.JoinableQueue()
+    count.put(0)
+    t0 = time.monotonic()
+    with pytest.raises(WriterDiedError, match=r"killed by signal 9 \(SIGKILL\) mid-write"):
+        with writers_watched():
+            writer = ctx.Process(target=lambda: (count.get(), os.kill(os.getpid(), 9)))
+            writer.start()
+            count.join()          # what megatron-core's write_preloaded_data_multiproc does
+    assert time.monotonic() - t0 < 5
+    writer.join()
+
+
+def test_launcher_names_the_rank_that_ended_the_job():
+    """torchrun's own "first failure" compares whole seconds; the killed rank, not one
+    that lost it or that torchrun stopped, is named."""
+    from megatron.training.launch import failure_line
+    from megatron.training.peer_faults import PEER_LOST_STATUS
+
+    lost, term = PEER_LOST_STATUS, -signal.SIGTERM
+    line, status = failure_line("p.py", {0: (lost, 10.0), 1: (term, 10.0), 2: (-9, 10.0),
+                                         3: (lost, 10.0)})
+    assert "rank 2 was killed by signal 9 (SIGKILL) first" in line and status == 1
+    assert "rank(s) 0, 1, 3 stopped after it" in line
+    line, status = failure_line("p.py", {0: (2, 11.0), 1: (term, 11.0)})
+    assert "rank 0 exited with status 2 first" in line and status == 2
+    line, status = failure_line("p.py", {1: (lost, 12.0), 3: (lost, 12.0)})
+    assert "rank(s) 1, 3 lost contact with another rank" in line and status == 1
+
+
+def test_peer_failures_are_told_from_other_errors():
+    from megatron.training.peer_faults import peer_failure_text, peer_lost
+
+    gloo = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                        "60000ms for recv operation to complete")
+    assert peer_failure_text(gloo) == "Timed out waiting 60000ms for recv operation to complete"
+    reset = RuntimeError("[/x/pair.cc:537] Read error [127.0.0.1]:35766: Connection reset by "
+                         "peer. This is typically caused by a remote worker hanging")
+    assert peer_failure_text(reset) == "Read error [127.0.0.1]:35766: Connection reset by peer"
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = gloo
+    assert peer_failure_text(wrapped) is not None
+    assert peer_failure_text(RuntimeError("shape mismatch")) is None
+    lost = peer_lost(gloo, 3, 1)
+    assert lost.exit_status == 3 and str(lost).startswith("rank 3 lost contact")
+    assert "--distributed-timeout-minutes 1" in str(lost)
+
+
 # --------------------------------------------------------------------------- launcher
 def test_busy_master_port_is_named():
     from megatron.training.launch import port_problem
@@ -426,3 +567,19 @@ def test_room_message_names_need_and_free():
     assert msg == ("--save /ckpt: one checkpoint of this model needs about 12.00 GiB (weights "
                    "and optimizer state) and /ckpt has 3.00 GiB free; free 9.00 GiB there or "
                    "pass --save on a disk with room")
+
+
+def test_a_silent_failing_rank_waits_for_torchrun_but_no_longer():
+    """A rank other than 0 that leaves rank 0 to print the error waits for torchrun's
+    SIGTERM (rank 0 has printed and exited by then), and returns at once on it."""
+    code = ("import time; from megatron.training.exit_paths import leave_the_message_to_rank_0; "
+            "print('waiting', flush=True); t = time.monotonic(); "
+            "leave_the_message_to_rank_0(); print(round(time.monotonic() - t, 1), flush=True)")
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="x", WORLD_SIZE="4", RANK="1")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "waiting"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0 and float(out) < 3.0

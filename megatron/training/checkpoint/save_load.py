@@ -29,7 +29,9 @@ checkpoint that loads as valid:
 A failure at any step (a full disk, a read-only remount) raises
 :class:`~megatron.training.checkpoint.faults.CheckpointSaveError` on every rank (rank-0-only
 steps broadcast their outcome), whose message names the directory, the room needed and
-the last complete checkpoint, which nothing touched.
+the last complete checkpoint, which nothing touched; rank 0 removes ``iter_N.tmp``. A rank
+that died or went silent during the save is not a storage fault: its peers' communication
+error goes up as it is (:mod:`megatron.training.peer_faults`).
 
 Loading (:func:`load_checkpoint`) only ever opens a directory without the ``.tmp``
 suffix, named by the tracker (or ``--ckpt-step``), after rank 0 checked that it is complete
@@ -68,9 +70,11 @@ from megatron.training.checkpoint.faults import (
     directory_bytes,
     save_failure_message,
 )
+from megatron.training.checkpoint.writer_watch import WriterDiedError, writers_watched
 from megatron.training.cli.config import RunConfig
 from megatron.training.model.build import unwrap
-from megatron.training.process_guard import children_ignore_sigterm
+from megatron.training.peer_faults import peer_lost
+from megatron.training.process_guard import children_ignore_stop_signals
 from megatron.usp.parallel_dims import ORDER, ParallelDims
 from megatron.usp.parallel_state import USPGroups
 
@@ -700,17 +704,27 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
                             resolved_args=resolved_args)
         if weights_only:
             state["weights_only"] = True
-        with children_ignore_sigterm():  # the writer's helpers must outlive a group SIGTERM
+        # The writer's helpers must outlive a group-wide stop signal; one that dies ends
+        # the save here instead of in megatron-core's wait for it.
+        with writers_watched(), children_ignore_stop_signals():
             dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
         dist.barrier()
         if with_checksums:
             write_checksums(tmp)
         _on_rank_0(lambda: _publish(root, final, tmp, it))
     except (OSError, RuntimeError, CheckpointException) as exc:
-        message, storage = save_failure_message(it, final, root, previous, exc,
-                                                directory_bytes(tmp))
+        written = directory_bytes(tmp)
+        if dist.get_rank() == 0:   # nothing will ever load it; the next save would empty it
+            shutil.rmtree(tmp, ignore_errors=True)
+        lost = peer_lost(exc, dist.get_rank(), config.args.distributed_timeout_minutes)
+        if lost is not None:   # a rank died or went silent: not a storage fault
+            raise lost from exc
+        message, storage = save_failure_message(it, final, root, previous, exc, written)
         # Rank 0 holds every rank's failure (megatron-core gathers them there); a rank
-        # that met a storage error itself also says so, in case rank 0 did not.
+        # that met a storage error itself also says so, in case rank 0 did not, and so
+        # does a rank whose writer died (the others only lose contact with it).
+        if isinstance(exc, WriterDiedError):
+            raise CheckpointSaveError(message, primary=True) from exc
         own = dist.get_rank() == 0 or (isinstance(exc, OSError)
                                         and not getattr(exc, "raised_on_rank_0", False))
         raise CheckpointSaveError(message, primary=storage and own) from exc

@@ -34,6 +34,7 @@ from megatron.training.cli.memory_args import add_memory_args, validate_memory_a
 from megatron.training.cli.pretrained_args import add_pretrained_args
 from megatron.training.cli.rope_args import add_rope_args, rope_scaling_from_args
 from megatron.training.data.errors import DataConfigError
+from megatron.training.exit_paths import leave_the_message_to_rank_0
 from megatron.usp.backend_names import (
     BACKEND_NAMES,
     FUSED_KERNEL_CHOICES,
@@ -387,6 +388,7 @@ class _Parser(argparse.ArgumentParser):
         if launch_rank() == 0:
             self.print_usage(sys.stderr)
             self.exit(2, f"{self.prog}: error: {message}\n")
+        leave_the_message_to_rank_0()
         self.exit(2)
 
 

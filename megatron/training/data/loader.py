@@ -206,6 +206,7 @@ def build_data_iterator(
     num_workers: int = 2,
     collate_fn: Callable[[Sequence[Dict]], Dict] = collate_samples,
     worker_start_method: Optional[str] = None,
+    worker_init_fn: Optional[Callable[[int], None]] = None,
 ) -> Optional[Iterator[Dict[str, Optional[torch.Tensor]]]]:
     """An iterator over this DP rank's full-sequence micro-batches (None for no dataset).
 
@@ -221,7 +222,8 @@ def build_data_iterator(
     (``"forkserver"``, ``"spawn"``; None: the platform's default, fork on Linux) is how the
     workers start: a forked worker shares the trainer's memory copy-on-write, so every page
     the trainer writes afterwards is duplicated while the worker lives (see
-    :func:`worker_start_method`).
+    :func:`worker_start_method`). ``worker_init_fn(worker_id)`` runs first in each worker.
+    Stop the workers with :func:`shut_down_data_iterators`.
     """
     if dataset is None:
         return None
@@ -235,8 +237,25 @@ def build_data_iterator(
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         multiprocessing_context=worker_start_method if num_workers > 0 else None,
+        worker_init_fn=worker_init_fn if num_workers > 0 else None,
     )
     return iter(loader)
+
+
+def shut_down_data_iterators(*iterators) -> None:
+    """Stop the worker processes of :func:`build_data_iterator`'s iterators now (None and
+    iterators without workers are skipped); each worker is joined for a few seconds, then
+    terminated.
+
+    Why not leave it to garbage collection: an exception's traceback keeps the iterator
+    alive until the interpreter exits, and multiprocessing's exit handler then joins the
+    workers with no timeout. ``_shutdown_workers`` is the DataLoader iterator's own
+    shutdown (what its ``__del__`` calls); it may be called more than once.
+    """
+    for it in iterators:
+        stop = getattr(it, "_shutdown_workers", None)
+        if stop is not None:
+            stop()
 
 
 def worker_start_method(host_state_on_cpu: bool) -> Optional[str]:
@@ -254,4 +273,4 @@ def worker_start_method(host_state_on_cpu: bool) -> Optional[str]:
 
 
 __all__ = ["PretrainingSampler", "build_data_iterator", "build_gpt_datasets", "collate_samples",
-           "worker_start_method"]
+           "shut_down_data_iterators", "worker_start_method"]
