@@ -15,9 +15,8 @@ for RoPE):
     :mod:`megatron.layers.fused_linears` refill their dropped outputs in place) and
     :mod:`megatron.layers.qkv_rope` (megatron's QKV split and RoPE on the layer's per-token
     frequencies in one pass each way). On the CPU the same functions run plain PyTorch math,
-    so the path is the same everywhere. Measured against the others in
-    ``docs/performance.md`` §6.1 (one H200: 11.6 ms per 32K step faster than ``liger``, same
-    run: ``docs/perf/issue14/s10_2026-12-03/call3/e2e_lean*.json``).
+    so the path is the same everywhere. Faster end to end than ``liger`` on an H200
+    (``docs/performance.md`` has the comparison).
 ``liger``
     Liger's Triton kernels (``pip install liger-kernel``, CUDA only): the fused gate-up
     ``LigerFusedGateUpSiLUMulFunction`` (reads both halves of FC1's ``[.., 2F]`` output in

@@ -7,10 +7,10 @@ cheap function of a tensor the layer keeps anyway. :mod:`megatron.layers.fused_l
 them after the linear layer's forward and recomputes them before its backward
 (``--recompute-modules layernorm swiglu``). With megatron-core's ``CheckpointWithoutOutput``
 that recompute builds an autograd graph, writes a new tensor and copies it back into the
-dropped storage; the one-H200 profile of the 0.85B model at 32K tokens
-(``docs/perf/issue14/s9_2026-12-02``) puts the copy-back at 4.8 ms per step, and PyTorch's
-RMSNorm backward (two kernels, the weight gradient a column reduction of its own) at 8.3 ms,
-2.5x what its bytes need. No library kernel writes into a given output (Liger's and
+dropped storage; a profile of the 0.85B model on long sequences shows the copy-back costing
+milliseconds per step, and PyTorch's RMSNorm backward (two kernels, the weight gradient a
+column reduction of its own) taking several times what its bytes need (docs/performance.md
+has the figures). No library kernel writes into a given output (Liger's and
 PyTorch's allocate theirs), so these are ours:
 
 * :func:`rms_norm`: the forward reads ``x`` once and writes ``y`` and the per-row ``rstd``

@@ -5,8 +5,8 @@ QKV projection's output ``[s, b, ng, (g + 2) * d]`` (``ng`` query groups of ``g`
 one key and one value head each). On the way to the attention kernel the training step then
 spends, per layer and per direction, a reshape copy of q, RoPE's copies of k, the attention
 kernel's contiguous copy of v, the RoPE kernel itself and, in the backward, the
-``torch.split`` backward that concatenates dq, dk, dv. The one-H200 profile of the 0.85B model
-at 32K tokens (``docs/perf/issue14/s9_2026-12-02``) puts those at ~8.4 ms per step.
+``torch.split`` backward that concatenates dq, dk, dv: several milliseconds per long-sequence
+step in a profile of the 0.85B model (docs/performance.md has the figures).
 
 :func:`qkv_split_rope` does the same work as one Triton kernel each way: the forward reads the
 projection output once and writes contiguous ``q [s, b, ng*g, d]``, ``k [s, b, ng, d]`` (both

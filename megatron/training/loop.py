@@ -191,9 +191,9 @@ def use_fused_adam(optimizer) -> int:
     Without TransformerEngine or apex, megatron-core 0.16.1 steps its main parameters with
     ``torch.optim.AdamW`` in its default (``foreach``) implementation, several kernels per
     parameter chunk; TE's / apex's ``FusedAdam``, which it uses when installed, is one kernel.
-    PyTorch's own ``fused`` implementation of the same update is that kernel (on an H200 the
-    0.85B model's step went from ~26 to ~8 ms, docs/performance.md), and it takes the
-    division and clipping of the grads and the skip of a non-finite step as arguments
+    PyTorch's own ``fused`` implementation of the same update is that kernel (on an H200 it
+    made the 0.85B model's optimizer step about three times faster, docs/performance.md), and
+    it takes the division and clipping of the grads and the skip of a non-finite step as arguments
     (:func:`guarded_optimizer_step`). This sets the optimizer's documented ``fused`` option on
     every param group whose parameters are all floating-point tensors of one device type that
     PyTorch's fused Adam supports (CUDA, and the CPU, so that CPU runs take the same path).
@@ -225,11 +225,13 @@ def allocate_adam_state(optimizer) -> int:
     ``tools/bench_e2e.py``) appear in the first step's optimizer step, after that step's
     forward and backward have reached their peak; from the second step on they are there
     during both. So a run whose first step fits could run out of memory in its second (at
-    512K on one H200 the peak went from 102.5 to 108.9 GiB, docs/performance.md 6.5), and
+    512K on one H200 the second step's peak was several GiB above the first's,
+    docs/performance.md), and
     a one-step memory measurement missed them. Allocated here, the first step already holds
     the memory of every later one, and start-up's memory report ("after building the
-    optimizer") includes it. The state is :func:`checkpointing.zero_adam_state`'s (the
-    staged CPU-offload optimizer's too: a fused or capturable Adam's step on the parameter's
+    optimizer") includes it. The state is
+    :func:`megatron.training.checkpoint.save_load.zero_adam_state`'s (the staged CPU-offload
+    optimizer's too: a fused or capturable Adam's step on the parameter's
     device, float32); the update is bitwise the one from lazily made state
     (``tests/unit/test_adam_state.py``). Optimizers that already have state, parameters
     that are DTensors (Megatron-FSDP) and other optimizers (SGD, the CPU-offload

@@ -63,10 +63,10 @@ LIGER_INSTALL = "pip install liger-kernel   (or pip install -e .[peers])"
 # layers refill in place; megatron.layers.qkv_rope for RoPE with megatron's QKV split); on the
 # CPU the same functions run plain PyTorch math. The others are the libraries', by
 # measurement (tools/bench_fused_kernels.py, one H200, the 0.85B model's shapes at 32K and 64K
-# tokens, forward + backward; the table is in docs/performance.md §6): Liger's SwiGLU and
+# tokens, forward + backward; the table is in docs/performance.md): Liger's SwiGLU and
 # RoPE beat megatron-core's TorchScript SwiGLU, its unfused RoPE and Inductor's; PyTorch's own
 # RMSNorm kernel stays under liger and compile (faster than both, its weight gradient
-# included). "usp" beat "liger" end to end (§6.1), so "auto" is "usp" on CUDA.
+# included). "usp" beat "liger" end to end, so "auto" is "usp" on CUDA.
 OP_IMPL: Dict[str, Dict[str, str]] = {
     "torch": {"rms_norm": "torch", "swiglu": "torch", "rope": "torch"},
     "compile": {"rms_norm": "torch", "swiglu": "compile", "rope": "compile"},

@@ -145,7 +145,7 @@ def test_bench_attention_chunk_sweep_and_profiles(tmp_path):
 
 
 @pytest.mark.skipif(not (REPO / "pretrain_gpt.py").exists(),
-                    reason="pretrain_gpt.py (issue 5) is not in this checkout yet")
+                    reason="pretrain_gpt.py is not in this checkout yet")
 def test_bench_e2e_tiny_model_under_torchrun(tmp_path):
     """tools/bench_e2e.py launching pretrain_gpt.py on 2 CPU ranks (R=2), 2 iterations.
 
@@ -216,8 +216,8 @@ def test_bench_e2e_packed_documents_count_useful_flops(tmp_path):
 
 
 def test_bench_checkpoint_tiny_model_on_the_cpu(tmp_path):
-    """tools/bench_checkpoint.py (the device script docs/perf/device_calls/checksum_h200.sh
-    runs it at 0.85B) saves with and without checksums and verifies one checkpoint."""
+    """tools/bench_checkpoint.py (run at 0.85B on a GPU for docs/reliability.md's checksum
+    costs) saves with and without checksums and verifies one checkpoint."""
     out = tmp_path / "cost.json"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

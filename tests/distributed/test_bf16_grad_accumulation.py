@@ -2,7 +2,7 @@
 
 At one global batch (8 sequences of 64 tokens, micro-batches of 1) DP4 accumulates 2
 micro-batches per rank and U2 (DP2) 4, which is how a USP layout loses more to bf16
-accumulation than DP at the same global batch (issue 13). One training step's gradient
+accumulation than DP at the same global batch. One training step's gradient
 (after the DP x CP reduction and the division by the global token count) is taken from
 DDP's buffer for both layouts, once with the float32 buffer (the ``--bf16`` default) and
 once with ``--grad-reduce-in-bf16``; the relative L2 distance between the DP4 and U2

@@ -1,4 +1,4 @@
-"""Issue 16's paths on one GPU: offload on CUDA streams, and the long-sequence training flags.
+"""The long-sequence paths on one GPU: offload on CUDA streams, and the long-sequence training flags.
 
 * ``test_offload_on_cuda_streams_is_exact`` (in this process): 8 checkpointed layers
   (megatron-core's ``CheckpointFunction``) on 64 MiB activations, twice (the second step reuses

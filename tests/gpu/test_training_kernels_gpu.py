@@ -1,4 +1,4 @@
-"""GPU checks of the pieces issue 6 added: the split causal forward and the fused loss.
+"""GPU checks of the split causal forward and the fused loss.
 
 * ``split_causal_forward`` (a ring of one splits long causal forwards into three half-size
   cuDNN calls merged in bf16) against float64 attention: relative L2 error of out within the

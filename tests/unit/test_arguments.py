@@ -18,7 +18,8 @@ from tests.helpers import tiny_gpt_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The flags issue 5 lists by their Megatron-LM names, with a value where they take one.
+# Megatron-LM's flags that pretrain_gpt.py takes under the same names, with a value where they
+# take one.
 MEGATRON_FLAGS = [
     ("--tensor-model-parallel-size", "1"), ("--pipeline-model-parallel-size", "1"),
     ("--num-layers", "4"), ("--hidden-size", "256"), ("--ffn-hidden-size", "512"),

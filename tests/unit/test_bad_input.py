@@ -60,13 +60,13 @@ BAD = [
     # 2*U*R = 4 divides 68, but each CP rank's 34 tokens do not split over TP 4.
     (["--tensor-model-parallel-size", "4", "--ulysses-degree", "2", "--num-attention-heads",
       "8", "--sequence-parallel", "--seq-length", "68"], 8, "try --seq-length 64 or 72"),
-    # docs/reliability.md, issue 11: --lr 0 trains nothing; a negative value reaches
+    # --lr 0 trains nothing; a negative value reaches
     # validation (argparse alone reads "-1e-3" as a flag); no validation data for --eval-iters.
     (["--lr", "0"], 4, "--lr 0.0 must be > 0"),
     (["--lr", "-1e-3"], 4, "--lr -0.001 must be > 0"),
     (["--min-lr", "-1e-5"], 4, "--min-lr -1e-05 must be >= 0"),
     (["--split", "100,0,0"], 4, "--eval-iters 0"),
-    # Issue 8: a kernel package that is missing is found before any process group.
+    # A kernel package that is missing is found before any process group.
     (["--attention-backend", "flash-attn"], 4, "--attention-backend flash-attn needs a CUDA"),
 ]
 
@@ -99,7 +99,7 @@ def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
 
 
 def test_output_paths_are_checked(tmp_path):
-    """Issue 1: --save naming a file, or under a file, fails at start-up naming the flag."""
+    """--save naming a file, or under a file, fails at start-up naming the flag."""
     from megatron.training.cli.output_paths import check_output_paths
 
     a_file = tmp_path / "a_file"
@@ -119,7 +119,7 @@ def test_output_paths_are_checked(tmp_path):
 
 
 def test_usage_errors_print_on_rank_0_only(monkeypatch, capsys):
-    """Issue 9: every rank parses the same command line; only rank 0 says what is wrong."""
+    """Every rank parses the same command line; only rank 0 says what is wrong."""
     for rank, printed in (("0", True), ("1", False)):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as info:
@@ -130,7 +130,7 @@ def test_usage_errors_print_on_rank_0_only(monkeypatch, capsys):
 
 
 def test_help_needs_neither_torch_nor_megatron_core():
-    """Issue 14: --help is fast because it imports only the argument module."""
+    """--help is fast because it imports only the argument module."""
     import subprocess
     import sys
 
@@ -417,7 +417,7 @@ def _nan_grad_on_ranks(rank, world_size, metrics_dir):
 
 
 def test_nan_grad_norm_stops_before_the_step_or_is_skipped(dist_run, tmp_path):
-    """Issue 7: a NaN grad norm under a finite loss is never applied; --skip-nan-steps skips
+    """A NaN grad norm under a finite loss is never applied; --skip-nan-steps skips
     it (before, the run stopped anyway, after applying it)."""
     dist_run(_nan_grad_on_ranks, 2, str(tmp_path), timeout=240)
 

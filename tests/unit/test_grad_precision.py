@@ -1,4 +1,4 @@
-"""Gradient precision under --bf16: float32 accumulation and reduction by default (issue 13).
+"""Gradient precision under --bf16: float32 accumulation and reduction by default.
 
 Megatron-LM forces ``accumulate_allreduce_grads_in_fp32`` under ``--bf16``; so does this
 project now, with ``--grad-reduce-in-bf16`` (Megatron-LM's name) as the opt-out. Checked

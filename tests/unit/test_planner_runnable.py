@@ -3,7 +3,7 @@
 Every ranked layout of a few presets (its printed ``pretrain_gpt.py`` flags plus the run's
 LR, length and data flags) passes ``pretrain_gpt.py``'s own argument validation; none is
 ZeRO-2/3 (Megatron-FSDP: not recommended until verified on GPUs) or selective recompute of ``layernorm`` without
-TransformerEngine (refused by the arguments). Issue 12 of docs/reliability.md.
+TransformerEngine (refused by the arguments); docs/reliability.md lists the fault.
 """
 
 from __future__ import annotations

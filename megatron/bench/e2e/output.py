@@ -73,7 +73,7 @@ def _insert_round_column(headers: List[str], rows: List[List[str]],
 
 COLD_FIRST_STEP = ("--warmup 0: the first iteration is timed, and it includes compiling the "
                    "Triton / Inductor kernels and the first allocations (6-11 s of a 512K "
-                   "step on one H200, docs/performance.md 6.5): a lower bound on speed.")
+                   "step on one H200, docs/performance.md): a lower bound on speed.")
 
 
 def flops_count_line(cfg: E2EConfig) -> str:

@@ -246,8 +246,8 @@ def worker_start_method(host_state_on_cpu: bool) -> Optional[str]:
     The workers are started after the optimizer is built. Forked then, each shares the
     float32 masters and Adam moments copy-on-write, and the first optimizer step, which
     writes all of them, makes the kernel copy every page: Llama-3-8B with 30 % of its state
-    on the CPU gained ~25 GB of host memory in that step on one H200 and was killed at 128 GB
-    (docs/perf/longseq_h200_2026-12-02/s8/). Workers started by a fork server share nothing
+    on the CPU gained tens of GB of host memory in that step and was killed at the host's
+    limit. Workers started by a fork server share nothing
     with the trainer. (Pinned buffers are shared mappings, not copied on write.)
     """
     return "forkserver" if host_state_on_cpu else None

@@ -6,8 +6,8 @@ Without either (a pip-only install, our GPU machine) it falls back to
 ``megatron.core.utils.local_multi_tensor_l2_norm``, which builds ``torch.tensor`` from one
 CUDA scalar per parameter tensor (a device-to-host read each: ~100 for the 0.85B model) and
 reads the result back, and to ``local_multi_tensor_scale``, ``dst.copy_(src * coeff)`` per
-tensor (a temporary and a copy each). The one-H200 profile at 32K tokens
-(``docs/perf/issue14/s9_2026-12-02``) shows the GPU idle for those reads and the extra passes.
+tensor (a temporary and a copy each). A profile of one long-sequence step shows the GPU idle
+for those reads and the extra passes (docs/performance.md has the figures).
 
 Here the same quantities come from ``torch._foreach_norm`` / ``torch._foreach_mul_`` (one
 multi-tensor kernel per device and dtype, in place), and the norm stays a device tensor:
@@ -31,9 +31,9 @@ attributes). With ``grad_scale = num_tokens / clip_coefficient`` and ``found_inf
 norm not finite", the step needs no host read before it: :func:`scaled_in_adam`. That saves
 a pass over the grads for the division (megatron-core's ``scale_gradients``) and one for the
 clip, and the host sync in ``finalize_model_grads`` (``if num_tokens > 0``), after which the
-GPU waited for the host to queue the rest of the step: ~2.5 + 1.9 ms and the waits per 32K
-step of the 0.85B model on one H200 in the profile (docs/performance.md 6.2), though an
-alternating end-to-end A/B did not show it faster (6.3). Where a sub-optimizer steps
+GPU waited for the host to queue the rest of the step; the profile shows those passes and
+waits gone, though an alternating end-to-end A/B did not show the step faster
+(docs/performance.md). Where a sub-optimizer steps
 with anything else (SGD, a loss scaler, the CPU-offload optimizer, Megatron-FSDP's DTensors,
 TransformerEngine's precision-aware Adam), :func:`fused_adams` says so and the training loop
 divides and clips the grads in megatron-core's order before the step.

@@ -2,8 +2,8 @@
 
 megatron-core 0.16.1's ``HybridDeviceOptimizer`` (HDO) keeps the float32 master weights, Adam
 moments and update of a fraction F of the parameters on the CPU and the rest on the GPU.
-Measured with Llama-3-8B on one H200 (docs/perf/longseq_h200_2026-12-02/), three of its
-copies decide whether a long sequence fits, and none of them is state:
+With Llama-3-8B on one GPU, three of its copies decide whether a long sequence fits, and none
+of them is state:
 
 * ``get_megatron_optimizer`` builds the HDO twice (once on the model's parameters, again inside
   ``DistributedOptimizer.__init__`` on their shards), and the first one lives on in a
