@@ -14,25 +14,31 @@ with the first failed worker's exit status passed through. See docs/reliability.
 """
 
 import logging
+import os
 import sys
+
+from megatron.errors import UsageError
+from megatron.training.cli.arguments import launch_rank, parse_args, validate_args
+from megatron.training.cli.output_paths import check_output_paths
 
 
 def main(argv=None) -> int:
     # Only the argument module before parsing: `--help` and usage errors need neither torch
     # nor megatron-core (whose import takes seconds).
-    from megatron.training.cli.arguments import launch_rank, parse_args
 
     args = parse_args(argv)
     failed = preflight(args)
     if failed is not None:
         return failed
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from megatron.training.observe.console import install_console_filters
-    from megatron.training.process_guard import start_guard
+    from megatron.training.observe.console import (
+        install_console_filters,  # per call: tests replace it
+    )
+    from megatron.training.process_guard import start_guard  # per call: tests replace it
 
     install_console_filters(launch_rank())
     start_guard()
-    from megatron.training.loop import RUN_ERRORS, pretrain
+    from megatron.training.loop import RUN_ERRORS, pretrain  # torch-free --help
 
     try:
         pretrain(args)
@@ -45,17 +51,9 @@ def preflight(args):
     """The flag and output-directory checks, before megatron-core is imported (seconds of
     imports and its warnings); exit status 2 after one line from rank 0, else None.
     ``pretrain`` repeats them (``validate_args`` only reads ``args``)."""
-    import os
-
-    from megatron.errors import UsageError
-    from megatron.training.cli.arguments import validate_args
-    from megatron.training.cli.output_paths import check_output_paths
-
     try:
         check_output_paths(validate_args(args, int(os.environ.get("WORLD_SIZE", "1"))))
     except UsageError as exc:
-        from megatron.training.cli.arguments import launch_rank
-
         if launch_rank() == 0:
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -65,8 +63,7 @@ def preflight(args):
 def report_error(exc: BaseException) -> int:
     """Print ``exc`` in one line (rank 0, or the rank where it arose) and return its exit
     status (:func:`megatron.training.loop.exit_status`)."""
-    from megatron.training.cli.arguments import launch_rank
-    from megatron.training.loop import exit_status, reported_here
+    from megatron.training.loop import exit_status, reported_here  # torch-free --help
 
     if reported_here(exc, launch_rank()):
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)

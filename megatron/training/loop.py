@@ -42,6 +42,12 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import optimizer as mcore_optimizer
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.distributed.tensor import DTensor
 
 from megatron.errors import UsageError
 from megatron.planner.hardware import peak_tflops_for_device
@@ -56,6 +62,12 @@ from megatron.training.checkpoint.save_load import (
 )
 from megatron.training.cli.config import RunConfig
 from megatron.training.data import batch as batch_mod
+from megatron.training.data.documents import DocumentBatching, documents_enabled
+from megatron.training.data.loader import (
+    build_data_iterator,
+    build_gpt_datasets,
+    worker_start_method,
+)
 from megatron.training.initialize import Runtime, initialize, shutdown
 from megatron.training.model.build import build_model, count_parameters, reserve_offload_buffers
 from megatron.training.observe.memory_snapshot import MemoryHistory
@@ -69,7 +81,13 @@ from megatron.training.observe.metrics import (
 )
 from megatron.training.observe.profiling import StepProfiler
 from megatron.training.optim import grad_clip
+from megatron.training.optim.offload_optimizer import (
+    build_fraction,
+    gpu_free_bytes,
+    install_staged_offload,
+)
 from megatron.training.process_guard import children_ignore_sigterm
+from megatron.usp.backend_names import backend_installed
 from megatron.usp.parallel_state import USPGroups
 
 logger = logging.getLogger(__name__)
@@ -119,10 +137,6 @@ def print_rank_0(rt: Runtime, msg: str) -> None:
 def build_optimizer(config: RunConfig, model):
     """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer; state and
     step on the CPU with --optimizer-cpu-offload)."""
-    from megatron.core import optimizer as mcore_optimizer
-
-    from megatron.usp.backend_names import backend_installed
-
     args = config.args
     no_te = bool(args.use_precision_aware_optimizer) and not backend_installed("te")
     config = mcore_optimizer.OptimizerConfig(
@@ -145,8 +159,6 @@ def build_optimizer(config: RunConfig, model):
         precision_aware_without_te(config)
     optimizer = mcore_optimizer.get_megatron_optimizer(config, model)
     if args.optimizer_cpu_offload:
-        from megatron.training.optim.offload_optimizer import install_staged_offload
-
         install_staged_offload(optimizer, config.optimizer_offload_fraction)
     use_fused_adam(optimizer)
     allocate_adam_state(optimizer)
@@ -159,7 +171,6 @@ def _build_fraction(config: RunConfig, model) -> float:
     args = config.args
     if not args.optimizer_cpu_offload:
         return 0.0
-    from megatron.training.optim.offload_optimizer import build_fraction, gpu_free_bytes
 
     params = sum(p.numel() for chunk in model for p in chunk.parameters() if p.requires_grad)
     return build_fraction(params, gpu_free_bytes())
@@ -237,8 +248,6 @@ def allocate_adam_state(optimizer) -> int:
     that are DTensors (Megatron-FSDP) and other optimizers (SGD, the CPU-offload
     optimizer, which makes its own) are left alone. Returns how many were given state.
     """
-    from torch.distributed.tensor import DTensor
-
     given = 0
     for inner in grad_clip.sub_optimizers(optimizer):
         torch_opt = getattr(inner, "optimizer", None)
@@ -254,8 +263,6 @@ def allocate_adam_state(optimizer) -> int:
 
 def build_scheduler(config: RunConfig, optimizer):
     """Megatron-LM's OptimizerParamScheduler, counted in samples."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     args = config.args
     gbs = config.global_batch_size
     wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
@@ -276,8 +283,6 @@ def finalize_grads_without_token_division(model, num_tokens=None, **kwargs) -> N
     divides them by :func:`reduce_lm_loss`'s count (the same global count:
     the schedule's ``num_tokens`` are the loss function's, broadcast from the last pipeline
     stage and summed over DP x CP), in the fused Adam kernel where it can."""
-    from megatron.core.distributed import finalize_model_grads
-
     del num_tokens
     finalize_model_grads(model, None, **kwargs)
 
@@ -303,20 +308,12 @@ def dataset_sizes(config: RunConfig) -> List[Optional[int]]:
 
 def build_data_iterators(config: RunConfig, rt: Runtime, state: TrainState):
     """(train, valid) iterators of full-sequence micro-batches for this DP rank."""
-    from megatron.training.data.loader import (
-        build_data_iterator,
-        build_gpt_datasets,
-        worker_start_method,
-    )
-
     args = config.args
     train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer,
                                                dataset_sizes(config))
     dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
     loader_args = {"worker_start_method": worker_start_method(bool(args.optimizer_cpu_offload))}
     if args.reset_attention_mask:
-        from megatron.training.data.documents import DocumentBatching
-
         loader_args["collate_fn"] = DocumentBatching(
             int(rt.tokenizer.eod), rt.groups.dims.ulysses, rt.groups.dims.ring,
             args.chunk_assignment)
@@ -335,8 +332,6 @@ def build_data_iterators(config: RunConfig, rt: Runtime, state: TrainState):
 
 
 def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
-    from megatron.training.data.documents import documents_enabled
-
     g, args = rt.groups, config.args
     pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
     return batch_mod.BatchContext(cp_rank=g.cp_rank, cp_size=dist.get_world_size(g.cp),
@@ -373,15 +368,11 @@ def reduce_lm_loss(losses: List[Dict[str, torch.Tensor]], groups: USPGroups,
 
 
 def _num_microbatches() -> int:
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
     return get_num_microbatches()
 
 
 def forward_backward(config: RunConfig, step_fn: Callable, data_iterator, model,
                      forward_only: bool):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     args = config.args
     return get_forward_backward_func()(
         forward_step_func=step_fn, data_iterator=data_iterator, model=model,
