@@ -16,6 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.convert.checkpoint_io import loaded_checkpoint
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.training.data.documents import DocumentBatching
+from megatron.usp.token_order import shard_for_cp_rank, unshard_from_cp_ranks
 from tests.unit.test_convert_hf import (  # noqa: F401  (imported: the module fixture)
     LOSS_TOL,
     SEQ,
@@ -40,8 +44,6 @@ def _gather(x: torch.Tensor, group) -> list:
 
 def _full(local: torch.Tensor, groups, assignment, vocab_parallel: bool) -> torch.Tensor:
     """[b, s_local(, V/TP)] on each rank -> [b, s(, V)]."""
-    from megatron.usp.token_order import unshard_from_cp_ranks
-
     if vocab_parallel:
         local = torch.cat(_gather(local, groups.tp), dim=-1)
     return unshard_from_cp_ranks(_gather(local, groups.cp), 1, assignment)
@@ -49,8 +51,6 @@ def _full(local: torch.Tensor, groups, assignment, vocab_parallel: bool) -> torc
 
 def _run(model, groups, tokens, positions, labels=None, segments=None, assignment=None):
     """Full-sequence logits (and losses) of the model fed this CP rank's tokens."""
-    from megatron.usp.token_order import shard_for_cp_rank
-
     cp, cp_rank = groups.dims.cp, groups.cp_rank
 
     def shard(x):
@@ -68,10 +68,7 @@ def _run(model, groups, tokens, positions, labels=None, segments=None, assignmen
 
 
 def _check(name, hf_dir, ckpt, layout):
-    from transformers import AutoModelForCausalLM
-
-    from megatron.convert.checkpoint_io import loaded_checkpoint
-    from megatron.training.data.documents import DocumentBatching
+    from transformers import AutoModelForCausalLM  # optional: transformers
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     vocab, what = hf.config.vocab_size, f"{name} {layout}"
@@ -99,8 +96,6 @@ def _check(name, hf_dir, ckpt, layout):
 
 
 def _check_layouts(rank, world_size, dirs):
-    from megatron.training.cpu_shims import apply_cpu_shims
-
     apply_cpu_shims()
     for layout in LAYOUTS:
         for name in FAMILIES:

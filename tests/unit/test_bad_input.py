@@ -13,13 +13,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
+from megatron.training.checkpoint import checksums
 from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training.cli.output_paths import check_output_paths
+from megatron.training.data import batch
 from megatron.usp.parallel_dims import USPConfigError
 from tests.helpers import tiny_gpt_flags
 
@@ -85,8 +94,6 @@ def test_split_without_validation_is_fine_without_eval():
 
 
 def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith(("flash_attn",
@@ -100,8 +107,6 @@ def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
 
 def test_output_paths_are_checked(tmp_path):
     """--save naming a file, or under a file, fails at start-up naming the flag."""
-    from megatron.training.cli.output_paths import check_output_paths
-
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for flags, match in ((["--save", str(a_file)], "--save: .* is not a directory"),
@@ -131,9 +136,6 @@ def test_usage_errors_print_on_rank_0_only(monkeypatch, capsys):
 
 def test_help_needs_neither_torch_nor_megatron_core():
     """--help is fast because it imports only the argument module."""
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import runpy, sys; sys.argv = ['pretrain_gpt.py', '--help']\n"
             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
@@ -163,9 +165,6 @@ def test_tokenizer_model_without_data_path():
 
 @pytest.mark.slow
 def test_command_line_reports_one_error_line():
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -179,7 +178,7 @@ def test_command_line_reports_one_error_line():
 
 # --------------------------------------------------------------------------- on ranks
 def _bad_flags_on_ranks(rank, world_size):
-    from megatron.training.loop import pretrain
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     for extra, kind, flag in (
         (["--ulysses-degree", "3"], USPConfigError, "world size"),
@@ -202,11 +201,6 @@ def _fake_complete_checkpoint(path, with_checksums=False):
     """A complete checkpoint directory as far as the file checks go: a real PyTorch DCP
     save (.metadata and data files) plus megatron-core's metadata.json and common.pt
     (and, ``with_checksums``, the manifest save_checkpoint writes)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from megatron.training.checkpoint import checksums
-
     os.makedirs(path)
     dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, checkpoint_id=path, no_dist=True)
     with open(os.path.join(path, "metadata.json"), "w") as f:
@@ -223,14 +217,12 @@ def _write(path, text):
 
 
 def _bad_load_on_ranks(rank, world_size, root):
-    import torch.distributed as dist
-
     from megatron.training.checkpoint.save_load import (
         CheckpointError,
         iteration_dir,
         locate_checkpoint_on_all_ranks,
-    )
-    from megatron.training.loop import pretrain
+    )  # megatron-core on first use
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     def args(load, save=None, step=None):
         return parse_args(BASE + ["--load", load] + (["--save", save] if save else [])
@@ -244,7 +236,9 @@ def _bad_load_on_ranks(rank, world_size, root):
         good = os.path.join(root, "good")
         _fake_complete_checkpoint(iteration_dir(good, 3))
         write_tracker_args = (good, 3)
-        from megatron.training.checkpoint.save_load import write_tracker
+        from megatron.training.checkpoint.save_load import (
+            write_tracker,  # megatron-core on first use
+        )
 
         write_tracker(*write_tracker_args)
         empty = os.path.join(root, "empty")
@@ -326,8 +320,6 @@ NAN_ITERATION = 3
 
 def _poisoned_forward_step(num_microbatches):
     """The default forward step, with a NaN loss in every micro-batch of NAN_ITERATION."""
-    from megatron.training.data import batch
-
     calls = [0]
 
     def step(ctx, data_iterator, model):
@@ -342,7 +334,7 @@ def _poisoned_forward_step(num_microbatches):
 
 
 def _nan_on_ranks(rank, world_size, metrics_dir):
-    from megatron.training.loop import NonFiniteLossError, pretrain
+    from megatron.training.loop import NonFiniteLossError, pretrain  # megatron-core on first use
 
     common = BASE + ["--num-workers", "0", "--ulysses-degree", "2", "--micro-batch-size", "1",
                      "--global-batch-size", "2", "--eval-iters", "0",
@@ -374,10 +366,6 @@ def test_nan_loss_stops_or_is_skipped(dist_run, tmp_path):
 def _nan_grad_forward_step(num_microbatches):
     """The default forward step; in NAN_ITERATION the first parameter's gradient becomes
     NaN (0 * d sqrt(x)/dx at x = 0) while the loss stays finite."""
-    import torch
-
-    from megatron.training.data import batch
-
     calls = [0]
 
     def step(ctx, data_iterator, model):
@@ -393,7 +381,7 @@ def _nan_grad_forward_step(num_microbatches):
 
 
 def _nan_grad_on_ranks(rank, world_size, metrics_dir):
-    from megatron.training.loop import NonFiniteLossError, pretrain
+    from megatron.training.loop import NonFiniteLossError, pretrain  # megatron-core on first use
 
     common = BASE + ["--num-workers", "0", "--ulysses-degree", "2", "--micro-batch-size", "1",
                      "--global-batch-size", "2", "--eval-iters", "0",
@@ -423,7 +411,7 @@ def test_nan_grad_norm_stops_before_the_step_or_is_skipped(dist_run, tmp_path):
 
 
 def test_nonfinite_grad_message_fits_the_clip_setting():
-    from megatron.training.loop import nonfinite_grad_message
+    from megatron.training.loop import nonfinite_grad_message  # megatron-core on first use
 
     assert "set --clip-grad 1.0" in nonfinite_grad_message(3, float("nan"), 2.0, 0.0)
     set_already = nonfinite_grad_message(3, float("inf"), 2.0, 1.0)
