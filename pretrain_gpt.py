@@ -16,25 +16,31 @@ with the first failed worker's exit status passed through. See docs/reliability.
 """
 
 import logging
+import os
 import sys
+
+from megatron.errors import UsageError
+from megatron.training.cli.arguments import launch_rank, parse_args, validate_args
+from megatron.training.cli.output_paths import check_output_paths
 
 
 def main(argv=None) -> int:
     # Only the argument module before parsing: `--help` and usage errors need neither torch
     # nor megatron-core (whose import takes seconds).
-    from megatron.training.cli.arguments import launch_rank, parse_args
 
     args = parse_args(argv)
     failed = preflight(args)
     if failed is not None:
         return failed
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from megatron.training.observe.console import install_console_filters
-    from megatron.training.process_guard import start_guard
+    from megatron.training.observe.console import (
+        install_console_filters,  # per call: tests replace it
+    )
+    from megatron.training.process_guard import start_guard  # per call: tests replace it
 
     install_console_filters(launch_rank())
     start_guard()
-    from megatron.training.loop import RUN_ERRORS, pretrain
+    from megatron.training.loop import RUN_ERRORS, pretrain  # torch-free --help
 
     try:
         result = pretrain(args)

@@ -40,8 +40,8 @@ def run_under_triton_interpreter(code: str, timeout: float = 300.0) -> str:
 
 
 def _worker(fn, rank, world_size, port, queue, args, kwargs):
-    import torch
-    import torch.distributed as dist
+    import torch  # torch-free module
+    import torch.distributed as dist  # torch-free module
 
     torch.set_num_threads(1)
     status = ("ok", rank, None)
@@ -57,7 +57,9 @@ def _worker(fn, rank, world_size, port, queue, args, kwargs):
         status = ("error", rank, traceback.format_exc())
     finally:
         try:
-            from megatron.usp.parallel_state import destroy_usp_parallel
+            from megatron.usp.parallel_state import (
+                destroy_usp_parallel,  # megatron-core on first use
+            )
 
             destroy_usp_parallel()
         except Exception:  # noqa: BLE001

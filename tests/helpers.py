@@ -77,8 +77,10 @@ def tiny_gpt_flags(llama: bool = True, **overrides: Any) -> List[str]:
 
 # ------------------------------------------------------------------ TransformerConfig
 def _cpu_float64(**overrides: Any):
-    import torch
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    import torch  # torch-free module
+    from megatron.core.transformer.transformer_config import (
+        TransformerConfig,  # megatron-core on first use
+    )
 
     kwargs = dict(use_cpu_initialization=True, params_dtype=torch.float64)
     kwargs.update(overrides)
@@ -92,7 +94,7 @@ def gpt_config(tp: int = 1, ulysses: int = 1, ring: int = 1, sequence_parallel: 
                **overrides: Any):
     """The tiny Llama-style GPT (2 layers, hidden 64, 8 heads in 2 groups of width 8, SwiGLU
     96, RMSNorm, no biases, no fused kernels) on a TP x Ulysses x Ring layout."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # torch-free module
 
     cp = ulysses * ring
     kwargs = dict(
@@ -125,7 +127,7 @@ def attention_config(num_heads: int, head_dim: int, num_kv_heads: Optional[int] 
 def swiglu_mlp_config(hidden_size: int, ffn_hidden_size: int, **overrides: Any):
     """One SwiGLU MLP's config (4 heads, no biases, unfused bias-activation and weight
     gradients) in megatron-core's local layer spec."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # torch-free module
 
     kwargs = dict(num_layers=1, hidden_size=hidden_size, num_attention_heads=4,
                   ffn_hidden_size=ffn_hidden_size, gated_linear_unit=True,
@@ -141,7 +143,7 @@ def document_offsets(segment_ids):
 
     ``segment_ids`` [..., s] non-decreasing along the last dim; returns int64 of the same shape.
     """
-    import torch
+    import torch  # torch-free module
 
     s = segment_ids.shape[-1]
     idx = torch.arange(s, device=segment_ids.device).expand(segment_ids.shape)

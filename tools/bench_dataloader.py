@@ -20,6 +20,8 @@ import tempfile
 import time
 import warnings
 
+from megatron.training.data.corpus import ensure_default_corpus
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -47,8 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _source(args):
     """(DataConfig data fields, tokenizer, description) for the chosen data source."""
-    from megatron.training.data.corpus import ensure_default_corpus
-    from megatron.training.data.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer  # torch-free --help
 
     if args.mock_data:
         return None, build_tokenizer("NullTokenizer", None, args.vocab_size), "mock data"
@@ -63,9 +64,12 @@ def _source(args):
 
 
 def run(args) -> dict:
-    from megatron.training.data.batch import shard_batch_for_cp
-    from megatron.training.data.config import DataConfig, validate_data_config
-    from megatron.training.data.loader import build_data_iterator, build_gpt_datasets
+    from megatron.training.data.batch import shard_batch_for_cp  # torch-free --help
+    from megatron.training.data.config import DataConfig, validate_data_config  # torch-free --help
+    from megatron.training.data.loader import (  # torch-free --help
+        build_data_iterator,
+        build_gpt_datasets,
+    )
 
     if args.data_cache_path is None:  # a fresh index cache, removed afterwards
         with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:

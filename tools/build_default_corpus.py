@@ -19,10 +19,10 @@ import sys
 import time
 import warnings
 
+from megatron.training.data import corpus
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from megatron.training.data import corpus
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache-dir", default=None,
                    help=f"parent folder of the cache (default {corpus.default_cache_dir()})")
@@ -36,7 +36,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-    from megatron.training.data import corpus
 
     args = parse_args(argv)
     if args.rebuild:

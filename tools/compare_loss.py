@@ -201,10 +201,10 @@ def plot(cmp: Comparison, png: str, tolerance: Optional[float], metric: str,
          drift: Optional[loss_drift.DriftReport] = None, pair_series=()) -> None:
     """Curves (top), with ``drift`` the signed difference and its band (middle), and the
     relative divergence from the reference (bottom, log scale)."""
-    import matplotlib
+    import matplotlib  # optional: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib
 
     rows = 3 if drift is not None else 2
     fig, axes = plt.subplots(rows, 1, figsize=(9, 3.5 * rows), sharex=True,

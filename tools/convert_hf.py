@@ -48,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv: Optional[List[str]] = None) -> int:
-    import torch
+    import torch  # torch-free --help
 
-    from megatron.convert import checkpoint_io
+    from megatron.convert import checkpoint_io  # torch-free --help
 
     args = build_parser().parse_args(argv)
     if args.command == "import":

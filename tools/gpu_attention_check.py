@@ -52,8 +52,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.bench.cli import BenchConfigError, parse_overlap_chunks, parse_splits
+from megatron.bench.flops import attention_fwd_bwd_flops
+from megatron.usp import token_order
+from megatron.usp.attention import resolve_overlap_chunks, usp_attention
+from megatron.usp.kernels import get_kernel
+from megatron.usp.parallel_dims import ParallelDims, group_containing
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FIELDS = ("out", "dq", "dk", "dv")
@@ -107,8 +113,6 @@ def make_groups(ulysses: int, ring: int, backend: Optional[str] = None):
 
     Collective: every rank must call it with the same arguments (it creates every group).
     """
-    from megatron.usp.parallel_dims import ParallelDims, group_containing
-
     world, rank = dist.get_world_size(), dist.get_rank()
     dims = ParallelDims(world, ulysses=ulysses, ring=ring)
     mine = {}
@@ -135,8 +139,6 @@ def full_inputs(cfg: CheckConfig, seq_len: int, heads: int, kv_heads: int, devic
 
 def reference(q, k, v, dout, causal: bool):
     """fp32 whole-sequence attention and gradients, [S, b, h, d] in and out."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     g = q.shape[2] // k.shape[2]
     leaves = [t.float().permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v)]
     qf, kf, vf = leaves
@@ -178,8 +180,6 @@ def kernel_whole_sequence(kernel, q, k, v, dout, causal: bool):
 def usp_local(q, k, v, dout, groups, causal: bool, backend: str,
               overlap_chunks: Optional[int] = None):
     """USP forward+backward on this rank's [s, b, h, d] tokens."""
-    from megatron.usp.attention import usp_attention
-
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = usp_attention(*leaves, ulysses_group=groups[0], ring_group=groups[1], causal=causal,
                         backend=backend, overlap_chunks=overlap_chunks)
@@ -248,8 +248,6 @@ def peak_memory_gib(fn, device) -> float:
 
 def fwd_bwd_flops(cfg: CheckConfig, seq_len: int, heads: int) -> float:
     """4*b*h*S^2*d forward (halved causal), times 3.5 for forward + backward."""
-    from megatron.bench.flops import attention_fwd_bwd_flops
-
     return attention_fwd_bwd_flops(cfg.batch, heads, seq_len, cfg.head_dim, cfg.causal)
 
 
@@ -257,10 +255,6 @@ def fwd_bwd_flops(cfg: CheckConfig, seq_len: int, heads: int) -> float:
 def run_case(cfg: CheckConfig, layout_ur, seq_len, heads, kv_heads, groups,
              device) -> List[CaseResult]:
     """Check and time one (layout, S, heads) case, once per ``cfg.overlap_chunks`` value."""
-    from megatron.usp import token_order
-    from megatron.usp.attention import resolve_overlap_chunks
-    from megatron.usp.kernels import get_kernel
-
     ulysses, ring = layout_ur
     world, rank = dist.get_world_size(), dist.get_rank()
     q, k, v, dout = full_inputs(cfg, seq_len, heads, kv_heads, device)
@@ -383,7 +377,6 @@ def summary(cfg: CheckConfig, results: List[CaseResult], device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cudnn"] = torch.backends.cudnn.version()
-    from megatron.usp.kernels import get_kernel
 
     info["kernel"] = repr(get_kernel(cfg.backend))
     return {"config": asdict(cfg), "environment": info, "passed": all(r.passed for r in results),

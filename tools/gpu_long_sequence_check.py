@@ -37,6 +37,9 @@ import sys
 import tempfile
 import traceback
 
+from megatron.training.cli.arguments import parse_args
+from megatron.training.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -96,8 +99,7 @@ def _records(path: str) -> list:
 
 
 def run_case(name: str, flags, extra: dict, world: int = 1) -> list:
-    from megatron.training import loop as training
-    from megatron.training.cli.arguments import parse_args
+    from megatron.training import loop as training  # torch-free --help
 
     seen = {}
     build = training.build_optimizer
@@ -122,7 +124,7 @@ def run_case(name: str, flags, extra: dict, world: int = 1) -> list:
     extra["grad_norm"] = [r.get("grad_norm") for r in steps]
     if "optimizer" in seen:
         extra["optimizer_state_devices"] = _state_devices(seen["optimizer"])
-        from megatron.training.model.build import unwrap
+        from megatron.training.model.build import unwrap  # torch-free --help
 
         off = getattr(unwrap(seen["model"][0]), "activation_offloader", None)
         if off is not None:
@@ -134,10 +136,8 @@ def run_case(name: str, flags, extra: dict, world: int = 1) -> list:
 
 
 def main(argv=None) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from megatron.training.launch import free_port
+    import torch  # torch-free --help
+    import torch.distributed as dist  # torch-free --help
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)

@@ -20,6 +20,9 @@ import argparse
 import sys
 import warnings
 
+from megatron.errors import UsageError
+from megatron.training.data.preprocess import TokenizerSpec, preprocess_jsonl
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -51,8 +54,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     args = parse_args(argv)
-    from megatron.errors import UsageError
-    from megatron.training.data.preprocess import TokenizerSpec, preprocess_jsonl
 
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     if args.workers < 1:

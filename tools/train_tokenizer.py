@@ -19,6 +19,9 @@ import sys
 import time
 import warnings
 
+from megatron.errors import UsageError
+from megatron.training.data.preprocess import iter_jsonl_texts
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -42,9 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     args = parse_args(argv)
-    from megatron.errors import UsageError
-    from megatron.training.data.preprocess import iter_jsonl_texts
-    from megatron.training.data.tokenizer import train_sentencepiece, training_sentences
+    from megatron.training.data.tokenizer import (  # torch-free --help
+        train_sentencepiece,
+        training_sentences,
+    )
 
     counts: dict = {}
     t0 = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Benchmark helpers behind ``tools/bench_attention.py`` and ``tools/bench_e2e.py``.
+"""Benchmarks behind ``tools/bench_attention.py``, ``tools/bench_e2e.py``,
+``tools/bench_fused_kernels.py`` and ``tools/bench_checkpoint.py``.
 
 One module per concern:
 
@@ -15,8 +16,20 @@ One module per concern:
   absorbs the differences between torch versions.
 * :mod:`~megatron.bench.attention_bench`: the attention sweep (USP splits, the single-GPU
   kernel, the SDPA anchor, the native-CP peer) and its command line.
+* :mod:`~megatron.bench.document_bench`: the packed-document attention sweep
+  (``tools/bench_attention.py --docs``).
+* :mod:`~megatron.bench.cli`: command-line pieces the tools share (lengths, splits, chunks).
 * :mod:`~megatron.bench.e2e`: end-to-end training throughput through ``pretrain_gpt.py``
   and the longest-sequence search, one module per job (see its docstring).
+* :mod:`~megatron.bench.hf_peer`: the end-to-end peers, Hugging Face transformers plain and
+  with Liger's kernels, one process each.
+* :mod:`~megatron.bench.ceiling`: the zero-overhead ceiling of a step (its matmuls and
+  attention alone).
+* :mod:`~megatron.bench.depth`: full-depth memory and time from two slices of the layers.
+* :mod:`~megatron.bench.fused_kernels_bench`: the ``--fused-kernels`` implementations side by
+  side.
+* :mod:`~megatron.bench.checkpoint_cost`: what checkpoint checksums cost at save and load.
+* :mod:`~megatron.bench.trace_summary`: a summary of a ``--profile`` Chrome trace.
 
 Nothing here runs at import time; benchmarks are never asserted in tests (the CPU smoke tests
 only check that the tools run and write valid output).

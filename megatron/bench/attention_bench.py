@@ -45,6 +45,7 @@ import argparse
 import math
 import os
 import re
+import socket
 import sys
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -53,7 +54,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.bench import native_cp, report, timing
+from megatron.bench import document_bench, native_cp, report, timing
 from megatron.bench.cli import (
     BenchConfigError,
     parse_overlap_chunks,
@@ -61,9 +62,11 @@ from megatron.bench.cli import (
     parse_splits,
     seq_label,
 )
+from megatron.bench.document_bench import parse_doc_mixes
 from megatron.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, tflops_per_gpu
 from megatron.shapes import attention_shape
 from megatron.training.observe import profiling
+from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.kernels import AttentionBackendUnavailable, get_kernel
 from megatron.usp.parallel_dims import ParallelDims, USPConfigError
 from megatron.usp.token_order import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
@@ -261,8 +264,6 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
 
 
 def _doc_mixes(text: str) -> List[str]:
-    from megatron.bench.document_bench import parse_doc_mixes
-
     return parse_doc_mixes(text) if text.strip() else []
 
 
@@ -532,8 +533,6 @@ class _Sweep:
     # ---- all-rank cases
     def usp(self, seq_len: int, split: Tuple[int, int],
             requested_chunks: Optional[int] = None) -> CaseResult:
-        from megatron.usp.attention import resolve_overlap_chunks, usp_attention
-
         u, r = split
         kind = " (pure Ulysses)" if r == 1 else (" (pure ring)" if u == 1 else "")
         sweep_g = len(self.cfg.overlap_chunks) > 1 or requested_chunks is not None
@@ -681,8 +680,6 @@ def run_sweep(cfg: AttentionBenchConfig, device: torch.device, argv: Sequence[st
 def _run_documents(cfg: AttentionBenchConfig, sweep: "_Sweep", splits, meta: dict,
                    payload: dict) -> dict:
     """``--docs``: the packed-document sweep of :mod:`megatron.bench.document_bench`."""
-    from megatron.bench import document_bench
-
     document_bench.check_document_config(cfg, sweep.world)
     payload["tool"] = "bench_attention --docs"
 
@@ -699,8 +696,6 @@ def _run_documents(cfg: AttentionBenchConfig, sweep: "_Sweep", splits, meta: dic
 
 def _balance_report(cfg: AttentionBenchConfig, parser, argv: Sequence[str]) -> int:
     """``--docs ... --balance-report``: the work spreads only (one process, no device)."""
-    from megatron.bench import document_bench
-
     if not cfg.docs or not cfg.splits:
         parser.error("--balance-report needs --docs and --splits (e.g. --splits 1x2,1x4,2x4)")
     rows = document_bench.balance_report(cfg.docs, cfg.seq_lens, cfg.splits,
@@ -732,7 +727,6 @@ def _init_distributed() -> Tuple[torch.device, bool]:
     created = False
     if not dist.is_initialized():
         if "RANK" not in os.environ:      # plain ``python tools/bench_attention.py``: one rank
-            import socket
 
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))

@@ -42,10 +42,14 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron.bench.cli import BenchConfigError, parse_seq_lens
+from megatron.bench.document_bench import KernelSetup, time_document_kernels
 from megatron.bench.flops import FWD_BWD_FACTOR, attention_fwd_bwd_flops
 from megatron.bench.models import MODELS
 from megatron.bench.timing import median_ms_alone
+from megatron.planner.hardware import peak_tflops_for_device
 from megatron.shapes import dense_training_flops, document_pairs, training_flops
+from megatron.usp.kernels import get_kernel
 
 # The single-GPU document kernels a documents ceiling takes the fastest of.
 CEILING_DOC_KERNELS = ("tiles", "varlen", "per-document", "packed")
@@ -90,8 +94,6 @@ def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats
 def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int, device,
                          dtype, repeats: int) -> float:
     """USP's local kernel, causal, forward then backward, batch 1, ``[b, h, S, d]``."""
-    from megatron.usp.kernels import get_kernel
-
     kernel = get_kernel("auto")
     q = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype)
     k = torch.randn(1, kv_heads, seq_len, head_dim, device=device, dtype=dtype)
@@ -111,8 +113,6 @@ def document_attention_ms(shape, documents: Sequence[Sequence[int]], device, dty
     """Per sequence (its document lengths), the fastest single-GPU document kernel's
     forward+backward ms; the mean of that over the sequences, each kernel's mean and how many
     sequences each kernel won. Identical sequences are timed once."""
-    from megatron.bench.document_bench import KernelSetup, time_document_kernels
-
     setup = KernelSetup(shape.num_attention_heads, shape.num_query_groups, shape.head_dim,
                         dtype, iters=repeats)
     distinct: Dict[tuple, int] = {}
@@ -162,8 +162,6 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
     gemm_flops = 6.0 * seq_len * (sum(a * b for a, b in linears) * shape.num_layers + h * v)
     tflops = flops / (ceiling_ms / 1e3) / 1e12
     if peak_tflops is None:
-        from megatron.planner.hardware import peak_tflops_for_device
-
         peak_tflops = peak_tflops_for_device(torch.cuda.get_device_name(device))
     return Ceiling(
         seq_len=seq_len, linears_ms_per_layer=lin_ms, attention_ms_per_layer=attn_ms,
@@ -180,8 +178,6 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron.bench.cli import BenchConfigError, parse_seq_lens
-
     p = argparse.ArgumentParser(prog="python -m megatron.bench.ceiling",
                                 description="Zero-overhead step time of a benchmark model.")
     p.add_argument("--model", default="llama-0.85b", choices=list(MODELS))

@@ -28,6 +28,8 @@ from functools import partial
 from typing import Dict, List, Optional
 
 from megatron.bench.models import MODELS, model_flags
+from megatron.training.checkpoint.faults import directory_bytes
+from megatron.training.cli.arguments import parse_args
 
 
 def _pretrain_args(model: str, seq_length: int, save_dir: str, device: str) -> List[str]:
@@ -44,18 +46,16 @@ def _pretrain_args(model: str, seq_length: int, save_dir: str, device: str) -> L
 def measure(model: str = "llama-0.85b", seq_length: int = 4096, saves: int = 2,
             save_dir: str = "/tmp/checkpoint_cost", device: str = "auto") -> Dict:
     """Run the measurement of the module docstring in this process; returns the JSON dict."""
-    import torch
-    import torch.distributed as dist
+    import torch  # torch-free --help
+    import torch.distributed as dist  # torch-free --help
 
-    from megatron.training.checkpoint.faults import directory_bytes
     from megatron.training.checkpoint.save_load import (
         TrainState,
         save_checkpoint,
         verify_checksums_on_all_ranks,
-    )
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.data import batch as batch_mod
-    from megatron.training.initialize import initialize, shutdown
+    )  # torch-free --help
+    from megatron.training.data import batch as batch_mod  # torch-free --help
+    from megatron.training.initialize import initialize, shutdown  # torch-free --help
     from megatron.training.loop import (
         _wire_grad_sync,
         batch_context,
@@ -63,8 +63,8 @@ def measure(model: str = "llama-0.85b", seq_length: int = 4096, saves: int = 2,
         build_optimizer,
         build_scheduler,
         train_step,
-    )
-    from megatron.training.model.build import build_model
+    )  # torch-free --help
+    from megatron.training.model.build import build_model  # torch-free --help
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

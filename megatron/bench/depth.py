@@ -16,8 +16,8 @@ capacities. This holds while the flags put each layer's bytes in the same place 
 between GPU and host as the depth changes, so it is refused here). With
 ``--recompute-cpu-offload`` the newest ``prefetch`` (2) offloaded items of a forward never
 leave the GPU, so a slice of 1 or 2 layers keeps all its layer inputs there and the step from
-1 to 2 layers counts a GPU-resident input as per-layer (the 0.85B model at 1M, 2026-12-02:
-8.5 GiB per layer instead of ~4.8): with offload both slices need at least 3 layers.
+1 to 2 layers counts a GPU-resident input as per-layer (the 0.85B model at 1M came out at
+almost twice its per-layer bytes): with offload both slices need at least 3 layers.
 
 ``python -m megatron.bench.depth A.json B.json --full-layers 32 --gpu-gib 139 --host-gib 125
 [--out fit.json]`` reads two ``bench_e2e`` JSON files (their first ``ok`` result each), prints

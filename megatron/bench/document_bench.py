@@ -45,11 +45,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megatron.bench import report, timing
 from megatron.bench.cli import BenchConfigError, seq_label
 from megatron.bench.flops import FWD_BWD_FACTOR, attention_fwd_flops
+from megatron.training.data.corpus import ensure_default_corpus
+from megatron.training.data.indexed_files import inspect_indexed_dataset
 from megatron.usp import load_balance as lb
+from megatron.usp.attention import usp_attention
 from megatron.usp.document_kernels import (
     AutoDocumentKernel,
     TileDocumentKernel,
@@ -57,8 +61,9 @@ from megatron.usp.document_kernels import (
     build_document_block,
     varlen_available,
 )
-from megatron.usp.document_ring import needs_matrix, ring_positions
+from megatron.usp.document_ring import build_document_ring_plan, needs_matrix, ring_positions
 from megatron.usp.kernels import get_kernel
+from megatron.usp.packed_documents import PackedDocumentAttention, packed_plan_for
 from megatron.usp.ring_attention import ring_accum_dtype
 from megatron.usp.token_order import shard_for_cp_rank
 
@@ -98,9 +103,6 @@ def _size(text: str) -> int:
 def corpus_lengths() -> Optional[np.ndarray]:
     """Document lengths of the embedded corpus, if it is built on this machine (else None)."""
     try:
-        from megatron.training.data.corpus import ensure_default_corpus
-        from megatron.training.data.indexed_files import inspect_indexed_dataset
-
         corpus = ensure_default_corpus()
         return np.asarray(inspect_indexed_dataset(corpus.data_prefix, "corpus").sequence_lengths)
     except Exception:  # noqa: BLE001 - no corpus (no sentencepiece, no disk): mix skipped
@@ -252,9 +254,6 @@ def _ring_bytes(plan, kv_bytes: int, dtype: torch.dtype) -> Dict[str, int]:
 
 # --------------------------------------------------------------------------- USP mode
 def usp_case(sweep, cfg, seq_len: int, mix: str, split, groups) -> DocCaseResult:
-    from megatron.usp.attention import usp_attention
-    from megatron.usp.document_ring import build_document_ring_plan
-
     u, r = split
     res = DocCaseResult(seq_len, mix, "usp", f"USP U{u}xR{r} {cfg.document_kernel}",
                         sweep.world, ulysses=u, ring=r, kernel=cfg.document_kernel)
@@ -332,8 +331,6 @@ def _per_document(kernel, block):
 def _packed(kernel, block, x, scale):
     """fwd, fwd_bwd and the segment counts of the in-place path on [s, b, h, d] copies of x
     (the fwd returns head-major out, to compare with the other kernels)."""
-    from megatron.usp.packed_documents import PackedDocumentAttention, packed_plan_for
-
     q, k, v, dout = (x[n].permute(2, 0, 1, 3).contiguous() for n in ("q", "k", "v", "dout"))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     plan = packed_plan_for(block, kernel, q, k)
@@ -348,8 +345,6 @@ def _packed(kernel, block, x, scale):
 
 
 def _flex(block, x, scale):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     seg = block.tensor("q_seg")[0]
 
     def mask_mod(b, h, q_idx, kv_idx):

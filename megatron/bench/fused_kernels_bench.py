@@ -29,9 +29,14 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
+from megatron.bench import report
+from megatron.bench.models import MODELS
 from megatron.bench.timing import median_ms_alone
 from megatron.layers import fused_kernels as fk
+from megatron.layers.qkv_rope import qkv_split_rope, qkv_split_rope_reference
 
 Tensor = torch.Tensor
 
@@ -64,14 +69,10 @@ def rope_freqs(tokens: int, dim: int, base: float = 10000.0, device=None,
 
 
 def _megatron_swiglu(x: Tensor) -> Tensor:
-    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
-
     return bias_swiglu_impl(x, None)
 
 
 def _megatron_rope_pair(q: Tensor, k: Tensor, freqs: Tensor) -> Tuple[Tensor, Tensor]:
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
     return (_apply_rotary_pos_emb_bshd(q, freqs, rotary_interleaved=False),
             _apply_rotary_pos_emb_bshd(k, freqs, rotary_interleaved=False))
 
@@ -93,8 +94,6 @@ def _split_then_rope(impl: str, g: int, d: int) -> Callable:
 
 
 def _qkv_impls(available: Sequence[str], g: int, d: int) -> Dict[str, Callable]:
-    from megatron.layers.qkv_rope import qkv_split_rope
-
     table = {f"split+{i}": _split_then_rope(i, g, d) for i in available if i != "usp"}
     table["usp"] = lambda mixed, freqs: qkv_split_rope(mixed, freqs, g, d)
     return table
@@ -135,8 +134,6 @@ def _case(op: str, shape, tokens: int, device):
         # fwd: read 2F, write F; bwd: read 2F and dF, write 2F
         return [x], [], fk.swiglu_torch, 7 * tokens * f * 2
     if op == "qkv_rope":
-        from megatron.layers.qkv_rope import qkv_split_rope_reference
-
         per = a // g
         mixed = torch.randn(tokens, 1, g, (per + 2) * d, device=device, dtype=bf16)
         freqs = rope_freqs(tokens, d, device=device)
@@ -193,8 +190,6 @@ def run(shape, tokens: int, repeats: int, impls: Sequence[str]) -> List[OpResult
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron.bench.models import MODELS
-
     p = argparse.ArgumentParser(prog="bench_fused_kernels.py",
                                 description="RMSNorm, SwiGLU and RoPE kernels side by side.")
     p.add_argument("--model", default="llama-0.85b", choices=list(MODELS))
@@ -217,8 +212,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{r.op:9} {r.impl:9} {r.tokens:7d} {r.fwd_bwd_ms:8.3f} {r.gbps:7.0f} "
               f"{r.rel_err_out:9.2e} {r.rel_err_grad:9.2e}")
     if ns.out:
-        from megatron.bench import report
-
         meta = report.run_metadata(["tools/bench_fused_kernels.py"] + list(argv or sys.argv[1:]),
                                    torch.device("cuda", 0), 1)
         with open(ns.out, "w") as fh:

@@ -38,15 +38,20 @@ On the CPU (tests) the peer trains in float32 with PyTorch's SDPA, and ``hf-lige
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from typing import List, Optional, Sequence
 
+import numpy as np
+
 from megatron.bench.models import MODELS
+from megatron.planner.hardware import peak_tflops_for_device
 from megatron.shapes import dense_training_flops, document_pairs, training_flops
 
 PEERS = ("hf", "hf-liger")
@@ -98,7 +103,7 @@ def llama_config(shape, seq_len: int):
     RoPE base 10000 and RMSNorm epsilon 1e-5: ``pretrain_gpt.py``'s defaults
     (``--rotary-base``, ``--norm-epsilon``), which the benchmark does not change.
     """
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # optional: transformers
 
     return LlamaConfig(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
@@ -112,11 +117,11 @@ def llama_config(shape, seq_len: int):
 
 def build_model(peer: str, shape, seq_len: int, device, dtype):
     """The peer's ``LlamaForCausalLM`` on ``device`` in ``dtype`` (Liger applied first)."""
-    import torch
-    from transformers import LlamaForCausalLM
+    import torch  # torch-free module
+    from transformers import LlamaForCausalLM  # optional: transformers
 
     if peer == "hf-liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # optional: liger-kernel
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
@@ -128,7 +133,7 @@ def build_model(peer: str, shape, seq_len: int, device, dtype):
 
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of every tensor in the optimizer's state (Adam's two moments, step counts)."""
-    import torch
+    import torch  # torch-free module
 
     return sum(t.numel() * t.element_size() for state in optimizer.state.values()
                for t in state.values() if isinstance(t, torch.Tensor))
@@ -136,11 +141,9 @@ def optimizer_state_bytes(optimizer) -> int:
 
 def _attention_context(cuda: bool, backend=None):
     """SDPA restricted to ``backend`` (default cuDNN, USP's kernel) on CUDA, any on CPU."""
-    import contextlib
-
     if not cuda:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # torch-free module
 
     return sdpa_kernel([backend or SDPBackend.CUDNN_ATTENTION])
 
@@ -155,15 +158,13 @@ class PackedDocuments:
 
     @classmethod
     def load(cls, path: str) -> "PackedDocuments":
-        import numpy as np
-
         with np.load(path) as f:
             return cls(f["tokens"], f["position_ids"], int(f["eod"]))
 
     def step(self, i: int, device):
         """Step ``i``'s ``input_ids``, ``position_ids`` and ``labels`` ``[1, S]`` (-100 after
         an end-of-document token: megatron's ``--eod-mask-loss``)."""
-        import torch
+        import torch  # torch-free module
 
         row = i % self.tokens.shape[0]
         tokens = torch.as_tensor(self.tokens[row:row + 1], dtype=torch.long)
@@ -175,8 +176,6 @@ class PackedDocuments:
     def lengths(self, i: int):
         """Documents of step ``i`` as transformers finds them: a new one wherever the position
         id does not step by one."""
-        import numpy as np
-
         pos = np.asarray(self.position_ids[i % self.position_ids.shape[0]], dtype=np.int64)
         # transformers.masking_utils.find_packed_sequence_indices's rule, in numpy
         return np.bincount(np.cumsum(np.diff(pos, prepend=pos[0] - 1) != 1))
@@ -186,8 +185,8 @@ def packed_attention_path(docs: PackedDocuments, shape, cuda: bool, dtype):
     """(label, SDPA backend or None) for the packed sequences: whether transformers sees
     documents in the position ids, and the first SDPA backend taking a dense boolean mask
     at this model's heads (probed on a short sequence)."""
-    import torch
-    from transformers.masking_utils import find_packed_sequence_indices
+    import torch  # torch-free module
+    from transformers.masking_utils import find_packed_sequence_indices  # optional: transformers
 
     packed = find_packed_sequence_indices(torch.as_tensor(docs.position_ids[:1])) is not None
     mask = "[S, S] document mask from position_ids" if packed else "causal (one document)"
@@ -195,7 +194,7 @@ def packed_attention_path(docs: PackedDocuments, shape, cuda: bool, dtype):
         return f"sdpa (CPU), {mask}", None
     if not packed:
         return f"sdpa cuDNN, {mask}", None
-    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import SDPBackend  # torch-free module
 
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH):
@@ -205,8 +204,8 @@ def packed_attention_path(docs: PackedDocuments, shape, cuda: bool, dtype):
 
 
 def _takes_mask(backend, shape, dtype, probe_len: int = 256) -> bool:
-    import torch
-    import torch.nn.functional as F
+    import torch  # torch-free module
+    import torch.nn.functional as F  # torch-free module
 
     q = torch.randn(1, shape.num_attention_heads, probe_len, shape.head_dim, device="cuda",
                     dtype=dtype)
@@ -223,7 +222,7 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
           seed: int, peak_tflops: Optional[float],
           documents: Optional[PackedDocuments] = None) -> PeerResult:
     """Train ``iters`` steps of batch 1 and time each; see the module docstring."""
-    import torch
+    import torch  # torch-free module
 
     cuda = torch.cuda.is_available()
     res = PeerResult(peer, seq_len, recompute, "ok")
@@ -275,8 +274,6 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
     if cuda:
         res.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
         if peak_tflops is None:
-            from megatron.planner.hardware import peak_tflops_for_device
-
             peak_tflops = peak_tflops_for_device(torch.cuda.get_device_name(device))
     if res.status == "ok" and documents is not None:
         _count_documents(res, shape, documents, warmup)
@@ -316,8 +313,6 @@ def _summarize(res: PeerResult, warmup: int, peak_tflops: Optional[float]) -> No
 
 
 def _versions(peer: str) -> dict:
-    from importlib.metadata import version
-
     names = ["transformers"] + (["liger-kernel"] if peer == "hf-liger" else [])
     return {n: version(n) for n in names}
 

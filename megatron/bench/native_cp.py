@@ -37,6 +37,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.usp.token_order import shard_for_cp_rank
 
@@ -63,7 +65,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
         return ("PyTorch's native context parallel has no handler for the CPU SDPA op "
                 "(aten._scaled_dot_product_flash_attention_for_cpu): it runs on CUDA only")
     try:
-        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401  (optional: torch's experimental API)
     except ImportError as exc:
         return f"torch {torch.__version__} has no context_parallel ({exc}); needs torch >= 2.5"
     if _attention_module() is None:
@@ -73,8 +75,6 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 def sdpa_backend_context(name: str):
     """``sdpa_kernel`` forcing one SDPA backend (``cudnn``, ``flash`` or ``efficient``)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backends = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
                 "efficient": "EFFICIENT_ATTENTION"}
     if name not in backends:
@@ -134,8 +134,6 @@ class NativeContextParallel:
                                f"(--native-cp-rotate {self.rotate}); use allgather")
 
     def __enter__(self) -> "NativeContextParallel":
-        from torch.distributed.device_mesh import init_device_mesh
-
         self._mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         self._stack = contextlib.ExitStack()
         self._set_options(self._stack)
@@ -153,7 +151,9 @@ class NativeContextParallel:
         Returns compact local shards [b, h, S/N, d]. Records in ``same_order_as_usp`` whether
         the shards equal :func:`megatron.usp.token_order.shard_for_cp_rank` of the same inputs.
         """
-        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental import (
+            context_parallel,  # optional: torch's experimental context parallel
+        )
 
         if self._stack is None:
             raise RuntimeError("use NativeContextParallel as a context manager")

@@ -19,6 +19,7 @@ import platform
 import shlex
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -29,8 +30,6 @@ SCHEMA_VERSION = 1
 
 def _package_version(name: str) -> Optional[str]:
     try:
-        from importlib.metadata import version
-
         return version(name)
     except Exception:  # noqa: BLE001 - any lookup failure means "unknown"
         return None

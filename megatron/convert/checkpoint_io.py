@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from megatron.convert import hf_config, hf_weights
 from megatron.convert.hf_config import ConversionError, PretrainedConfig
+from megatron.training.cli.arguments import padded_vocab_size, parse_args, validate_args
+from megatron.training.cpu_shims import apply_cpu_shims
 
 FLAGS_FILE = "model_flags.txt"
 SOURCE_CONFIG_FILE = "hf_config.json"
@@ -45,7 +47,7 @@ def read_hf_config(hf_dir: str) -> Dict:
 
 def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
     """Every tensor of ``hf_dir``'s safetensors files (one file or an index of shards)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # optional: safetensors
 
     index = os.path.join(hf_dir, INDEX_FILE)
     if os.path.isfile(index):
@@ -64,7 +66,7 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
 
 def write_hf(out_dir: str, model: PretrainedConfig, state: Dict[str, torch.Tensor]) -> None:
     """``out_dir/model.safetensors`` and ``out_dir/config.json``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional: safetensors
 
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
@@ -95,11 +97,15 @@ def single_rank_model(model_flags: List[str], padded_vocab: int, seq_length: int
     its parallel groups for the duration of the ``with`` block: one rank, or this rank's
     part of ``layout_flags`` (``--tensor-model-parallel-size``, ``--ring-degree``, ...) over
     the existing process group."""
-    from megatron.training.cli.arguments import parse_args, validate_args
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.training.initialize import set_random_seed
-    from megatron.training.model.build import build_gpt_model, transformer_config_from_args
-    from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+    from megatron.training.initialize import set_random_seed  # megatron-core on first use
+    from megatron.training.model.build import (  # megatron-core on first use
+        build_gpt_model,
+        transformer_config_from_args,
+    )
+    from megatron.usp.parallel_state import (  # megatron-core on first use
+        destroy_usp_parallel,
+        initialize_usp_parallel,
+    )
 
     _ensure_process_group()
     apply_cpu_shims()
@@ -136,8 +142,10 @@ def import_hf(hf_dir: str, out_dir: str,
               vocab_divisible_by: Optional[int] = None) -> List[str]:
     """Write ``hf_dir``'s model as a weights-only checkpoint in ``out_dir`` (module docstring);
     returns the model flags (also in ``out_dir/model_flags.txt``)."""
-    from megatron.training.checkpoint.save_load import TrainState, save_checkpoint
-    from megatron.training.cli.arguments import padded_vocab_size
+    from megatron.training.checkpoint.save_load import (  # megatron-core on first use
+        TrainState,
+        save_checkpoint,
+    )
 
     source = read_hf_config(hf_dir)
     model = hf_config.from_hf_config(source)
@@ -165,13 +173,15 @@ def _as_float32(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 
 def _saved_args(path: str) -> Dict:
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # megatron-core on first use
 
     return dist_checkpointing.load_common_state_dict(path)["args"]
 
 
 def _checkpoint_path(ckpt_dir: str, iteration: Optional[int]) -> Tuple[int, str]:
-    from megatron.training.checkpoint.save_load import locate_checkpoint
+    from megatron.training.checkpoint.save_load import (
+        locate_checkpoint,  # megatron-core on first use
+    )
 
     found = locate_checkpoint(ckpt_dir, None, iteration)
     if found is None:
@@ -205,7 +215,7 @@ def loaded_checkpoint(ckpt_dir: str, iteration: Optional[int] = None,
     """The model of a checkpoint's recorded arguments, its weights loaded (megatron-core
     reshards whatever layout the checkpoint was saved under), as :func:`single_rank_model`
     (TP = 1 on one rank unless ``layout_flags`` say otherwise)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # megatron-core on first use
 
     _, path = _checkpoint_path(ckpt_dir, iteration)
     saved = _saved_args(path)

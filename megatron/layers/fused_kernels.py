@@ -103,7 +103,7 @@ def _liger_ops():
         LigerFusedGateUpSiLUMulFunction,
         LigerRMSNormFunction,
         LigerRopeFunction,
-    )
+    )  # optional: liger-kernel
 
     return LigerRMSNormFunction, LigerFusedGateUpSiLUMulFunction, LigerRopeFunction
 

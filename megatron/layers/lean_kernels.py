@@ -104,8 +104,8 @@ def swiglu_backward_math(dy2: Tensor, x2: Tensor) -> Tensor:
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
     """The four kernels, compiled on first use (Triton is imported only then)."""
-    import triton
-    import triton.language as tl
+    import triton  # optional: triton
+    import triton.language as tl  # optional: triton
 
     @triton.jit
     def rms_fwd(x, w, y, rstd, h, eps, offset, BLOCK: tl.constexpr, REUSE: tl.constexpr):

@@ -92,7 +92,7 @@ def _fused_param(weight: Tensor, fuse: bool = True) -> Optional[Tensor]:
 def _gather_sequence(x: Tensor, tp_group, async_op: bool = False):
     """All-gather ``x [s/tp, ...]`` along the sequence over ``tp_group`` into megatron-core's
     shared buffer (``[s, ...]``); with ``async_op`` also the work handle."""
-    from megatron.core.parallel_state import get_global_memory_buffer
+    from megatron.core.parallel_state import get_global_memory_buffer  # megatron-core on first use
 
     shape = list(x.shape)
     shape[0] *= tp_group.size()

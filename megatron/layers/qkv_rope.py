@@ -75,8 +75,8 @@ def _triton_kernels():
     global _KERNELS
     if _KERNELS is not None:
         return _KERNELS
-    import triton
-    import triton.language as tl
+    import triton  # optional: triton
+    import triton.language as tl  # optional: triton
 
     # One program per block of BLOCK_T tokens, all heads of the row in a static loop: the
     # block's cos / sin are loaded once, not once per head (24 times for the 0.85B model).

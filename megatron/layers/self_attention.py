@@ -30,6 +30,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
 )
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
 
 from megatron.layers import fused_kernels, qkv_rope
 
@@ -76,8 +77,6 @@ class USPSelfAttention(SelfAttention):
     def _splits_with_rope(self, output_gate: bool) -> bool:
         """Whether :func:`megatron.layers.qkv_rope.qkv_split_rope` can replace megatron-core's
         split + RoPE: no output gate, no q/k norms, every TP rank holds whole query groups."""
-        from megatron.core.transformer.identity_op import IdentityOp
-
         def plain(norm) -> bool:
             return norm is None or isinstance(norm, IdentityOp)
 

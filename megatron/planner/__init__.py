@@ -11,6 +11,8 @@ Modules, one concern each:
 * :mod:`.explain`    reasons and the ranked table.
 * :mod:`.plan`       the chosen :class:`Plan`, :func:`choose_layout`, the search as JSON.
 * :mod:`.validate`   predicted vs measured step times.
+* :mod:`.capabilities` what ``pretrain_gpt.py`` can run here, and the flags that run a plan.
+* :mod:`.errors`     :class:`PlannerError`, the planner's one error.
 
 Pure Python: nothing here imports torch. Entry points: ``tools/plan_parallel.py`` and
 ``pretrain_gpt.py --ulysses-degree auto --ring-degree auto`` (via :func:`choose_layout`).

@@ -343,7 +343,7 @@ def _datasheet_gpu(
 
 
 def _h200_measured() -> HardwareSpec:
-    """The 2xH200 anchors (docs: measured anchors, 2026-11-30); inter-node from the
+    """The 2xH200 anchors (docs/planner.md, measured anchors); inter-node from the
     H200 datasheet since only one node was measured."""
     label = "measured (2xH200 NVLink, torch 2.11 cu130, cuDNN 9.19, 2026-11-30)"
     ds = HARDWARE_PRESETS["h200"]

@@ -75,7 +75,7 @@ def _read_structured_file(path: str) -> Any:
         text = fh.read()
     if path.endswith((".yaml", ".yml")):
         try:
-            import yaml
+            import yaml  # optional: PyYAML
         except ImportError:  # pragma: no cover - depends on the environment
             raise PlannerError(
                 f"{path} is YAML but PyYAML is not installed: pip install pyyaml "

@@ -184,14 +184,18 @@ def _tracker_fork(self, name="model-parallel-rng"):
 
 def _get_all_rng_states():
     """Replaces ``random._get_all_rng_states``: (CPU state, no CUDA state, tracker states)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,  # megatron-core on first use
+    )
 
     return torch.get_rng_state(), None, get_cuda_rng_tracker().get_states()
 
 
 def _set_all_rng_states(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker):
     """Replaces ``random._set_all_rng_states``: restore the CPU state and the tracker's."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,  # megatron-core on first use
+    )
 
     torch.set_rng_state(cpu_rng_state)
     get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
@@ -278,13 +282,15 @@ _OPTIMIZER_METHODS = ("step", "prepare_grads", "step_with_ready_grads",
 
 
 def _apply_training_loop_shims() -> None:
-    from megatron.core import dist_checkpointing
-    from megatron.core import optimizer as mcore_optimizer
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.distributed import distributed_data_parallel as ddp_mod
-    from megatron.core.optimizer import distrib_optimizer
-    from megatron.core.optimizer import optimizer as optimizer_mod
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core import dist_checkpointing  # megatron-core on first use
+    from megatron.core import optimizer as mcore_optimizer  # megatron-core on first use
+    from megatron.core.dist_checkpointing import serialization  # megatron-core on first use
+    from megatron.core.distributed import (
+        distributed_data_parallel as ddp_mod,  # megatron-core on first use
+    )
+    from megatron.core.optimizer import distrib_optimizer  # megatron-core on first use
+    from megatron.core.optimizer import optimizer as optimizer_mod  # megatron-core on first use
+    from megatron.core.pipeline_parallel import schedules  # megatron-core on first use
 
     ddp_mod.DistributedDataParallel.__init__ = _on_cpu(ddp_mod.DistributedDataParallel.__init__)
     _APPLIED.append("distributed_data_parallel.DistributedDataParallel.__init__")
@@ -315,7 +321,7 @@ def _apply_training_loop_shims() -> None:
 
 
 def _apply_sequence_parallel_shims() -> None:
-    from megatron.core.tensor_parallel import layers, mappings
+    from megatron.core.tensor_parallel import layers, mappings  # megatron-core on first use
 
     for name in ("_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
         # Called through the module's globals by the autograd Functions there.
@@ -352,13 +358,13 @@ def apply_cpu_shims() -> List[str]:
     yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
     _APPLIED.append("rope_utils.get_pos_emb_on_this_cp_rank")
 
-    from megatron.core import utils as mcore_utils
+    from megatron.core import utils as mcore_utils  # megatron-core on first use
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = _buffer_get_tensor
     _APPLIED.append("utils.GlobalMemoryBuffer.get_tensor")
 
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.fusions import fused_softmax  # megatron-core on first use
+    from megatron.core.transformer import utils as transformer_utils  # megatron-core on first use
 
     transformer_utils.get_default_causal_mask = _default_causal_mask
     fused_softmax.get_default_causal_mask = _default_causal_mask
@@ -379,7 +385,7 @@ def apply_cpu_shims() -> List[str]:
         return upstream_seed(seed, *args, **kwargs)
 
     tp_random.model_parallel_cuda_manual_seed = _model_parallel_manual_seed
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # megatron-core on first use
 
     tensor_parallel.model_parallel_cuda_manual_seed = _model_parallel_manual_seed
     _APPLIED.append("tensor_parallel.random.model_parallel_cuda_manual_seed")

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import logging
 import os
 import random
@@ -29,13 +30,22 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    init_num_microbatches_calculator,
+)
 
-from megatron.training.cli.arguments import padded_vocab_size, validate_args
+from megatron.training.cli.arguments import ArgumentsError, padded_vocab_size, validate_args
 from megatron.training.cli.auto_layout import resolve_auto_layout
 from megatron.training.cli.config import RunConfig
 from megatron.training.cli.input_paths import check_input_paths
 from megatron.training.cli.output_paths import check_output_paths
-from megatron.usp.parallel_state import USPGroups, initialize_usp_parallel
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.training.data.config import DataConfig, validate_data_config
+from megatron.training.data.corpus import ensure_default_corpus
+from megatron.training.data.tokenizer import build_tokenizer
+from megatron.usp.parallel_state import USPGroups, destroy_usp_parallel, initialize_usp_parallel
 
 if TYPE_CHECKING:
     from megatron.training.data.config import DataConfig
@@ -115,8 +125,6 @@ def init_process_group(config: RunConfig, rank: int, world: int,
 def resolve_data_source(args) -> DataSource:
     """The data flags as given; without data flags, the default corpus (built on first use)."""
     if not args.data_path and not args.mock_data:
-        from megatron.training.data.corpus import ensure_default_corpus
-
         corpus = ensure_default_corpus(args.corpus_cache_dir)
         return DataSource([corpus.data_prefix], corpus.tokenizer_model)
     return DataSource(args.data_path, args.tokenizer_model)
@@ -124,18 +132,12 @@ def resolve_data_source(args) -> DataSource:
 
 def build_tokenizer_for(config: RunConfig, source: DataSource):
     """The tokenizer of ``--tokenizer-type`` with ``source``'s tokenizer model."""
-    from megatron.training.data.tokenizer import build_tokenizer
-
     return build_tokenizer(config.tokenizer_type, source.tokenizer_model,
                            config.args.vocab_size)
 
 
 def check_optional_packages(args) -> None:
     """Packages a flag needs, checked on every rank before any collective."""
-    import importlib.util
-
-    from megatron.training.cli.arguments import ArgumentsError
-
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentsError(f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard "
                              f"package: pip install tensorboard (or drop the flag)")
@@ -143,8 +145,6 @@ def check_optional_packages(args) -> None:
 
 def data_config_from_args(config: RunConfig, source: DataSource) -> DataConfig:
     """The data flags of the run, with ``source``'s (resolved) data path."""
-    from megatron.training.data.config import DataConfig
-
     args = config.args
     return DataConfig(
         data_path=source.data_path or None, split=args.split, mock_data=args.mock_data,
@@ -158,8 +158,6 @@ def data_config_from_args(config: RunConfig, source: DataSource) -> DataConfig:
 def set_random_seed(seed: int, groups: USPGroups) -> None:
     """Megatron-LM's seeding: seed + 100 * pipeline rank for Python, NumPy, torch, and
     megatron-core's RNG tracker (TP-rank offsets inside it)."""
-    from megatron.core import tensor_parallel
-
     seed = seed + 100 * dist.get_rank(groups.pp)
     random.seed(seed)
     np.random.seed(seed)
@@ -172,11 +170,6 @@ def set_random_seed(seed: int, groups: USPGroups) -> None:
 def initialize(args) -> Runtime:
     """Steps 1-6 of the module docstring; returns the runtime with its config, groups and
     tokenizer."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.training.data.config import validate_data_config
-
     rank, world, local_rank = launch_env()
     config = validate_args(args, world)
     check_input_paths(config)
@@ -227,10 +220,6 @@ def check_save_room(config: RunConfig, device: torch.device) -> None:
 
 def shutdown(rt: Optional[Runtime]) -> None:
     """Undo :func:`initialize`'s global state (groups, calculator, owned process group)."""
-    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
-
-    from megatron.usp.parallel_state import destroy_usp_parallel
-
     destroy_num_microbatches_calculator()
     destroy_usp_parallel()
     if rt is not None and rt.owns_process_group and dist.is_initialized():

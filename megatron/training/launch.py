@@ -92,9 +92,11 @@ def failure_line(name: str, failures: Dict[int, Tuple[int, float]]) -> Tuple[str
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # torch-free --help
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,  # torch-free --help
+    )
+    from torch.distributed.run import parse_args, run  # torch-free --help
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.master_port is not None and args.node_rank == 0 and args.rdzv_backend == "static":

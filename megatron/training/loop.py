@@ -46,6 +46,12 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import optimizer as mcore_optimizer
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.distributed.tensor import DTensor
 
 from megatron.errors import UsageError
 from megatron.planner.hardware import peak_tflops_for_device
@@ -128,10 +134,6 @@ def print_rank_0(rt: Runtime, msg: str) -> None:
 def build_optimizer(config: RunConfig, model):
     """megatron-core optimizer (Adam/SGD; ZeRO-1 with --use-distributed-optimizer; state and
     step on the CPU with --optimizer-cpu-offload)."""
-    from megatron.core import optimizer as mcore_optimizer
-
-    from megatron.usp.backend_names import backend_installed
-
     args = config.args
     no_te = bool(args.use_precision_aware_optimizer) and not backend_installed("te")
     config = mcore_optimizer.OptimizerConfig(
@@ -154,8 +156,6 @@ def build_optimizer(config: RunConfig, model):
         precision_aware_without_te(config)
     optimizer = mcore_optimizer.get_megatron_optimizer(config, model)
     if args.optimizer_cpu_offload:
-        from megatron.training.optim.offload_optimizer import install_staged_offload
-
         install_staged_offload(optimizer, config.optimizer_offload_fraction)
     use_fused_adam(optimizer)
     allocate_adam_state(optimizer)
@@ -168,7 +168,6 @@ def _build_fraction(config: RunConfig, model) -> float:
     args = config.args
     if not args.optimizer_cpu_offload:
         return 0.0
-    from megatron.training.optim.offload_optimizer import build_fraction, gpu_free_bytes
 
     params = sum(p.numel() for chunk in model for p in chunk.parameters() if p.requires_grad)
     return build_fraction(params, gpu_free_bytes())
@@ -200,9 +199,9 @@ def use_fused_adam(optimizer) -> int:
     Without TransformerEngine or apex, megatron-core 0.16.1 steps its main parameters with
     ``torch.optim.AdamW`` in its default (``foreach``) implementation, several kernels per
     parameter chunk; TE's / apex's ``FusedAdam``, which it uses when installed, is one kernel.
-    PyTorch's own ``fused`` implementation of the same update is that kernel (on an H200 the
-    0.85B model's step went from ~26 to ~8 ms, docs/performance.md), and it takes the
-    division and clipping of the grads and the skip of a non-finite step as arguments
+    PyTorch's own ``fused`` implementation of the same update is that kernel (on an H200 it
+    made the 0.85B model's optimizer step about three times faster, docs/performance.md), and
+    it takes the division and clipping of the grads and the skip of a non-finite step as arguments
     (:func:`guarded_optimizer_step`). This sets the optimizer's documented ``fused`` option on
     every param group whose parameters are all floating-point tensors of one device type that
     PyTorch's fused Adam supports (CUDA, and the CPU, so that CPU runs take the same path).
@@ -237,15 +236,14 @@ def allocate_adam_state(optimizer) -> int:
     512K on one H200 the peak went from 102.5 to 108.9 GiB, docs/long_sequences.md), and
     a one-step memory measurement missed them. Allocated here, the first step already holds
     the memory of every later one, and start-up's memory report ("after building the
-    optimizer") includes it. The state is :func:`checkpointing.zero_adam_state`'s (the
-    staged CPU-offload optimizer's too: a fused or capturable Adam's step on the parameter's
+    optimizer") includes it. The state is
+    :func:`megatron.training.checkpoint.save_load.zero_adam_state`'s (the staged CPU-offload
+    optimizer's too: a fused or capturable Adam's step on the parameter's
     device, float32); the update is bitwise the one from lazily made state
     (``tests/unit/test_adam_state.py``). Optimizers that already have state, parameters
     that are DTensors (Megatron-FSDP) and other optimizers (SGD, the CPU-offload
     optimizer, which makes its own) are left alone. Returns how many were given state.
     """
-    from torch.distributed.tensor import DTensor
-
     given = 0
     for inner in grad_clip.sub_optimizers(optimizer):
         torch_opt = getattr(inner, "optimizer", None)
@@ -261,8 +259,6 @@ def allocate_adam_state(optimizer) -> int:
 
 def build_scheduler(config: RunConfig, optimizer):
     """Megatron-LM's OptimizerParamScheduler, counted in samples."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     args = config.args
     gbs = config.global_batch_size
     wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
@@ -283,8 +279,6 @@ def finalize_grads_without_token_division(model, num_tokens=None, **kwargs) -> N
     divides them by :func:`reduce_lm_loss`'s count (the same global count:
     the schedule's ``num_tokens`` are the loss function's, broadcast from the last pipeline
     stage and summed over DP x CP), in the fused Adam kernel where it can."""
-    from megatron.core.distributed import finalize_model_grads
-
     del num_tokens
     finalize_model_grads(model, None, **kwargs)
 
@@ -310,20 +304,12 @@ def dataset_sizes(config: RunConfig) -> List[Optional[int]]:
 
 def build_data_iterators(config: RunConfig, rt: Runtime, state: TrainState):
     """(train, valid) iterators of full-sequence micro-batches for this DP rank."""
-    from megatron.training.data.loader import (
-        build_data_iterator,
-        build_gpt_datasets,
-        worker_start_method,
-    )
-
     args = config.args
     train_ds, valid_ds, _ = build_gpt_datasets(rt.data_config, rt.tokenizer,
                                                dataset_sizes(config))
     dp_rank, dp_size = dist.get_rank(rt.groups.dp), dist.get_world_size(rt.groups.dp)
     loader_args = {"worker_start_method": worker_start_method(bool(args.optimizer_cpu_offload))}
     if args.reset_attention_mask:
-        from megatron.training.data.documents import DocumentBatching
-
         loader_args["collate_fn"] = DocumentBatching(
             int(rt.tokenizer.eod), rt.groups.dims.ulysses, rt.groups.dims.ring,
             args.chunk_assignment)
@@ -344,8 +330,6 @@ def build_data_iterators(config: RunConfig, rt: Runtime, state: TrainState):
 
 
 def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
-    from megatron.training.data.documents import documents_enabled
-
     g, args = rt.groups, config.args
     pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
     agreement = (batch_mod.BatchAgreement(g.same_batch, args.batch_agreement_interval)
@@ -385,15 +369,11 @@ def reduce_lm_loss(losses: List[Dict[str, torch.Tensor]], groups: USPGroups,
 
 
 def _num_microbatches() -> int:
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
     return get_num_microbatches()
 
 
 def forward_backward(config: RunConfig, step_fn: Callable, data_iterator, model,
                      forward_only: bool):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     args = config.args
     return get_forward_backward_func()(
         forward_step_func=step_fn, data_iterator=data_iterator, model=model,

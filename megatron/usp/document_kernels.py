@@ -65,10 +65,10 @@ from megatron.usp.backend_names import (  # noqa: E402  (torch-free, for --help)
 
 # auto on CUDA: use ``tiles`` when the block's useful pairs per kernel call reach this many
 # (one cuDNN call per tile group); below it the calls are too small and ``varlen`` (one call
-# for all tiles) wins. H200, torch 2.11, cuDNN 9.19, 32 q / 8 KV heads of 128, bf16: one cuDNN
-# call per 2K document reaches 136 TFLOP/s against varlen's 231 (2.1M pairs per call), per
-# 8K document 447 against 300 (33.6M pairs), lognormal documents (median 2K, long tail) 328
-# against 283 (docs/performance.md, "Packed documents").
+# for all tiles) wins. On an H200 (32 q / 8 KV heads of 128, bf16) one cuDNN call per 2K
+# document (2.1M pairs) is slower than varlen, one per 8K document (33.6M pairs) faster, and
+# lognormal documents (median 2K, long tail) still favour the tiles; the threshold sits
+# between (figures in docs/performance.md, "Packed documents").
 AUTO_TABLE = {"min_pairs_per_tile_call": 8 * 1024 * 1024}
 AUTO_CPU_MATH_ELEMENTS = 1 << 22
 

@@ -30,8 +30,8 @@ Fully masked rows (lse = -inf) give ``out = 0`` and zero gradients, never NaN.
 Backends (``--attention-backend``):
 
 * ``torch``: PyTorch's own fused attention ops (``torch.ops.aten``), no compile step. On CUDA,
-  fp16/bf16 use the cuDNN op (``_scaled_dot_product_cudnn_attention``; ~580 TFLOP/s causal
-  forward+backward measured on H200, torch 2.11, cuDNN 9.19, against ~310 for the flash op),
+  fp16/bf16 use the cuDNN op (``_scaled_dot_product_cudnn_attention``; on H100/H200 its causal
+  forward+backward is ~1.9x the flash op's, docs/performance.md),
   falling back to ``_scaled_dot_product_flash_attention`` when cuDNN rejects a shape; fp32 uses
   the memory-efficient op (the cuDNN op silently returns wrong results for fp32 on that stack,
   so it is never given fp32); fp64 uses ``math``. On CPU it uses

@@ -234,7 +234,7 @@ class ParallelDims:
         if seq_length is not None:
             # Imported here: token_order needs torch, which `pretrain_gpt.py --help` should
             # not wait for.
-            from megatron.usp.token_order import seq_length_problem
+            from megatron.usp.token_order import seq_length_problem  # torch-free module
 
             problem = seq_length_problem(seq_length, self.cp, "--seq-length")
             if problem:

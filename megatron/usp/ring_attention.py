@@ -152,8 +152,8 @@ def split_causal_forward(q: Tensor, kv: Tensor, kernel: AttentionKernel, scale: 
     Front query half on front keys (causal), back half on front keys (no mask) and on back keys
     (causal), the two back blocks merged by log-sum-exp (two terms: exact in the input dtype,
     :func:`ring_accum_dtype`). Same FLOPs as one causal call. Why: cuDNN's causal forward
-    slows down on long sequences (H200, cuDNN 9.19, 32 heads: 614 TFLOP/s at 64K, 573 at 128K,
-    517 at 256K; ``docs/performance.md``), while half-length blocks keep the 64K rate; the
+    slows down on long sequences (on an H200 its rate falls by about a sixth from 64K to 256K;
+    ``docs/performance.md``), while half-length blocks keep the 64K rate; the
     backward needs only the merged out and lse, so it stays one call.
 
     Returns out [b, h, S, d] in q's dtype and lse [b, h, S] float32 (float64).

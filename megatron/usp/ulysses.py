@@ -38,7 +38,7 @@ than U (``hk < U``, e.g. MQA, or 8 KV heads with TP 2 and U 8), each KV head is 
 ``h/U`` query heads use (``hk' = U``); the way back sums the replicas' gradients (in float32
 for low precision). That single KV head serves every query head of the rank, so replicated
 K/V cannot be cut into chunks: ``G = 1`` then. Otherwise ``hk' = hk`` and ``hk % U == 0`` is
-required. ``megatron.usp.config`` validates this at start-up.
+required. :meth:`megatron.usp.parallel_dims.ParallelDims.violations` checks this at start-up.
 
 Bytes per rank (element size ``e``): the Q/K/V all-to-all of one chunk sends
 ``(U-1)/U * s*b*(h + 2*hk')*d*e / G`` and receives as much; the output all-to-all

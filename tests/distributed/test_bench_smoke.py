@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron.bench.attention_bench import main
+from megatron.shapes import PRESETS, training_flops
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
@@ -27,8 +29,6 @@ TINY = ["--heads", "4", "--head-dim", "16", "--dtype", "fp32", "--iters", "1"]
 
 
 def _attention_sweeps(rank, world, out_dir):
-    from megatron.bench.attention_bench import main
-
     main(["--seq-lens", "64,128", *TINY, "--warmup", "1", "--check",
           "--out", f"{out_dir}/causal.json", "--markdown", f"{out_dir}/causal.md"])
     # GQA, full attention, no SDPA anchor; the process group is reused, not re-created
@@ -145,7 +145,7 @@ def test_bench_attention_chunk_sweep_and_profiles(tmp_path):
 
 
 @pytest.mark.skipif(not (REPO / "pretrain_gpt.py").exists(),
-                    reason="pretrain_gpt.py (issue 5) is not in this checkout yet")
+                    reason="pretrain_gpt.py is not in this checkout yet")
 def test_bench_e2e_tiny_model_under_torchrun(tmp_path):
     """tools/bench_e2e.py launching pretrain_gpt.py on 2 CPU ranks (R=2), 2 iterations.
 
@@ -187,8 +187,6 @@ def test_bench_e2e_packed_documents_count_useful_flops(tmp_path):
     sequence), and TFLOP/s and MFU (against --peak-tflops 1) count their pairs, 4 * 32^2/2,
     not the dense 128^2/2; the Hugging Face peer trains the same sequences, position ids
     restarting per document."""
-    from megatron.shapes import PRESETS, training_flops
-
     out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
     cmd = [sys.executable, "tools/bench_e2e.py", "--model", "tiny", "--seq-lens", "128",
            "--splits", "1x2", "--nproc-per-node", "2", "--iters", "3", "--warmup", "1",
@@ -236,8 +234,6 @@ def test_bench_checkpoint_tiny_model_on_the_cpu(tmp_path):
 
 # --------------------------------------------------------------------------- packed documents
 def _document_sweeps(rank, world, out_dir):
-    from megatron.bench.attention_bench import main
-
     main(["--seq-lens", "256", *TINY, "--kv-heads", "2", "--warmup", "0",
           "--docs", "fixed:32,lognormal", "--out", f"{out_dir}/docs.json",
           "--markdown", f"{out_dir}/docs.md"])

@@ -2,7 +2,7 @@
 
 At one global batch (8 sequences of 64 tokens, micro-batches of 1) DP4 accumulates 2
 micro-batches per rank and U2 (DP2) 4, which is how a USP layout loses more to bf16
-accumulation than DP at the same global batch (issue 13). One training step's gradient
+accumulation than DP at the same global batch. One training step's gradient
 (after the DP x CP reduction and the division by the global token count) is taken from
 DDP's buffer for both layouts, once with the float32 buffer (the ``--bf16`` default) and
 once with ``--grad-reduce-in-bf16``; the relative L2 distance between the DP4 and U2
@@ -16,8 +16,15 @@ DDP buffers are then the ones a GPU run builds, and the arithmetic runs in CPU b
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from functools import partial
 
+import torch
+
+from megatron.training.cli.arguments import parse_args
+from megatron.training.data import batch as batch_mod
+from tests.harness import run_on_ranks
 from tests.helpers import tiny_gpt_flags
 
 MODEL = tiny_gpt_flags(
@@ -30,17 +37,10 @@ LAYOUTS = {"dp4": [], "u2": ["--ulysses-degree", "2"]}
 def _step_gradient(layout, grad_reduce_in_bf16: bool):
     """{name: float64 gradient} of one step's global batch, from DDP's buffer (the sum over
     the loss tokens: the division by their count happens in the optimizer step)."""
-    import argparse
-    import dataclasses
-
-    import torch
-
-    from megatron.training import loop as training
-    from megatron.training.checkpoint.save_load import TrainState
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.data import batch as batch_mod
-    from megatron.training.initialize import initialize, shutdown
-    from megatron.training.model.build import build_model, unwrap
+    from megatron.training import loop as training  # megatron-core on first use
+    from megatron.training.checkpoint.save_load import TrainState  # megatron-core on first use
+    from megatron.training.initialize import initialize, shutdown  # megatron-core on first use
+    from megatron.training.model.build import build_model, unwrap  # megatron-core on first use
 
     rt = initialize(parse_args(MODEL + layout))
     try:
@@ -82,6 +82,4 @@ def _compare_layouts(rank, world_size):
 
 
 def test_float32_buffer_brings_dp_and_usp_closer():
-    from tests.harness import run_on_ranks
-
     run_on_ranks(_compare_layouts, 4, timeout=400)

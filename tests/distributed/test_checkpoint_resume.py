@@ -29,6 +29,8 @@ import time
 
 import pytest
 
+from megatron.training.checkpoint import checksums
+from megatron.training.data.corpus import ensure_default_corpus
 from tests.helpers import free_port, tiny_gpt_flags
 
 pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
@@ -87,14 +89,12 @@ def test_straight_run_published_checkpoints(straight_run):
     assert _tracker(str(ckpt)) == 10
     names = sorted(os.listdir(ckpt))
     assert names == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # megatron-core on first use
 
-    from megatron.training.checkpoint.save_load import verify_complete
-    from megatron.training.data.corpus import ensure_default_corpus
+    from megatron.training.checkpoint.save_load import verify_complete  # megatron-core on first use
 
     verify_complete(str(ckpt / "iter_0000005"))
     # Every file of a published checkpoint has its checksum, and they match.
-    from megatron.training.checkpoint import checksums
 
     manifest = checksums.read_manifest(str(ckpt / "iter_0000005"))
     names = checksums.checkpoint_files(str(ckpt / "iter_0000005"))
@@ -244,7 +244,9 @@ def test_crash_during_save_is_never_loaded(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004.tmp",
                                         "latest_checkpointed_iteration.txt", "metrics.jsonl"]
 
-    from megatron.training.checkpoint.save_load import locate_checkpoint
+    from megatron.training.checkpoint.save_load import (
+        locate_checkpoint,  # megatron-core on first use
+    )
 
     assert locate_checkpoint(ckpt, ckpt, None) == (2, os.path.join(ckpt, "iter_0000002"))
     with pytest.raises(Exception, match="iteration 4"):

@@ -16,6 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.convert.checkpoint_io import loaded_checkpoint
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.training.data.documents import DocumentBatching
+from megatron.usp.token_order import shard_for_cp_rank, unshard_from_cp_ranks
 from tests.unit.test_convert_hf import (  # noqa: F401  (imported: the module fixture)
     LOSS_TOL,
     SEQ,
@@ -68,10 +72,7 @@ def _run(model, groups, tokens, positions, labels=None, segments=None, assignmen
 
 
 def _check(name, hf_dir, ckpt, layout):
-    from transformers import AutoModelForCausalLM
-
-    from megatron.convert.checkpoint_io import loaded_checkpoint
-    from megatron.training.data.documents import DocumentBatching
+    from transformers import AutoModelForCausalLM  # optional: transformers
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     vocab, what = hf.config.vocab_size, f"{name} {layout}"
@@ -99,8 +100,6 @@ def _check(name, hf_dir, ckpt, layout):
 
 
 def _check_layouts(rank, world_size, dirs):
-    from megatron.training.cpu_shims import apply_cpu_shims
-
     apply_cpu_shims()
     for layout in LAYOUTS:
         for name in FAMILIES:

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+import megatron.training.data.batch as batch_module
+from megatron.training.cli.arguments import parse_args
 from tests.unit.test_convert_hf import ROOT, VOCAB, make_hf_model, run_convert_tool
 
 SPECIALS = ["<unk>", "<s>", "<pad>", "</s>"]   # ids 0..3; </s> is the models' eos_token_id
@@ -27,8 +29,8 @@ SEQ, BATCH, REL_TOL = 32, 2, 1e-4
 
 def save_word_tokenizer(out_dir: str) -> None:
     """A word-level tokenizer of SPECIALS + ``w4 .. w255`` (one id per model row)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers  # optional: tokenizers
+    from transformers import PreTrainedTokenizerFast  # optional: transformers
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     vocab.update({f"w{i}": i for i in range(len(SPECIALS), VOCAB)})
@@ -49,9 +51,7 @@ def write_corpus(path: str, docs: int = 64) -> None:
 
 
 def _train(rank, world_size, argv, out_path):
-    import megatron.training.data.batch as batch_module
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.loop import pretrain
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     real, seen = batch_module.get_batch, []
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.training.cpu_shims import apply_cpu_shims
 from megatron.training.data import corpus as corpus_mod
 from megatron.training.data.batch import shard_batch_for_cp
 from megatron.training.data.config import DataConfig, validate_data_config
@@ -45,9 +46,14 @@ def _all_gather(t, group):
 
 
 def _check_grid(u, r, data_prefix, tokenizer_model, cache):
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding,  # megatron-core on first use
+    )
 
-    from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+    from megatron.usp.parallel_state import (  # megatron-core on first use
+        destroy_usp_parallel,
+        initialize_usp_parallel,
+    )
 
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), ulysses=u, ring=r))
     try:
@@ -94,8 +100,6 @@ def _check_grid(u, r, data_prefix, tokenizer_model, cache):
 
 
 def _loader_on_grids(rank, world_size, data_prefix, tokenizer_model, cache):
-    from megatron.training.cpu_shims import apply_cpu_shims
-
     apply_cpu_shims()
     _check_grid(1, 2, data_prefix, tokenizer_model, cache + "/u1r2")
     _check_grid(2, 2, data_prefix, tokenizer_model, cache + "/u2r2")

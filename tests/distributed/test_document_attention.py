@@ -175,9 +175,12 @@ def run_case(groups, case, seq_len, batch=2):
 
 
 def _module_call(groups, hk, q, k, v, plan, kernel):
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.enums import AttnMaskType  # megatron-core on first use
 
-    from megatron.usp.core_attention import DocumentParams, USPAttention
+    from megatron.usp.core_attention import (  # megatron-core on first use
+        DocumentParams,
+        USPAttention,
+    )
 
     config = attention_config(NUM_HEADS, HEAD_DIM, hk, groups.dims)
     module = USPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,

@@ -24,7 +24,11 @@ import os
 
 import pytest
 
+import megatron.training.data.documents as documents
+from megatron.shapes import ModelShape, dense_training_flops
+from megatron.training.cli.arguments import parse_args
 from tests.distributed.test_training_parity import MODEL, STEPS, TOLERANCE, TRAINING, _compare_tool
+from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
 
@@ -50,9 +54,7 @@ def _argv(name: str, out_dir: str):
 
 
 def _train_all_layouts(rank, world_size, out_dir):
-    import megatron.training.data.documents as documents
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.loop import pretrain
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     real, moved = documents.balance_chunks, []
 
@@ -72,8 +74,6 @@ def _train_all_layouts(rank, world_size, out_dir):
 
 @pytest.fixture(scope="module")
 def document_runs(tmp_path_factory):
-    from tests.harness import run_on_ranks
-
     out_dir = str(tmp_path_factory.mktemp("documents"))
     run_on_ranks(_train_all_layouts, 4, out_dir, timeout=900)
     return out_dir
@@ -103,8 +103,6 @@ def test_document_layouts_agree_on_validation(document_runs, group):
 
 
 def _records(path):
-    import json
-
     with open(path) as f:
         return [json.loads(line) for line in f]
 
@@ -119,8 +117,6 @@ def _flops_per_iteration(records):
 def test_every_layout_counts_the_documents_work(document_runs):
     """MFU counts the pairs the documents compute (fewer than dense), the same on every
     layout: DP ranks add their micro-batches, CP ranks share theirs, PP's last stage reports."""
-    from megatron.shapes import ModelShape, dense_training_flops
-
     records = {name: _records(os.path.join(document_runs, f"{name}.jsonl")) for name in LAYOUTS}
     reference = _flops_per_iteration(records["dp4"])
     for name, recs in records.items():

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.training.cli.arguments import padded_vocab_size, parse_args, validate_args
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.usp.parallel_dims import ParallelDims
 from tests.helpers import tiny_gpt_flags
 
 SEQ, BATCH, HIDDEN, VOCAB = 10, 2, 16, 48
@@ -58,7 +61,9 @@ def _gather_rows(shard, group):
 
 
 def _check_fused(tp_rank, tp, sequence_parallel, chunk_tokens, problem, ref, weighted=False):
-    from megatron.training.model.fused_loss import fused_linear_cross_entropy
+    from megatron.training.model.fused_loss import (
+        fused_linear_cross_entropy,  # megatron-core on first use
+    )
 
     hidden, weight, labels, probe = problem
     rows = VOCAB // tp.size()
@@ -83,10 +88,16 @@ def _check_fused(tp_rank, tp, sequence_parallel, chunk_tokens, problem, ref, wei
 
 
 def _check_megatron_path(tp_rank, tp, problem, ref):
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.tensor_parallel import (
+        vocab_parallel_cross_entropy,  # megatron-core on first use
+    )
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,  # megatron-core on first use
+    )
 
-    from megatron.training.model.fused_loss import fused_linear_cross_entropy
+    from megatron.training.model.fused_loss import (
+        fused_linear_cross_entropy,  # megatron-core on first use
+    )
 
     hidden, weight, labels, probe = problem
     rows = VOCAB // tp.size()
@@ -112,9 +123,7 @@ def _check_megatron_path(tp_rank, tp, problem, ref):
 
 
 def _tp2_checks(rank, world_size):
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.usp.parallel_dims import ParallelDims
-    from megatron.usp.parallel_state import initialize_usp_parallel
+    from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
 
     apply_cpu_shims()  # megatron-core's sequence all-gather allocates on the CUDA device
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=2))
@@ -139,10 +148,14 @@ MODEL_ARGS = tiny_gpt_flags(
 
 
 def _build(config, groups):
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
+    )
 
-    from megatron.training.cli.arguments import padded_vocab_size
-    from megatron.training.model.build import build_gpt_model, transformer_config_from_args
+    from megatron.training.model.build import (  # megatron-core on first use
+        build_gpt_model,
+        transformer_config_from_args,
+    )
 
     config = config.with_padded_vocab(padded_vocab_size(config.args.vocab_size, 32, 2))  # 64
     model_parallel_cuda_manual_seed(7)
@@ -155,14 +168,13 @@ def _model_checks(rank, world_size):
     with the same weights (TP2, sequence parallel, tied embeddings) the losses and every
     parameter gradient agree with GPTModel's to float32 rounding, and calls without labels
     are GPTModel's own (bit-equal logits)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.gpt.gpt_model import GPTModel  # megatron-core on first use
 
-    from megatron.training.cli.arguments import parse_args, validate_args
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.training.model.fused_loss_model import FusedLossGPTModel
-    from megatron.training.model.gpt_model import USPGPTModel
-    from megatron.usp.parallel_dims import ParallelDims
-    from megatron.usp.parallel_state import initialize_usp_parallel
+    from megatron.training.model.fused_loss_model import (
+        FusedLossGPTModel,  # megatron-core on first use
+    )
+    from megatron.training.model.gpt_model import USPGPTModel  # megatron-core on first use
+    from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
 
     apply_cpu_shims()
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=2))

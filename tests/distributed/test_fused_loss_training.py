@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.training.cli.arguments import parse_args
 from tests.helpers import tiny_gpt_flags
 
 STEPS = 12
@@ -55,9 +56,8 @@ FUSED = ["--fused-linear-cross-entropy", "--linear-cross-entropy-chunk-tokens", 
 
 
 def _train_both_ways(rank, world_size, out):
-    import megatron.training.model.fused_loss_model as fused_loss_model
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.loop import pretrain
+    import megatron.training.model.fused_loss_model as fused_loss_model  # megatron-core on first use
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     calls = []
     real = fused_loss_model.fused_linear_cross_entropy

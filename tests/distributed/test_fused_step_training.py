@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.training.cli.arguments import parse_args
+from megatron.training.optim import grad_clip
 from tests.distributed.test_fused_loss_training import MODEL, STEPS, TRAINING, assert_same_curve
 
 TOLERANCE = 2e-6
@@ -36,9 +38,7 @@ LAYOUTS = {
 
 
 def _train_both_ways(rank, world_size, out):
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.loop import pretrain
-    from megatron.training.optim import grad_clip
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     entered = []
     real_scaled, real_fused = grad_clip.scaled_in_adam, grad_clip.fused_adams

@@ -54,9 +54,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.training.cpu_shims import apply_cpu_shims
 from megatron.usp import token_order
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+from tests.harness import run_on_ranks
 from tests.helpers import gpt_config
 
 TOL = dict(atol=1e-9, rtol=1e-9)
@@ -83,7 +85,7 @@ def _lean_name(name: str) -> str:
 
 
 def _model(spec, config, pg_collection):
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.gpt.gpt_model import GPTModel  # megatron-core on first use
 
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -102,10 +104,12 @@ def _forward(model, tokens, position_ids, labels, probe):
 
 
 def _reference(rank, world_size, out_dir):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron.training.cpu_shims import apply_cpu_shims
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,  # megatron-core on first use
+    )
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
+    )
 
     apply_cpu_shims()
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size()))
@@ -152,7 +156,7 @@ def _tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: i
 
 
 def _check_norms(model, sequence_parallel: bool, lean: bool = False) -> None:
-    from megatron.layers.norms import RMSNorm
+    from megatron.layers.norms import RMSNorm  # megatron-core on first use
 
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert model.decoder.final_layernorm in norms
@@ -166,11 +170,14 @@ def _check_norms(model, sequence_parallel: bool, lean: bool = False) -> None:
 
 
 def _check_fused_modules(model, mode: str) -> None:
-    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.identity_op import IdentityOp  # megatron-core on first use
 
-    from megatron.layers.fused_kernels import SwiGLU, op_impl
-    from megatron.layers.fused_linears import NormColumnParallelLinear, SwiGLURowParallelLinear
-    from megatron.layers.self_attention import USPSelfAttention
+    from megatron.layers.fused_kernels import SwiGLU, op_impl  # megatron-core on first use
+    from megatron.layers.fused_linears import (  # megatron-core on first use
+        NormColumnParallelLinear,
+        SwiGLURowParallelLinear,
+    )
+    from megatron.layers.self_attention import USPSelfAttention  # megatron-core on first use
 
     for layer in model.decoder.layers:
         assert isinstance(layer.self_attention, USPSelfAttention)
@@ -189,10 +196,15 @@ def _check_fused_modules(model, mode: str) -> None:
 
 
 def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: dict) -> None:
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
+    )
 
-    from megatron.layers import fused_kernels
-    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
+    from megatron.layers import fused_kernels  # megatron-core on first use
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_block_spec,
+    )
 
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=tp,
                                                   ulysses=ulysses, ring=ring))
@@ -238,8 +250,6 @@ def _check_layout(tp: int, ulysses: int, ring: int, sp: bool, mode: str, ref: di
 
 
 def _usp_layouts(rank, world_size, layouts, out_dir):
-    from megatron.training.cpu_shims import apply_cpu_shims
-
     apply_cpu_shims()
     ref = torch.load(os.path.join(out_dir, "reference.pt"))
     for tp, ulysses, ring, sp, mode in layouts:
@@ -248,8 +258,6 @@ def _usp_layouts(rank, world_size, layouts, out_dir):
 
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory):
-    from tests.harness import run_on_ranks
-
     out_dir = str(tmp_path_factory.mktemp("gpt_reference"))
     run_on_ranks(_reference, 1, out_dir, timeout=120)
     return out_dir
@@ -261,11 +269,15 @@ def test_gpt_forward_matches_single_rank(dist_run, reference_dir, world_size):
 
 
 def _checkpoint_keys(rank, world_size):
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
+    )
 
-    from megatron.layers import fused_kernels
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
+    from megatron.layers import fused_kernels  # megatron-core on first use
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_block_spec,
+    )
 
     apply_cpu_shims()
     groups = initialize_usp_parallel(ParallelDims(world_size))

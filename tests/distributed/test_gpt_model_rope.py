@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.training.cpu_shims import apply_cpu_shims
 from megatron.usp import token_order
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
@@ -38,7 +39,9 @@ SCALINGS = {
 def _build(cls, config, groups, scaling="none"):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
+    from megatron.training.model.layer_specs import (
+        get_usp_gpt_block_spec,  # megatron-core on first use
+    )
 
     kind, kwargs, attributes = SCALINGS[scaling]
     for name, value in attributes.items():
@@ -59,10 +62,9 @@ def _run(model, tokens, position_ids, labels):
 
 
 def _check(rank, world_size):
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.gpt.gpt_model import GPTModel  # megatron-core on first use
 
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.training.model.gpt_model import USPGPTModel
+    from megatron.training.model.gpt_model import USPGPTModel  # megatron-core on first use
 
     apply_cpu_shims()
     for (ulysses, ring), scaling in zip(((2, 1), (1, 2), (2, 1), (1, 2)), SCALINGS):

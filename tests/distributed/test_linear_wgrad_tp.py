@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.usp.parallel_dims import ParallelDims
 from tests.helpers import swiglu_mlp_config
 
 TOL = dict(atol=1e-12, rtol=1e-12)
@@ -22,14 +24,23 @@ SEQ, BATCH, HIDDEN, FFN = 8, 2, 16, 24
 
 
 def _mlp(sequence_parallel: bool, ours: bool, swiglu_inside: bool):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.parallel_state import get_tensor_model_parallel_group
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,  # megatron-core on first use
+    )
+    from megatron.core.parallel_state import (
+        get_tensor_model_parallel_group,  # megatron-core on first use
+    )
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
+    )
+    from megatron.core.transformer.mlp import MLP  # megatron-core on first use
+    from megatron.core.transformer.spec_utils import ModuleSpec  # megatron-core on first use
 
-    from megatron.layers.fused_linears import PassThroughActivation, SwiGLURowParallelLinear
-    from megatron.training.model.layer_specs import with_wgrad_fusion
+    from megatron.layers.fused_linears import (  # megatron-core on first use
+        PassThroughActivation,
+        SwiGLURowParallelLinear,
+    )
+    from megatron.training.model.layer_specs import with_wgrad_fusion  # megatron-core on first use
 
     config = swiglu_mlp_config(HIDDEN, FFN, tensor_model_parallel_size=2,
                                sequence_parallel=sequence_parallel,
@@ -66,11 +77,11 @@ def _grads(mlp, x, probe):
 
 
 def _run(rank, world_size):
-    from megatron.core.parallel_state import get_tensor_model_parallel_rank
+    from megatron.core.parallel_state import (
+        get_tensor_model_parallel_rank,  # megatron-core on first use
+    )
 
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.usp.parallel_dims import ParallelDims
-    from megatron.usp.parallel_state import initialize_usp_parallel
+    from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
 
     apply_cpu_shims()
     initialize_usp_parallel(ParallelDims(2, tp=2))

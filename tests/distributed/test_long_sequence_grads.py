@@ -25,6 +25,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.memory.activation_offload import (
+    ActivationOffloader,
+    OffloadConfig,
+    install_recompute_offload,
+)
+from megatron.memory.kept_attention import AttentionKeeper, RecomputeKeep
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.usp import token_order
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
 from tests.helpers import gpt_config
@@ -47,16 +55,15 @@ def _config(tp, ulysses, ring, sp, full):
 
 
 def _build(variant, layout, groups):
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron.memory.activation_offload import (
-        ActivationOffloader,
-        OffloadConfig,
-        install_recompute_offload,
+    from megatron.core.models.gpt.gpt_model import GPTModel  # megatron-core on first use
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
     )
-    from megatron.memory.kept_attention import RecomputeKeep
-    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
+
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_block_spec,
+    )
 
     tp, ulysses, ring, sp = layout
     full, keep, offload, tiles = VARIANTS[variant]
@@ -82,8 +89,6 @@ def _build(variant, layout, groups):
 
 
 def _grads(model, batches, cp_rank, cp):
-    from megatron.usp import token_order
-
     def shard(t):
         return token_order.shard_for_cp_rank(t, 1, cp_rank, cp)
 
@@ -96,8 +101,6 @@ def _grads(model, batches, cp_rank, cp):
 
 
 def _check_layout(layout):
-    from megatron.memory.kept_attention import AttentionKeeper
-
     tp, ulysses, ring, sp = layout
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), tp=tp, ulysses=ulysses,
                                                   ring=ring))
@@ -135,8 +138,6 @@ def _check_layout(layout):
 
 
 def _run(rank, world_size):
-    from megatron.training.cpu_shims import apply_cpu_shims
-
     apply_cpu_shims()
     for layout in LAYOUTS:
         _check_layout(layout)

@@ -18,8 +18,13 @@ fails.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
+from megatron.training.cli.arguments import parse_args
+from tests.harness import run_on_ranks
 from tests.helpers import tiny_gpt_flags
 
 STEPS = 4
@@ -45,11 +50,7 @@ RUNS = {
 
 
 def _train(rank, world_size, out_dir):
-    import json
-    import os
-
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.loop import pretrain
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     losses = {}
     for name, flags in RUNS.items():
@@ -63,10 +64,6 @@ def _train(rank, world_size, out_dir):
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
-    import json
-
-    from tests.harness import run_on_ranks
-
     out = tmp_path_factory.mktemp("long_seq")
     run_on_ranks(_train, 2, str(out), timeout=600)
     with open(out / "losses.json") as f:

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from megatron.usp.parallel_dims import ParallelDims, group_containing
+from megatron.usp.parallel_dims import ParallelDims, USPConfigError, group_containing
 
 LAYOUTS = {
     "U2": (2, dict(ulysses_degree=2)),
@@ -19,9 +19,9 @@ LAYOUTS = {
 
 
 def _check_live_groups(rank, world, kwargs):
-    from megatron.core import parallel_state as mpu
+    from megatron.core import parallel_state as mpu  # megatron-core on first use
 
-    from megatron.usp import parallel_state as usp_ps
+    from megatron.usp import parallel_state as usp_ps  # megatron-core on first use
 
     groups = usp_ps.initialize_usp_parallel(
         ParallelDims.from_flags(dist.get_world_size(), **kwargs), create_gloo_process_groups=False)
@@ -53,7 +53,7 @@ def _check_live_groups(rank, world, kwargs):
 
 
 def _check_layouts(rank, world, names):
-    from megatron.usp.parallel_state import destroy_usp_parallel
+    from megatron.usp.parallel_state import destroy_usp_parallel  # megatron-core on first use
 
     for name in names:
         _check_live_groups(rank, world, LAYOUTS[name][1])
@@ -69,8 +69,7 @@ def test_live_groups_equal_pure_lists(dist_run, world):
 
 
 def _bad_layout(rank, world):
-    from megatron.usp.parallel_dims import USPConfigError
-    from megatron.usp.parallel_state import initialize_usp_parallel
+    from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
 
     try:
         initialize_usp_parallel(ParallelDims(world, ulysses=3))

@@ -13,15 +13,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.usp.parallel_dims import ParallelDims
 from tests.helpers import swiglu_mlp_config
 
 TOL = dict(atol=1e-12, rtol=1e-12)
 
 
 def _mlp(cls, **params):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.parallel_state import get_tensor_model_parallel_group
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,  # megatron-core on first use
+    )
+    from megatron.core.parallel_state import (
+        get_tensor_model_parallel_group,  # megatron-core on first use
+    )
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
+    )
 
     config = swiglu_mlp_config(64, 96)
     submodules = get_gpt_layer_local_spec().submodules.mlp.submodules
@@ -31,12 +39,14 @@ def _mlp(cls, **params):
 
 
 def _run(rank, world_size):
-    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.mlp import MLP  # megatron-core on first use
 
-    from megatron.memory.tiled_mlp import TiledMLP, TiledMLPMixin, tiled_mlp_class
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.usp.parallel_dims import ParallelDims
-    from megatron.usp.parallel_state import initialize_usp_parallel
+    from megatron.memory.tiled_mlp import (  # megatron-core on first use
+        TiledMLP,
+        TiledMLPMixin,
+        tiled_mlp_class,
+    )
+    from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
 
     apply_cpu_shims()
     initialize_usp_parallel(ParallelDims(1))

@@ -23,12 +23,15 @@ CPU initialisation makes the initial weights independent of TP.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+from megatron.training.cli.arguments import parse_args
+from tests.harness import run_on_ranks
 from tests.helpers import free_port, tiny_gpt_flags
 
 pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
@@ -111,8 +114,7 @@ def _argv(name: str, out_dir: str):
 
 
 def _train_all_layouts(rank, world_size, out_dir):
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.loop import pretrain
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     for name in LAYOUTS:
         result = pretrain(parse_args(_argv(name, out_dir)))
@@ -125,8 +127,6 @@ def _train_all_layouts(rank, world_size, out_dir):
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
-    from tests.harness import run_on_ranks
-
     out_dir = str(tmp_path_factory.mktemp("parity"))
     run_on_ranks(_train_all_layouts, 4, out_dir, timeout=600)
     return out_dir
@@ -170,8 +170,6 @@ def test_layouts_agree_on_validation(parity_runs):
 
 
 def test_metrics_records_are_complete(parity_runs):
-    import json
-
     with open(os.path.join(parity_runs, "u2r2.jsonl")) as f:
         records = [json.loads(line) for line in f]
     run = [r for r in records if r["kind"] == "run"]

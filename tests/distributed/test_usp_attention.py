@@ -24,7 +24,9 @@ through the megatron-core module ``USPAttention``. One process launch per world 
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import json
 import math
 from collections import Counter
 
@@ -34,9 +36,17 @@ import torch.distributed as dist
 
 from megatron.usp import token_order
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
+from megatron.usp.kernels import AttentionBackendUnavailable, get_kernel
 from megatron.usp.parallel_dims import ParallelDims
 from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
-from megatron.usp.ring_attention import ring_accum_dtype
+from megatron.usp.ring_attention import (
+    ring_accum_dtype,
+    ring_attention_backward,
+    ring_attention_forward,
+)
+from megatron.usp.ring_comm import RingComm
+from megatron.usp.ulysses import kv_replication
+from tests.gpu.test_usp_attention_gpu import assert_passed, load_check_tool
 from tests.helpers import attention_config
 
 TOL = dict(atol=1e-10, rtol=1e-10)
@@ -94,9 +104,9 @@ def tp_heads(x, tp_rank, tp, total_heads):
 
 
 def _module(groups, case, tp):
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.enums import AttnMaskType  # megatron-core on first use
 
-    from megatron.usp.core_attention import USPAttention
+    from megatron.usp.core_attention import USPAttention  # megatron-core on first use
 
     config = attention_config(NUM_HEADS, case["head_dim"], case["num_kv_heads"], groups.dims,
                               tensor_model_parallel_size=tp)
@@ -235,10 +245,6 @@ def test_usp_attention_matches_single_device(dist_run, world_size):
 
 def _narrow_accumulators_bitwise(rank, world_size):
     """R = 2, bf16: input-dtype accumulators give the bits float32 accumulators give."""
-    from megatron.usp.kernels import get_kernel
-    from megatron.usp.ring_attention import ring_attention_backward, ring_attention_forward
-    from megatron.usp.ring_comm import RingComm
-
     groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), ring=2))
     comm, kernel = RingComm(groups.ring), get_kernel("auto")
     assert ring_accum_dtype(torch.bfloat16, 2) == torch.bfloat16
@@ -297,9 +303,9 @@ def _config(**overrides):
 
 
 def _build(config, **kwargs):
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.enums import AttnMaskType  # megatron-core on first use
 
-    from megatron.usp.core_attention import USPAttention
+    from megatron.usp.core_attention import USPAttention  # megatron-core on first use
 
     params = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                   attention_type="self", cp_comm_type=None, softmax_scale=None,
@@ -314,20 +320,16 @@ def test_dropout_is_rejected_with_the_flag():
 
 
 def test_unknown_and_missing_backends():
-    import importlib.util
-
     with pytest.raises(ValueError, match="--attention-backend 'fast'"):
         _build(_config(), attention_backend="fast")
     if importlib.util.find_spec("flash_attn") is None:
-        from megatron.usp.kernels import AttentionBackendUnavailable
-
         with pytest.raises(AttentionBackendUnavailable, match="pip install flash-attn"):
             _build(_config(), attention_backend="flash-attn")
 
 
 def test_unsupported_masks_and_inputs():
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.packed_seq_params import PackedSeqParams  # megatron-core on first use
+    from megatron.core.transformer.enums import AttnMaskType  # megatron-core on first use
 
     with pytest.raises(NotImplementedError, match="causal or no_mask"):
         _build(_config(), attn_mask_type=AttnMaskType.padding)
@@ -347,8 +349,6 @@ def test_single_rank_module_without_groups_is_plain_attention():
 
 
 def test_kv_heads_and_ulysses_must_divide():
-    from megatron.usp.ulysses import kv_replication
-
     assert kv_replication(8, 2) == 1 and kv_replication(1, 4) == 4 and kv_replication(2, 8) == 4
     with pytest.raises(ValueError, match="--ulysses-degree"):
         kv_replication(3, 2)
@@ -358,10 +358,6 @@ def test_kv_heads_and_ulysses_must_divide():
 
 # --------------------------------------------------------------------------- GPU check tool
 def _check_tool_cpu(rank, world_size):
-    import json
-
-    from tests.gpu.test_usp_attention_gpu import assert_passed, load_check_tool
-
     tool = load_check_tool()
     cfg = tool.CheckConfig(seq_lens=(256,), heads=((8, 8), (8, 2)), head_dim=64,
                            timing_iters=1)
@@ -389,8 +385,6 @@ def test_attention_check_tool_cpu_smoke(dist_run):
 
 
 def test_attention_check_tool_arguments():
-    from tests.gpu.test_usp_attention_gpu import load_check_tool
-
     tool = load_check_tool()
     args = tool.parse_args(["--out", "x.json", "--device", "cpu", "--seq-lens", "128",
                             "--heads", "8/2", "--layouts", "2x1", "--dtype", "bf16"])
@@ -406,11 +400,16 @@ def test_attention_check_tool_arguments():
 
 
 def test_layer_spec_swaps_only_core_attention():
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,  # megatron-core on first use
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec  # megatron-core on first use
 
-    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_layer_spec
-    from megatron.usp.core_attention import USPAttention
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_layer_spec,
+    )
+    from megatron.usp.core_attention import USPAttention  # megatron-core on first use
 
     spec = get_usp_gpt_layer_spec(LayerSpecOptions(attention_backend="math"), qk_layernorm=True)
     upstream = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
@@ -423,11 +422,11 @@ def test_layer_spec_swaps_only_core_attention():
     for field in ("linear_qkv", "linear_proj"):
         assert getattr(mine, field) == getattr(theirs, field), field
     # Norms are ours (megatron/layers/norms.py): same math, and they support --sequence-parallel.
-    from megatron.layers.norms import RMSNorm
+    from megatron.layers.norms import RMSNorm  # megatron-core on first use
 
     assert mine.q_layernorm.module is RMSNorm and mine.k_layernorm.module is RMSNorm
     assert spec.submodules.mlp == upstream.submodules.mlp    # fused_swiglu off: upstream's
-    from megatron.layers.self_attention import USPSelfAttention
+    from megatron.layers.self_attention import USPSelfAttention  # megatron-core on first use
 
     assert spec.submodules.self_attention.module is USPSelfAttention
     assert spec.submodules.self_attention.params["rope_impl"] == "torch"

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.layers import lean_kernels, qkv_rope
+from megatron.training.cli.arguments import parse_args
 from tests.distributed.test_fused_loss_training import MODEL, STEPS, TRAINING, assert_same_curve
 
 TOLERANCE = 1e-5
@@ -37,9 +39,7 @@ LAYOUTS = {
 
 
 def _train_both_ways(rank, world_size, out):
-    from megatron.layers import lean_kernels, qkv_rope
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.loop import pretrain
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     calls = {"refill": 0, "qkv": 0}
     real_drop, real_split = lean_kernels.drop_until_backward, qkv_rope.qkv_split_rope

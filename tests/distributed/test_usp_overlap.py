@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.training.cpu_shims import apply_cpu_shims
 from megatron.usp import token_order
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.kernels import AttentionKernel, get_kernel
@@ -61,9 +62,9 @@ def _inputs(seq_len, hk, seed):
 
 
 def _module(groups, hk, chunks):
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.enums import AttnMaskType  # megatron-core on first use
 
-    from megatron.usp.core_attention import USPAttention
+    from megatron.usp.core_attention import USPAttention  # megatron-core on first use
 
     config = attention_config(NUM_HEADS, HEAD_DIM, hk, groups.dims)
     module = USPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
@@ -236,8 +237,6 @@ def check_overlap_schedule(groups, chunks, seq_len):
 
 # --------------------------------------------------------------------------- launches
 def _overlap_all(rank, world_size, layouts):
-    from megatron.training.cpu_shims import apply_cpu_shims
-
     apply_cpu_shims()
     for ulysses, ring in layouts:
         groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), ulysses=ulysses,
@@ -306,9 +305,9 @@ def test_explicit_overlap_chunks_are_checked():
 
 def test_single_rank_chunks_and_module_validation():
     """U = R = 1 with chunks (pure reorder pipeline) is exact; a bad value fails at build."""
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.enums import AttnMaskType  # megatron-core on first use
 
-    from megatron.usp.core_attention import USPAttention
+    from megatron.usp.core_attention import USPAttention  # megatron-core on first use
 
     q, k, v, dout = _inputs(16, 8, seed=3)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -8,6 +8,7 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.usp.parallel_dims import ParallelDims
 from tests.helpers import gpt_config
 
 SEQ, BATCH, VOCAB, SEED = 1024, 2, 512, 1234
@@ -23,7 +24,7 @@ def _config(fused_swiglu: bool):
 
 def _plain_name(name: str) -> str:
     """The separate norms' names of the lean layers' norm weights (the local spec's map)."""
-    from tests.distributed.test_gpt_forward_parity import LEAN_NAMES
+    from tests.distributed.test_gpt_forward_parity import LEAN_NAMES  # megatron-core on first use
 
     for plain, lean in LEAN_NAMES.items():
         name = name.replace(lean, plain)
@@ -38,12 +39,19 @@ def one_gpt_step(impl: str, lean: bool = False,
     ``fuse_wgrad``: the linear layers add their weight gradients into float32 ``main_grad``
     buffers given as megatron-core's DDP gives them (``--gradient-accumulation-fusion``);
     those parameters' gradients are read from there."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.models.gpt.gpt_model import GPTModel  # megatron-core on first use
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
+    )
 
-    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
-    from megatron.usp.parallel_dims import ParallelDims
-    from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_block_spec,
+    )
+    from megatron.usp.parallel_state import (  # megatron-core on first use
+        destroy_usp_parallel,
+        initialize_usp_parallel,
+    )
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)

@@ -13,7 +13,7 @@ import torch
 
 @pytest.mark.gpu
 def test_allocated_state_in_fused_adamw_on_gpu():
-    from megatron.training.loop import allocate_adam_state
+    from megatron.training.loop import allocate_adam_state  # megatron-core on first use
 
     def make():
         g = torch.Generator(device="cuda").manual_seed(0)

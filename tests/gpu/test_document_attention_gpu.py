@@ -16,6 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.usp.document_kernels import (
+    AutoDocumentKernel,
+    MathDocumentKernel,
+    TileDocumentKernel,
+    VarlenDocumentKernel,
+    build_document_block,
+    varlen_available,
+)
+from megatron.usp.kernels import get_kernel
 from tests.helpers import rel_err
 
 MIXES = {
@@ -44,16 +53,6 @@ def _run(kernel, block, q, k, v, dout, scale):
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_document_kernels_on_gpu(mix, kv_heads):
-    from megatron.usp.document_kernels import (
-        AutoDocumentKernel,
-        MathDocumentKernel,
-        TileDocumentKernel,
-        VarlenDocumentKernel,
-        build_document_block,
-        varlen_available,
-    )
-    from megatron.usp.kernels import get_kernel
-
     s, h, d = 2048, 8, 128
     seg = _segments(mix, s)
     pos = np.arange(s)[None]

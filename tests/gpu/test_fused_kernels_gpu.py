@@ -8,9 +8,14 @@ fused implementation to bf16 training accuracy.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from megatron.layers.qkv_rope import qkv_split_rope, qkv_split_rope_reference
+from megatron.training.optim import grad_clip
+from tests.gpu.gpt_step import one_gpt_step
 from tests.helpers import rel_err
 
 IMPLS = ["compile", "liger"]
@@ -18,7 +23,7 @@ NORM_GLU_IMPLS = IMPLS + ["usp"]      # RMSNorm and SwiGLU also have this projec
 
 
 def _available(impl: str) -> bool:
-    from megatron.layers.fused_kernels import liger_importable
+    from megatron.layers.fused_kernels import liger_importable  # megatron-core on first use
 
     return impl != "liger" or liger_importable()
 
@@ -52,7 +57,7 @@ def _check(fn_impl, fn_torch, fn_ref, inputs, extra=()):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", NORM_GLU_IMPLS)
 def test_rms_norm_on_gpu(impl):
-    from megatron.layers import fused_kernels as fk
+    from megatron.layers import fused_kernels as fk  # megatron-core on first use
 
     if not _available(impl):
         pytest.skip("liger-kernel is not installed")
@@ -67,7 +72,7 @@ def test_rms_norm_on_gpu(impl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", NORM_GLU_IMPLS)
 def test_swiglu_on_gpu(impl):
-    from megatron.layers import fused_kernels as fk
+    from megatron.layers import fused_kernels as fk  # megatron-core on first use
 
     if not _available(impl):
         pytest.skip("liger-kernel is not installed")
@@ -145,8 +150,6 @@ def test_qkv_split_rope_on_gpu(batch, heads, groups, rot, mscale):
 def test_gpt_step_with_fused_kernels_on_gpu(impl, tmp_path):
     """A 2-layer GPT (RMSNorm, SwiGLU, RoPE, GQA) in bf16: loss and gradients of ``impl`` vs
     ``torch``, same weights and tokens (the bf16 model's own noise: 1e-2 relative)."""
-    from tests.gpu.gpt_step import one_gpt_step
-
     if not _available(impl):
         pytest.skip("liger-kernel is not installed")
     loss_t, grads_t = one_gpt_step("torch")
@@ -163,8 +166,6 @@ def test_gpt_step_with_usp_kernels_on_gpu(lean):
     """``--fused-kernels usp`` (megatron.layers.lean_kernels, qkv_rope), the norm and SwiGLU
     outputs kept or (``lean``) dropped after the linear layers and refilled in place before
     their backward: loss and gradients vs ``torch`` as above."""
-    from tests.gpu.gpt_step import one_gpt_step
-
     loss_t, grads_t = one_gpt_step("torch")
     loss_f, grads_f = one_gpt_step("usp", lean=lean)
     assert abs(loss_f - loss_t) <= 1e-2 * abs(loss_t)
@@ -177,7 +178,7 @@ def test_gpt_step_with_usp_kernels_on_gpu(lean):
 def test_fused_adam_switch_on_gpu():
     """``use_fused_adam`` turns megatron-core's torch AdamW to the fused kernel: the same
     update as the foreach implementation to float32 rounding."""
-    from megatron.training.loop import use_fused_adam
+    from megatron.training.loop import use_fused_adam  # megatron-core on first use
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.randn(1000, 300, generator=gen, device="cuda"),
@@ -215,10 +216,6 @@ def test_step_scaled_in_fused_adam_on_gpu(clip):
     """``grad_clip.scaled_in_adam`` on CUDA: the fused kernel's division by num_tokens / clip
     coefficient equals dividing and clipping first, then the default AdamW (to float32
     rounding); with ``ok`` false nothing changes, moments and step included."""
-    from types import SimpleNamespace
-
-    from megatron.training.optim import grad_clip
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(1000, 300), (300,)]
     start = [torch.randn(s, generator=gen, device="cuda") for s in shapes]

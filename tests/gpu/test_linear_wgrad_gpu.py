@@ -19,6 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.layers import lean_kernels as lk
+from megatron.layers.linear_wgrad import accumulate_wgrad, swiglu_linear
+from tests.gpu.gpt_step import one_gpt_step
 from tests.helpers import rel_err
 
 
@@ -29,8 +32,6 @@ def _randn(*shape, seed=0, scale=1.0):
 
 @pytest.mark.gpu
 def test_wgrad_into_float32_main_grad_on_gpu():
-    from megatron.layers.linear_wgrad import accumulate_wgrad
-
     dy, x = _randn(8192, 1024, seed=1), _randn(8192, 768, seed=2)
     start = torch.randn(1024, 768, device="cuda") * 50
     exact = start.double() + dy.double().t() @ x.double()
@@ -46,8 +47,6 @@ def test_wgrad_into_float32_main_grad_on_gpu():
 
 @pytest.mark.gpu
 def test_swiglu_backward_refill_on_gpu():
-    from megatron.layers import lean_kernels as lk
-
     rows, f = 4096, 2816
     x, dy = _randn(rows, 2 * f, seed=3), _randn(rows, f, seed=4)
     forward = lk.swiglu(x)
@@ -64,8 +63,6 @@ def test_swiglu_backward_refill_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fuse", [False, True])
 def test_swiglu_linear_on_gpu(fuse):
-    from megatron.layers.linear_wgrad import swiglu_linear
-
     x, w, dy = _randn(2048, 2, 2 * 1408, seed=5), _randn(1024, 1408, seed=6, scale=0.03), \
         _randn(2048, 2, 1024, seed=7)
     xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -86,8 +83,6 @@ def test_swiglu_linear_on_gpu(fuse):
 
 @pytest.mark.gpu
 def test_gpt_step_with_wgrad_fusion_on_gpu():
-    from tests.gpu.gpt_step import one_gpt_step
-
     loss_t, grads_t = one_gpt_step("torch")
     loss_f, grads_f = one_gpt_step("usp", lean=True, fuse_wgrad=True)
     assert abs(loss_f - loss_t) <= 1e-2 * abs(loss_t)

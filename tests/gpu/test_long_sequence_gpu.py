@@ -1,4 +1,4 @@
-"""Issue 16's paths on one GPU: offload on CUDA streams, and the long-sequence training flags.
+"""The long-sequence paths on one GPU: offload on CUDA streams, and the long-sequence training flags.
 
 * ``test_offload_on_cuda_streams_is_exact`` (in this process): 8 checkpointed layers
   (megatron-core's ``CheckpointFunction``) on 64 MiB activations, twice (the second step reuses
@@ -26,7 +26,14 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from megatron.memory.activation_offload import (
+    ActivationOffloader,
+    OffloadConfig,
+    install_recompute_offload,
+)
+from megatron.usp.parallel_dims import ParallelDims
 from tests.helpers import swiglu_mlp_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,7 +55,7 @@ class _Block(torch.nn.Module):
         self.layers = torch.nn.ModuleList(_Layer(width) for _ in range(n))
 
     def forward(self, x):
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # megatron-core on first use
 
         for layer in self.layers:
             x = tensor_parallel.checkpoint(layer, False, x)
@@ -66,12 +73,6 @@ def _grads(block, x, steps=2):
 
 @pytest.mark.gpu
 def test_offload_on_cuda_streams_is_exact():
-    from megatron.memory.activation_offload import (
-        ActivationOffloader,
-        OffloadConfig,
-        install_recompute_offload,
-    )
-
     torch.manual_seed(0)
     block = _Block(8, 1024).cuda()
     x = torch.randn(4096, 4, 1024, device="cuda")
@@ -88,15 +89,22 @@ def test_offload_on_cuda_streams_is_exact():
 
 
 def _run_tiled_mlp():
-    import torch.distributed as dist
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.parallel_state import get_tensor_model_parallel_group
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.mlp import MLP
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,  # megatron-core on first use
+    )
+    from megatron.core.parallel_state import (
+        get_tensor_model_parallel_group,  # megatron-core on first use
+    )
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,  # megatron-core on first use
+    )
+    from megatron.core.transformer.mlp import MLP  # megatron-core on first use
 
-    from megatron.memory.tiled_mlp import TiledMLP
-    from megatron.usp.parallel_dims import ParallelDims
-    from megatron.usp.parallel_state import destroy_usp_parallel, initialize_usp_parallel
+    from megatron.memory.tiled_mlp import TiledMLP  # megatron-core on first use
+    from megatron.usp.parallel_state import (  # megatron-core on first use
+        destroy_usp_parallel,
+        initialize_usp_parallel,
+    )
 
     owned = not dist.is_initialized()
     if owned:

@@ -17,6 +17,20 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.usp.document_kernels import MathDocumentKernel, TileDocumentKernel
+from megatron.usp.document_ring import build_document_ring_plan
+from megatron.usp.kernels import get_kernel
+from megatron.usp.packed_documents import (
+    _ALWAYS_BATCHED,
+    _ALWAYS_VARLEN,
+    KernelCosts,
+    build_packed_plan,
+    costs_for,
+    documents_in_order,
+    packed_backward,
+    packed_forward,
+)
+
 S = 4096
 MIXES = {
     "equal": [512] * 8,
@@ -53,20 +67,6 @@ def _lengths(name, seed):
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("batch,kv_heads", [(1, 2), (2, 1)])
 def test_packed_documents_on_gpu(mix, batch, kv_heads):
-    from megatron.usp.document_kernels import MathDocumentKernel, TileDocumentKernel
-    from megatron.usp.document_ring import build_document_ring_plan
-    from megatron.usp.kernels import get_kernel
-    from megatron.usp.packed_documents import (
-        _ALWAYS_BATCHED,
-        _ALWAYS_VARLEN,
-        KernelCosts,
-        build_packed_plan,
-        costs_for,
-        documents_in_order,
-        packed_backward,
-        packed_forward,
-    )
-
     h, d = 8, 128
     lengths = [_lengths(mix, i) for i in range(batch)]
     seg = np.stack([np.repeat(np.arange(len(r)), r) for r in lengths])

@@ -1,4 +1,4 @@
-"""GPU checks of the pieces issue 6 added: the split causal forward and the fused loss.
+"""GPU checks of the split causal forward and the fused loss.
 
 * ``split_causal_forward`` (a ring of one splits long causal forwards into three half-size
   cuDNN calls merged in bf16) against float64 attention: relative L2 error of out within the
@@ -16,14 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.usp.kernels import MathKernel, get_kernel
+from megatron.usp.ring_attention import split_causal_forward
 from tests.helpers import rel_err
 
 
 @pytest.mark.gpu
 def test_split_causal_forward_on_gpu():
-    from megatron.usp.kernels import MathKernel, get_kernel
-    from megatron.usp.ring_attention import split_causal_forward
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, h, hk, s, d = 1, 8, 2, 4096, 128
     q = torch.randn(b, h, s, d, generator=gen, device="cuda").bfloat16()
@@ -41,7 +40,9 @@ def test_split_causal_forward_on_gpu():
 
 @pytest.mark.gpu
 def test_fused_linear_cross_entropy_on_gpu():
-    from megatron.training.model.fused_loss import fused_linear_cross_entropy
+    from megatron.training.model.fused_loss import (
+        fused_linear_cross_entropy,  # megatron-core on first use
+    )
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, b, hidden, vocab = 6144, 2, 1024, 32000
@@ -69,7 +70,9 @@ def test_fused_linear_cross_entropy_on_gpu():
 def test_fused_linear_cross_entropy_gradients_in_forward_on_gpu():
     """``loss_weights`` (the loss mask): gradients computed in the forward by the compiled
     chunk kernels, against the unfused path, to the same tolerances as above."""
-    from megatron.training.model.fused_loss import fused_linear_cross_entropy
+    from megatron.training.model.fused_loss import (
+        fused_linear_cross_entropy,  # megatron-core on first use
+    )
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, b, hidden, vocab = 6144, 2, 1024, 32000

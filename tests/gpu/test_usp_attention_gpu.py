@@ -25,7 +25,11 @@ import sys
 import pytest
 import torch
 
+from megatron.usp import kernels
+from megatron.usp.attention import usp_attention
+from megatron.usp.kernels import MathKernel, get_kernel, merge_block_
 from tests.helpers import rel_err
+from tests.unit.test_kernels import new_accumulators
 
 _TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "gpu_attention_check.py")
 
@@ -74,8 +78,6 @@ def test_usp_attention_gpu(tmp_path):
 
 # --------------------------------------------------------------------------- local kernels
 def _routes():
-    from megatron.usp import kernels
-
     kernel = kernels.TorchKernel()
     routes = {
         "flash": (torch.bfloat16, lambda *a: kernels._flash_op_forward(kernel, *a),
@@ -96,9 +98,6 @@ def test_torch_kernel_routes_on_gpu(route):
     out/lse in the backward) against the math kernel in float64 on the same values.
 
     Tolerance: relative L2 error 2e-2 for bf16 (8 mantissa bits), 1e-4 for fp32."""
-    from megatron.usp.kernels import MathKernel, merge_block_
-    from tests.unit.test_kernels import new_accumulators
-
     routes = _routes()
     if route not in routes:
         pytest.skip("cuDNN attention is not usable here")
@@ -144,9 +143,6 @@ def test_local_attention_on_sequence_major_tensors_on_gpu(batch, causal):
     """U = R = 1: ``usp_attention`` hands cuDNN megatron's ``[s, b, h, d]`` tensors as they are
     (q contiguous, k and v views into one QKV projection buffer). out, dq, dk, dv against
     float64 within 2x the error of the head-major cuDNN call on the same values."""
-    from megatron.usp.attention import usp_attention
-    from megatron.usp.kernels import MathKernel, get_kernel
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, h, hk, d = 4096, 16, 4, 128
     q = torch.randn(s, batch, h, d, generator=gen, device="cuda").bfloat16()

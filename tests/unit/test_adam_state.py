@@ -6,12 +6,15 @@ gives it to the plain and the distributed optimizer before ``pretrain``'s first 
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron.training.cli.arguments import parse_args
 from megatron.training.loop import allocate_adam_state
+from tests.harness import run_on_ranks
 from tests.helpers import tiny_gpt_flags
 
 
@@ -89,10 +92,7 @@ PRETRAIN_ARGS = tiny_gpt_flags(
 
 
 def _built_state(rank, world_size, out_path):
-    import json
-
-    from megatron.training import loop as training
-    from megatron.training.cli.arguments import parse_args
+    from megatron.training import loop as training  # megatron-core on first use
 
     seen = []
     build = training.build_optimizer
@@ -124,10 +124,6 @@ def _built_state(rank, world_size, out_path):
 
 
 def test_build_optimizer_gives_the_state_before_the_first_step(tmp_path):
-    import json
-
-    from tests.harness import run_on_ranks
-
     out = tmp_path / "state.json"
     run_on_ranks(_built_state, 1, str(out), timeout=300)
     got = json.loads(out.read_text())

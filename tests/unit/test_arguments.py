@@ -1,12 +1,15 @@
 """pretrain_gpt.py's flags: Megatron-LM's names, grouped --help, derived values, 'auto'."""
 
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
+import megatron.planner as planner
 from megatron.training.cli.arguments import (
+    ArgumentsError,
     build_parser,
     default_ffn_hidden_size,
     padded_vocab_size,
@@ -14,11 +17,13 @@ from megatron.training.cli.arguments import (
     validate_args,
 )
 from megatron.training.cli.auto_layout import resolve_auto_layout
+from megatron.usp.parallel_dims import ParallelDims
 from tests.helpers import tiny_gpt_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The flags issue 5 lists by their Megatron-LM names, with a value where they take one.
+# Megatron-LM's flags that pretrain_gpt.py takes under the same names, with a value where they
+# take one.
 MEGATRON_FLAGS = [
     ("--tensor-model-parallel-size", "1"), ("--pipeline-model-parallel-size", "1"),
     ("--num-layers", "4"), ("--hidden-size", "256"), ("--ffn-hidden-size", "512"),
@@ -165,8 +170,6 @@ def test_validation_leaves_the_namespace_as_parsed():
 
 def test_validation_builds_the_layout_once(monkeypatch):
     """One ParallelDims per validation, kept in the config (no re-derivation elsewhere)."""
-    from megatron.usp.parallel_dims import ParallelDims
-
     made = []
     real = ParallelDims.__init__
 
@@ -231,8 +234,6 @@ def _auto_tp2_args(extra):
 def test_auto_layout_plans_the_sequence_parallelism_the_user_asked_for(monkeypatch):
     """TP > 1: the planner's memory model follows --sequence-parallel (it does not switch it
     on), and without it the log says what adding it would do."""
-    import megatron.planner as planner
-
     seen = []
     real = planner.choose_layout
 
@@ -255,8 +256,6 @@ def test_auto_layout_plans_the_sequence_parallelism_the_user_asked_for(monkeypat
 def test_auto_layout_plans_the_loss_the_run_uses(monkeypatch):
     """The planner's memory model counts the run's loss: the fused one over its chunks, or
     megatron-core's full-sequence logits."""
-    import megatron.planner as planner
-
     seen = []
     real = planner.choose_layout
 
@@ -275,8 +274,6 @@ def test_auto_layout_plans_the_loss_the_run_uses(monkeypatch):
 
 
 def test_auto_layout_without_a_preset_asks_for_hardware():
-    from megatron.training.cli.arguments import ArgumentsError
-
     config = validate_args(parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree",
                                               "auto"]), 4, cuda_available=False)
     with pytest.raises(ArgumentsError, match="--hardware"):
@@ -290,10 +287,8 @@ def test_unknown_attention_backend_is_refused(capsys):
 
 
 def _train_with_auto_layout(rank, world_size):
-    import math
-
-    from megatron.training import initialize as init_mod
-    from megatron.training.loop import pretrain
+    from megatron.training import initialize as init_mod  # megatron-core on first use
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     args = parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree", "auto",
                               "--hardware", "h200", "--gpus-per-node", "4",
@@ -306,7 +301,7 @@ def _train_with_auto_layout(rank, world_size):
         runtimes.append(real(a))
         return runtimes[-1]
 
-    import megatron.training.loop as loop_mod
+    import megatron.training.loop as loop_mod  # megatron-core on first use
 
     loop_mod.initialize = keep
     try:
@@ -326,14 +321,16 @@ def test_auto_layout_trains(dist_run):
 
 
 def test_usp_overlap_chunks_flag_reaches_the_layer_spec():
-    from megatron.training.model.layer_specs import get_usp_gpt_layer_spec
+    from megatron.training.model.layer_specs import (
+        get_usp_gpt_layer_spec,  # megatron-core on first use
+    )
 
     assert parse_args(BASE).usp_overlap_chunks == "auto"
     assert parse_args(BASE + ["--usp-overlap-chunks", "2"]).usp_overlap_chunks == 2
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):
             parse_args(BASE + ["--usp-overlap-chunks", bad])
-    from megatron.training.model.layer_specs import LayerSpecOptions
+    from megatron.training.model.layer_specs import LayerSpecOptions  # megatron-core on first use
 
     core = get_usp_gpt_layer_spec(LayerSpecOptions(overlap_chunks=2)
                                   ).submodules.self_attention.submodules
@@ -343,8 +340,6 @@ def test_usp_overlap_chunks_flag_reaches_the_layer_spec():
 
 
 def test_usp_overlap_chunks_checked_against_the_heads_at_start_up():
-    from megatron.training.cli.arguments import ArgumentsError
-
     with pytest.raises(ArgumentsError) as e:
         _valid(["--usp-overlap-chunks", "3"])
     assert "--usp-overlap-chunks 3" in str(e.value) and "choose one of" in str(e.value)
@@ -377,8 +372,6 @@ def test_fused_linear_cross_entropy_flags():
      "--fused-linear-cross-entropy; add --fused-linear-cross-entropy"),
 ])
 def test_fused_linear_cross_entropy_bad_values(extra, match):
-    from megatron.training.cli.arguments import ArgumentsError
-
     with pytest.raises(ArgumentsError, match=match):
         _valid(extra)
 
@@ -391,8 +384,9 @@ def test_fused_linear_cross_entropy_chunk_needs_an_integer(capsys):
 
 
 def test_recompute_modules_reach_megatron_and_are_checked():
-    from megatron.training.cli.arguments import ArgumentsError
-    from megatron.training.model.build import transformer_config_from_args
+    from megatron.training.model.build import (
+        transformer_config_from_args,  # megatron-core on first use
+    )
 
     args = _valid(["--recompute-granularity", "selective", "--recompute-modules", "mlp"])
     config = transformer_config_from_args(args)
@@ -409,8 +403,10 @@ def test_recompute_modules_reach_megatron_and_are_checked():
 def test_layernorm_and_swiglu_recompute_are_the_layer_spec_s():
     """They never reach megatron-core (whose layernorm recompute needs TransformerEngine):
     the layer spec's fused linear layers do them; megatron-core's own modules still go through."""
-    from megatron.training.cli.arguments import ArgumentsError
-    from megatron.training.model.build import spec_recompute, transformer_config_from_args
+    from megatron.training.model.build import (  # megatron-core on first use
+        spec_recompute,
+        transformer_config_from_args,
+    )
 
     mlp = ["--swiglu", "--disable-bias-linear"]
     lean = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm",

@@ -13,13 +13,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
+from megatron.training.checkpoint import checksums
 from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training.cli.output_paths import check_output_paths
+from megatron.training.data import batch
 from megatron.usp.parallel_dims import USPConfigError
 from tests.helpers import tiny_gpt_flags
 
@@ -60,13 +69,13 @@ BAD = [
     # 2*U*R = 4 divides 68, but each CP rank's 34 tokens do not split over TP 4.
     (["--tensor-model-parallel-size", "4", "--ulysses-degree", "2", "--num-attention-heads",
       "8", "--sequence-parallel", "--seq-length", "68"], 8, "try --seq-length 64 or 72"),
-    # docs/reliability.md, issue 11: --lr 0 trains nothing; a negative value reaches
+    # --lr 0 trains nothing; a negative value reaches
     # validation (argparse alone reads "-1e-3" as a flag); no validation data for --eval-iters.
     (["--lr", "0"], 4, "--lr 0.0 must be > 0"),
     (["--lr", "-1e-3"], 4, "--lr -0.001 must be > 0"),
     (["--min-lr", "-1e-5"], 4, "--min-lr -1e-05 must be >= 0"),
     (["--split", "100,0,0"], 4, "--eval-iters 0"),
-    # Issue 8: a kernel package that is missing is found before any process group.
+    # A kernel package that is missing is found before any process group.
     (["--attention-backend", "flash-attn"], 4, "--attention-backend flash-attn needs a CUDA"),
 ]
 
@@ -85,8 +94,6 @@ def test_split_without_validation_is_fine_without_eval():
 
 
 def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith(("flash_attn",
@@ -99,9 +106,7 @@ def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
 
 
 def test_output_paths_are_checked(tmp_path):
-    """Issue 1: --save naming a file, or under a file, fails at start-up naming the flag."""
-    from megatron.training.cli.output_paths import check_output_paths
-
+    """--save naming a file, or under a file, fails at start-up naming the flag."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for flags, match in ((["--save", str(a_file)], "--save: .* is not a directory"),
@@ -119,7 +124,7 @@ def test_output_paths_are_checked(tmp_path):
 
 
 def test_usage_errors_print_on_rank_0_only(monkeypatch, capsys):
-    """Issue 9: every rank parses the same command line; only rank 0 says what is wrong."""
+    """Every rank parses the same command line; only rank 0 says what is wrong."""
     for rank, printed in (("0", True), ("1", False)):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as info:
@@ -130,10 +135,7 @@ def test_usage_errors_print_on_rank_0_only(monkeypatch, capsys):
 
 
 def test_help_needs_neither_torch_nor_megatron_core():
-    """Issue 14: --help is fast because it imports only the argument module."""
-    import subprocess
-    import sys
-
+    """--help is fast because it imports only the argument module."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import runpy, sys; sys.argv = ['pretrain_gpt.py', '--help']\n"
             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
@@ -188,9 +190,6 @@ def test_missing_data_prefix_names_its_files_before_the_tokenizer(tmp_path):
 
 @pytest.mark.slow
 def test_command_line_reports_one_error_line():
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -204,7 +203,7 @@ def test_command_line_reports_one_error_line():
 
 # --------------------------------------------------------------------------- on ranks
 def _bad_flags_on_ranks(rank, world_size):
-    from megatron.training.loop import pretrain
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     for extra, kind, flag in (
         (["--ulysses-degree", "3"], USPConfigError, "world size"),
@@ -227,11 +226,6 @@ def _fake_complete_checkpoint(path, with_checksums=False):
     """A complete checkpoint directory as far as the file checks go: a real PyTorch DCP
     save (.metadata and data files) plus megatron-core's metadata.json and common.pt
     (and, ``with_checksums``, the manifest save_checkpoint writes)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from megatron.training.checkpoint import checksums
-
     os.makedirs(path)
     dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, checkpoint_id=path, no_dist=True)
     with open(os.path.join(path, "metadata.json"), "w") as f:
@@ -248,14 +242,12 @@ def _write(path, text):
 
 
 def _bad_load_on_ranks(rank, world_size, root):
-    import torch.distributed as dist
-
     from megatron.training.checkpoint.save_load import (
         CheckpointError,
         iteration_dir,
         locate_checkpoint_on_all_ranks,
-    )
-    from megatron.training.loop import pretrain
+    )  # megatron-core on first use
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     def args(load, save=None, step=None):
         return parse_args(BASE + ["--load", load] + (["--save", save] if save else [])
@@ -269,7 +261,9 @@ def _bad_load_on_ranks(rank, world_size, root):
         good = os.path.join(root, "good")
         _fake_complete_checkpoint(iteration_dir(good, 3))
         write_tracker_args = (good, 3)
-        from megatron.training.checkpoint.save_load import write_tracker
+        from megatron.training.checkpoint.save_load import (
+            write_tracker,  # megatron-core on first use
+        )
 
         write_tracker(*write_tracker_args)
         empty = os.path.join(root, "empty")
@@ -365,8 +359,6 @@ NAN_ITERATION = 3
 
 def _poisoned_forward_step(num_microbatches):
     """The default forward step, with a NaN loss in every micro-batch of NAN_ITERATION."""
-    from megatron.training.data import batch
-
     calls = [0]
 
     def step(ctx, data_iterator, model):
@@ -381,7 +373,7 @@ def _poisoned_forward_step(num_microbatches):
 
 
 def _nan_on_ranks(rank, world_size, metrics_dir):
-    from megatron.training.loop import NonFiniteLossError, pretrain
+    from megatron.training.loop import NonFiniteLossError, pretrain  # megatron-core on first use
 
     common = BASE + ["--num-workers", "0", "--ulysses-degree", "2", "--micro-batch-size", "1",
                      "--global-batch-size", "2", "--eval-iters", "0",
@@ -413,10 +405,6 @@ def test_nan_loss_stops_or_is_skipped(dist_run, tmp_path):
 def _nan_grad_forward_step(num_microbatches):
     """The default forward step; in NAN_ITERATION the first parameter's gradient becomes
     NaN (0 * d sqrt(x)/dx at x = 0) while the loss stays finite."""
-    import torch
-
-    from megatron.training.data import batch
-
     calls = [0]
 
     def step(ctx, data_iterator, model):
@@ -432,7 +420,7 @@ def _nan_grad_forward_step(num_microbatches):
 
 
 def _nan_grad_on_ranks(rank, world_size, metrics_dir):
-    from megatron.training.loop import NonFiniteLossError, pretrain
+    from megatron.training.loop import NonFiniteLossError, pretrain  # megatron-core on first use
 
     common = BASE + ["--num-workers", "0", "--ulysses-degree", "2", "--micro-batch-size", "1",
                      "--global-batch-size", "2", "--eval-iters", "0",
@@ -456,13 +444,13 @@ def _nan_grad_on_ranks(rank, world_size, metrics_dir):
 
 
 def test_nan_grad_norm_stops_before_the_step_or_is_skipped(dist_run, tmp_path):
-    """Issue 7: a NaN grad norm under a finite loss is never applied; --skip-nan-steps skips
+    """A NaN grad norm under a finite loss is never applied; --skip-nan-steps skips
     it (before, the run stopped anyway, after applying it)."""
     dist_run(_nan_grad_on_ranks, 2, str(tmp_path), timeout=240)
 
 
 def test_nonfinite_grad_message_fits_the_clip_setting():
-    from megatron.training.loop import nonfinite_grad_message
+    from megatron.training.loop import nonfinite_grad_message  # megatron-core on first use
 
     assert "set --clip-grad 1.0" in nonfinite_grad_message(3, float("nan"), 2.0, 0.0)
     set_already = nonfinite_grad_message(3, float("inf"), 2.0, 1.0)

@@ -1,13 +1,17 @@
 """tools/bench_e2e.py --docs: the flag, the written documents, the trained documents it counts,
 the useful FLOPs and the report fields. No training process: the sweep's runs are faked."""
 
+import json
+
 import numpy as np
 import pytest
+import torch
 
 from megatron.bench import document_bench
+from megatron.bench.ceiling import CEILING_DOC_KERNELS, document_attention_ms
 from megatron.bench.cli import BenchConfigError
+from megatron.bench.e2e import cli, command, config, documents, launch, output, summary
 from megatron.bench.e2e import cli as e2e_cli
-from megatron.bench.e2e import command, config, documents, launch, output, summary
 from megatron.shapes import PRESETS, causal_pairs, document_pairs, training_flops
 
 EOD = 511
@@ -59,7 +63,7 @@ def test_data_flags_of_each_mix(tmp_path):
 
 # --------------------------------------------------------------------------- writing
 def _read(prefix):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # megatron-core on first use
 
     ds = IndexedDataset(prefix)
     return [np.array(ds[i], copy=True) for i in range(len(ds))]   # not views of its mmap
@@ -171,10 +175,6 @@ def test_markdown_and_progress_say_which_count(tmp_path):
 
 def test_payload_fields(tmp_path, monkeypatch):
     """--docs names the count and the written data in the JSON (runs faked)."""
-    import json
-
-    from megatron.bench.e2e import cli
-
     def fake_sweep(cfg, on_result, ceilings):
         on_result(summary.summarize(cfg, config.RunSpec(128, 1, 2, "none", 3), config.RunOutcome(
             "ok", 0, _records([1.0] * 3), "l", [], attention_pairs=[8.0] * 3,
@@ -196,10 +196,6 @@ def test_payload_fields(tmp_path, monkeypatch):
 def test_documents_ceiling_takes_the_fastest_kernel_per_sequence():
     """The document ceiling's attention (timed here on the CPU, tiny heads): each distinct
     sequence timed once, the fastest kernel counted, weighted by how often it was trained."""
-    import torch
-
-    from megatron.bench.ceiling import CEILING_DOC_KERNELS, document_attention_ms
-
     got = document_attention_ms(PRESETS["tiny"], [[32] * 4, [32] * 4, [64, 64]],
                                 torch.device("cpu"), torch.float32, repeats=1)
     assert sum(got["wins"].values()) == 3 and set(got["wins"]) <= set(got["kernels_ms"])

@@ -6,8 +6,10 @@ import json
 import pytest
 
 from megatron.bench import depth
+from megatron.bench.cli import BenchConfigError
 from megatron.bench.e2e import cli as e2e_cli
 from megatron.bench.e2e import command, config, output, summary, sweep
+from megatron.memory import activation_offload
 
 
 def _cfg(**kw):
@@ -54,7 +56,6 @@ def test_a_slice_changes_the_flags_and_the_flop_count():
     assert r_slice.flops_per_iteration < r_whole.flops_per_iteration / 8
     assert r_slice.peak_mem_gib == 12.0 and r_slice.peak_host_gib == 31.0
     assert "host peak 31.0 GiB" in output.progress_line(r_slice)
-    from megatron.bench.cli import BenchConfigError
 
     with pytest.raises(BenchConfigError, match="--num-layers 40"):
         e2e_cli.validate_config(_cfg(num_layers=40, pretrain_script=__file__))
@@ -116,8 +117,6 @@ def test_depth_command_reads_two_bench_files(tmp_path, capsys):
 def test_depth_refuses_offload_slices_shallower_than_the_prefetch_window(tmp_path):
     """With --recompute-cpu-offload a 1- or 2-layer slice keeps every input on the GPU
     (the offloader's prefetch window): its per-layer GPU bytes would be wrong."""
-    from megatron.memory import activation_offload
-
     assert depth.DEFAULT_PREFETCH == activation_offload.DEFAULT_PREFETCH
     files = {}
     for layers in (1, 2, 3, 4):

@@ -6,6 +6,7 @@ Nothing here asserts a timing; ``tests/distributed/test_bench_smoke.py`` runs th
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,9 +15,10 @@ import pytest
 import torch
 
 from megatron.bench import attention_bench as ab
-from megatron.bench import cli, flops, models, native_cp, report, timing
+from megatron.bench import cli, flops, hf_peer, models, native_cp, report, timing
 from megatron.bench.e2e import cli as e2e_cli
 from megatron.bench.e2e import command, config, launch, output, pairing, peers, summary, sweep
+from megatron.bench.e2e.launch import failure_cause
 from megatron.usp.token_order import positions_for_cp_rank
 
 REPO = Path(__file__).resolve().parents[2]
@@ -556,8 +558,6 @@ def test_peer_flags():
 
 
 def test_hf_peer_reports_missing_packages(monkeypatch):
-    from megatron.bench import hf_peer
-
     real = hf_peer.importlib.util.find_spec
     monkeypatch.setattr(hf_peer.importlib.util, "find_spec",
                         lambda name: None if name == "liger_kernel" else real(name))
@@ -613,8 +613,6 @@ def test_a_run_past_its_timeout_is_stopped_with_its_children(tmp_path):
 
 def test_metadata_says_when_the_tree_differs_from_the_commit(tmp_path):
     """A checkout with edited tracked files is reported as 'commit + uncommitted changes'."""
-    import subprocess
-
     def git(*a):
         subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
 
@@ -632,8 +630,6 @@ def test_metadata_says_when_the_tree_differs_from_the_commit(tmp_path):
 
 
 def test_a_failed_run_is_explained_by_its_cause_not_torchruns_summary():
-    from megatron.bench.e2e.launch import failure_cause
-
     torchrun_tail = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
                      "====\n/work/pretrain_gpt.py FAILED\n  traceback : To enable traceback see: "
                      "https://pytorch.org/docs/stable/elastic/errors.html\n====\n")

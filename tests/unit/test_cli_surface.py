@@ -21,13 +21,13 @@ ROOT = str(Path(__file__).parents[2])
 
 
 def _pretrain_parser() -> argparse.ArgumentParser:
-    from megatron.training.cli.arguments import build_parser
+    from megatron.training.cli.arguments import build_parser  # two build_parser functions here
 
     return build_parser()
 
 
 def _bench_e2e_parser() -> argparse.ArgumentParser:
-    from megatron.bench.e2e.cli import build_parser
+    from megatron.bench.e2e.cli import build_parser  # two build_parser functions here
 
     return build_parser()
 

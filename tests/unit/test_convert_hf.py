@@ -27,6 +27,26 @@ import sys
 import pytest
 import torch
 
+from megatron.convert.checkpoint_io import (
+    FLAGS_FILE,
+    SINGLE_RANK_FLAGS,
+    export_hf,
+    loaded_checkpoint,
+)
+from megatron.convert.hf_config import (
+    from_args,
+    from_hf_config,
+    model_flags,
+    to_hf_config,
+    vocab_divisor,
+)
+from megatron.convert.hf_weights import fuse_qkv, split_qkv
+from megatron.training.cli.arguments import padded_vocab_size, parse_args, validate_args
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.usp.document_mask import segment_ids_from_tokens
+from megatron.usp.document_ring import build_document_ring_plan
+from tests.helpers import document_offsets
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, EOD, SEQ, DECODE = 256, 3, 48, 32
 KL_MAX, LOGIT_MAX, LOSS_TOL = 1e-9, 1e-4, 1e-5
@@ -49,7 +69,7 @@ FAMILIES = {
 def make_hf_model(name: str, seed: int = 0):
     """A random float32 transformers model of family ``name``: every weight drawn (biases
     and norm scales too, so that none of them is a no-op)."""
-    import transformers
+    import transformers  # optional: transformers
 
     config_class, fields, _ = FAMILIES[name]
     config = getattr(transformers, config_class)(**{**COMMON, **fields})
@@ -91,9 +111,6 @@ def imported(tmp_path_factory):
 def documents_batch(seed: int = 7, seq: int = SEQ, vocab: int = VOCAB):
     """tokens [1, seq] of EOD-closed documents (lengths 1 .. 20), their segment ids and
     per-document positions."""
-    from megatron.usp.document_mask import segment_ids_from_tokens
-    from tests.helpers import document_offsets
-
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(4, vocab, (1, seq), generator=gen)
     cut = 0
@@ -125,8 +142,7 @@ def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor, what: str,
 
 
 def document_params(segments, ring_rank=0, ring_size=1, assignment=None):
-    from megatron.usp.core_attention import DocumentParams
-    from megatron.usp.document_ring import build_document_ring_plan
+    from megatron.usp.core_attention import DocumentParams  # megatron-core on first use
 
     plan = build_document_ring_plan(segments.numpy(), ring_rank, ring_size, assignment,
                                     causal=True, device=torch.device("cpu"))
@@ -169,9 +185,7 @@ def _check_family(name: str, hf_dir: str, ckpt: str, out_dir: str,
                   random_tokens: bool = True) -> None:
     """Decoding and export checks of one imported model; with ``random_tokens`` also the
     forward checks on random tokens (tiny random models)."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron.convert.checkpoint_io import export_hf, loaded_checkpoint
+    from transformers import AutoModelForCausalLM  # optional: transformers
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
@@ -196,8 +210,6 @@ def _check_family(name: str, hf_dir: str, ckpt: str, out_dir: str,
 
 
 def _check_families(rank, world_size, imported, out_root):
-    from megatron.training.cpu_shims import apply_cpu_shims
-
     apply_cpu_shims()
     for name, (hf_dir, ckpt) in imported.items():
         _check_family(name, hf_dir, ckpt, os.path.join(out_root, name))
@@ -208,8 +220,6 @@ def test_imported_models_match_transformers(dist_run, imported, tmp_path):
 
 
 def test_import_writes_the_model_flags(imported):
-    from megatron.convert.checkpoint_io import FLAGS_FILE
-
     with open(os.path.join(imported["qwen3"][1], FLAGS_FILE)) as f:
         flags = f.read().split()
     for flag in ("--qk-layernorm", "--kv-channels", "--group-query-attention"):
@@ -240,15 +250,11 @@ LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermedia
     (dict(rope_theta=10000.5), "rope_theta=10000.5 is not an integer"),
 ])
 def test_unsupported_configs_are_refused_naming_the_field(fields, message):
-    from megatron.convert.hf_config import from_hf_config
-
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         from_hf_config({**LLAMA, **fields})
 
 
 def test_rope_parameters_and_rope_theta_read_alike():
-    from megatron.convert.hf_config import from_hf_config, model_flags
-
     old = from_hf_config({**LLAMA, "rope_theta": 500000.0, "rope_scaling": None})
     new = from_hf_config({**{k: v for k, v in LLAMA.items() if k != "rope_theta"},
                           "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
@@ -258,10 +264,6 @@ def test_rope_parameters_and_rope_theta_read_alike():
 
 def test_config_round_trips_through_the_flags():
     """HF config -> flags -> the arguments a checkpoint records -> HF config again."""
-    from megatron.convert.checkpoint_io import SINGLE_RANK_FLAGS
-    from megatron.convert.hf_config import from_args, from_hf_config, model_flags, to_hf_config
-    from megatron.training.cli.arguments import parse_args, validate_args
-
     for fields in (dict(), dict(model_type="qwen3", head_dim=16), dict(model_type="qwen2"),
                    dict(tie_word_embeddings=True)):
         model = from_hf_config({**LLAMA, **fields})
@@ -277,9 +279,6 @@ def test_config_round_trips_through_the_flags():
 @pytest.mark.parametrize("vocab, divisor", [(49152, 128), (128256, 32), (151936, 16),
                                             (32000, 32), (250, 1)])
 def test_default_vocab_divisor_pads_nothing_up_to_tp8(vocab, divisor):
-    from megatron.convert.hf_config import vocab_divisor
-    from megatron.training.cli.arguments import padded_vocab_size
-
     assert vocab_divisor(vocab) == divisor
     assert all(padded_vocab_size(vocab, divisor, tp) == vocab for tp in (1, 2, 4, 8)
                if vocab % 8 == 0)
@@ -287,9 +286,6 @@ def test_default_vocab_divisor_pads_nothing_up_to_tp8(vocab, divisor):
 
 def test_qkv_fusion_groups_query_heads_with_their_key_and_value():
     """Row blocks of the fused QKV follow megatron-core's [groups, heads/groups + 2, d]."""
-    from megatron.convert.hf_config import from_hf_config
-    from megatron.convert.hf_weights import fuse_qkv, split_qkv
-
     model = from_hf_config(LLAMA)     # 8 query heads, 2 groups, d = 8
     d = model.kv_channels
     q = torch.arange(8).repeat_interleave(d).float().unsqueeze(1)          # head index

@@ -7,10 +7,15 @@ export back to bitwise-identical weights (``tests/unit/test_convert_hf.py``'s ch
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
 
+from megatron.convert.checkpoint_io import loaded_checkpoint
+from megatron.training.cpu_shims import apply_cpu_shims
+from megatron.usp.document_mask import segment_ids_from_tokens
+from tests.helpers import document_offsets
 from tests.unit.test_convert_hf import (
     LOSS_TOL,
     _check_family,
@@ -36,12 +41,7 @@ def _smollm2_dir() -> str:
 
 
 def _check(rank, world_size, hf_dir, ckpt, out_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatron.convert.checkpoint_io import loaded_checkpoint
-    from megatron.training.cpu_shims import apply_cpu_shims
-    from megatron.usp.document_mask import segment_ids_from_tokens
-    from tests.helpers import document_offsets
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: transformers
 
     apply_cpu_shims()
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -70,9 +70,7 @@ def _check(rank, world_size, hf_dir, ckpt, out_dir):
 def _save_dequantised(model, out_dir: str) -> None:
     """safetensors + config.json of the float32 weights (``save_pretrained`` refuses a model
     loaded from GGUF); tied, so without ``lm_head.weight``."""
-    import os
-
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional: safetensors
 
     os.makedirs(out_dir, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -83,7 +81,7 @@ def _save_dequantised(model, out_dir: str) -> None:
 
 
 def test_smollm2_imports_and_exports_with_parity(dist_run, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: transformers
 
     source = _smollm2_dir()
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")

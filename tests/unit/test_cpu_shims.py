@@ -69,7 +69,9 @@ def test_rope_cp_slice_matches_token_order():
 
 def test_rope_table_equals_upstream_formula():
     cpu_shims.apply_cpu_shims()
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding,  # megatron-core on first use
+    )
 
     rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
     emb = rope.get_emb(16)
@@ -80,7 +82,9 @@ def test_rope_table_equals_upstream_formula():
 
 def test_rng_tracker_forks_cpu_generator():
     cpu_shims.apply_cpu_shims()
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.tensor_parallel.random import (
+        CudaRNGStatesTracker,  # megatron-core on first use
+    )
 
     tracker = CudaRNGStatesTracker()
     tracker.add("a", 1)
@@ -103,7 +107,7 @@ def test_rng_tracker_forks_cpu_generator():
 
 def test_global_memory_buffer_on_cpu():
     cpu_shims.apply_cpu_shims()
-    from megatron.core.utils import GlobalMemoryBuffer
+    from megatron.core.utils import GlobalMemoryBuffer  # megatron-core on first use
 
     buf = GlobalMemoryBuffer()
     t = buf.get_tensor((2, 3), torch.float32, "x")

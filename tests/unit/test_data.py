@@ -20,6 +20,7 @@ from megatron.training.data.config import (
     parse_split,
     validate_data_config,
 )
+from megatron.training.data.indexed_files import inspect_indexed_dataset, scan_token_ids
 from megatron.training.data.loader import (
     PretrainingSampler,
     build_data_iterator,
@@ -118,8 +119,6 @@ def test_tokenizer_vocabulary_mismatch_is_refused(small_corpus, tmp_path):
 
 
 def test_large_datasets_are_scanned_in_windows_that_reach_both_ends(tmp_path):
-    from megatron.training.data.indexed_files import inspect_indexed_dataset, scan_token_ids
-
     docs = [[1] * 50 for _ in range(10)]
     docs[-1][-1] = 900  # the very last token
     info = scan_token_ids(inspect_indexed_dataset(_write_raw(str(tmp_path / "w"), docs)),

@@ -18,6 +18,7 @@ from megatron.usp.document_kernels import (
     AutoDocumentKernel,
     MathDocumentKernel,
     TileDocumentKernel,
+    _as_block,
     build_document_block,
     document_kernel_problem,
     get_document_kernel,
@@ -165,8 +166,6 @@ def test_equal_documents_match_the_oracle(local):
 
 
 def test_batched_output_laid_out_like_the_block_is_used_without_a_copy():
-    from megatron.usp.document_kernels import _as_block
-
     block_storage = torch.randn(3, 4 * 5, 2)                     # [h, n*L, d]
     batched = block_storage.view(3, 4, 5, 2).transpose(0, 1)      # [n, h, L, d] view
     viewed = _as_block(batched)

@@ -11,7 +11,12 @@ import pytest
 import torch
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
+from megatron.training.cli.arguments import ArgumentsError, build_parser, parse_args, validate_args
 from megatron.training.data.batch import SEQUENCE_KEYS, shard_batch_for_cp
+from megatron.training.data.config import DataConfig
+from megatron.training.data.documents import DocumentBatching
+from megatron.training.data.indexed_files import inspect_indexed_dataset
+from megatron.training.data.loader import build_gpt_datasets
 from megatron.usp import load_balance as lb
 from megatron.usp import token_order
 from megatron.usp.document_mask import (
@@ -237,8 +242,6 @@ def test_rank_work_from_document_lengths():
 
 
 def _corpus_lengths(small_corpus):
-    from megatron.training.data.indexed_files import inspect_indexed_dataset
-
     return np.asarray(inspect_indexed_dataset(small_corpus.data_prefix, "x").sequence_lengths)
 
 
@@ -272,10 +275,7 @@ def test_document_batching_on_the_corpus(small_corpus, tmp_path):
     """Corpus samples of 64 tokens (the small test corpus: documents of ~1300 tokens on
     average): boundaries exist, some micro-batches leave zigzag, and the chosen chunk
     assignment is better balanced than zigzag."""
-    from megatron.training.data.config import DataConfig
-    from megatron.training.data.documents import DocumentBatching
-    from megatron.training.data.loader import build_gpt_datasets
-    from megatron.training.data.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer  # megatron-core on first use
 
     tok = build_tokenizer("SentencePieceTokenizer", small_corpus.tokenizer_model)
     cfg = DataConfig(data_path=[small_corpus.data_prefix], seq_length=64,
@@ -313,15 +313,11 @@ BASE = tiny_gpt_flags(llama=False, max_position_embeddings=64, train_iters=2, lr
      "--chunk-assignment zigzag has no effect without --reset-attention-mask"),
 ])
 def test_document_flags_that_cannot_combine(extra, match):
-    from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
-
     with pytest.raises(ArgumentsError, match=match):
         validate_args(parse_args(BASE + extra), 1)
 
 
 def test_document_flags_accepted():
-    from megatron.training.cli.arguments import parse_args, validate_args
-
     args = validate_args(parse_args(BASE + ["--reset-position-ids", "--reset-attention-mask",
                                             "--eod-mask-loss", "--document-attention-kernel",
                                             "math", "--chunk-assignment", "zigzag"]), 1).args
@@ -332,8 +328,6 @@ def test_document_flags_accepted():
 
 @pytest.mark.parametrize("flag", ["--chunk-assignment", "--document-layout"])
 def test_chunk_assignment_flag_and_its_document_layout_alias(flag):
-    from megatron.training.cli.arguments import build_parser, parse_args
-
     args = parse_args(BASE + ["--reset-attention-mask", flag, "zigzag"])
     assert args.chunk_assignment == "zigzag" and not hasattr(args, "document_layout")
     assert parse_args(BASE).chunk_assignment == "auto"

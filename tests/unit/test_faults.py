@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import logging
 import os
 import re
@@ -19,10 +20,17 @@ import sys
 import time
 from argparse import Namespace
 
+import psutil
 import pytest
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training.checkpoint import checksums
 from megatron.training.checkpoint.faults import root_os_error, save_failure_message
+from megatron.training.launch import port_problem
+from megatron.training.observe.console import OnceLogFilter, OnceWarningPrinter
+from megatron.training.process_guard import descendants
 
 
 # --------------------------------------------------------------------------- checksums
@@ -78,16 +86,12 @@ def test_chunked_digest_catches_a_flip_in_any_piece(tmp_path, offset):
 def _hash_file(path, chunk_bytes):
     """One file's digest through ``hash_files``: the version-2 tree over ``chunk_bytes``
     pieces, or (``chunk_bytes=None``, version 1) one streaming hash of the whole file."""
-    from megatron.training.checkpoint import checksums
-
     name = os.path.basename(path)
     return checksums.hash_files(os.path.dirname(path), [name], chunk_bytes)[name][
         checksums.ALGORITHM]
 
 
 def test_chunked_digest_is_a_tree_over_the_pieces(tmp_path):
-    import xxhash
-
     data = os.urandom(2500)
     (tmp_path / "f").write_bytes(data)
     pieces = [xxhash.xxh3_128(data[i:i + 1000]).digest() for i in (0, 1000, 2000)]
@@ -113,10 +117,6 @@ def test_a_file_that_cannot_be_mapped_is_read_with_the_same_digest(tmp_path, mon
 
 
 def test_a_version_1_manifest_is_still_verified(tmp_path):
-    import json
-
-    import xxhash
-
     root = str(tmp_path)
     _files(root, {"__0_0.distcp": 3000})
     data = (tmp_path / "__0_0.distcp").read_bytes()
@@ -131,8 +131,6 @@ def test_a_version_1_manifest_is_still_verified(tmp_path):
 
 
 def test_a_manifest_of_an_unknown_version_is_refused(tmp_path):
-    import json
-
     (tmp_path / checksums.MANIFEST).write_text(json.dumps(
         {"version": 9, "algorithm": "xxh3_128", "files": {}}))
     with pytest.raises(checksums.ChecksumMismatch, match="version 9"):
@@ -165,8 +163,6 @@ def test_a_checkpoint_without_manifest_is_not_an_error(tmp_path):
 
 # --------------------------------------------------------------------------- save faults
 def test_save_failure_message_names_directory_room_and_what_is_safe(tmp_path):
-    from torch.distributed.checkpoint.api import CheckpointException
-
     root = tmp_path / "ckpt"
     previous = root / "iter_0000002"
     _files(str(previous), {"__0_0.distcp": 4096})
@@ -189,7 +185,10 @@ def test_save_failure_message_names_directory_room_and_what_is_safe(tmp_path):
 
 # --------------------------------------------------------------------------- model shape
 def test_checkpoint_of_another_model_names_the_flags():
-    from megatron.training.checkpoint.save_load import CheckpointError, check_model_matches
+    from megatron.training.checkpoint.save_load import (  # megatron-core on first use
+        CheckpointError,
+        check_model_matches,
+    )
 
     saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 172,
@@ -204,9 +203,9 @@ def test_checkpoint_of_another_model_names_the_flags():
 
 
 def test_another_seq_length_is_said_in_one_line(capsys, monkeypatch):
-    import torch.distributed as dist
-
-    from megatron.training.checkpoint.save_load import check_model_matches
+    from megatron.training.checkpoint.save_load import (
+        check_model_matches,  # megatron-core on first use
+    )
 
     monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
     saved = {"hidden_size": 64, "seq_length": 64}
@@ -219,8 +218,6 @@ def test_another_seq_length_is_said_in_one_line(capsys, monkeypatch):
 
 # --------------------------------------------------------------------------- console
 def test_each_warning_once_in_one_line_and_megatron_core_on_rank_0_only():
-    from megatron.training.observe.console import OnceLogFilter, OnceWarningPrinter
-
     for rank0 in (True, False):
         out = io.StringIO()
         printer = OnceWarningPrinter(rank0, out)
@@ -258,8 +255,6 @@ def test_filters_catch_megatron_core_import_warnings():
 
 # --------------------------------------------------------------------------- guard
 def test_descendants_follow_the_parent_links():
-    from megatron.training.process_guard import descendants
-
     procs = {10: ("S", 1, 10, 100), 11: ("S", 10, 10, 101), 12: ("S", 11, 10, 102),
              20: ("S", 1, 20, 103)}
     assert sorted(descendants(procs, 10)) == [(11, 101), (12, 102)]
@@ -268,8 +263,6 @@ def test_descendants_follow_the_parent_links():
 def test_guard_kills_what_the_process_left_behind(tmp_path):
     """A process that starts a child (as megatron-core's checkpoint writer starts its
     Manager) and is then killed with SIGKILL: its guard ends the child, then itself."""
-    import psutil
-
     script = tmp_path / "leaver.py"
     script.write_text(
         "import subprocess, sys, time\n"
@@ -437,8 +430,6 @@ def test_peer_failures_are_told_from_other_errors():
 
 # --------------------------------------------------------------------------- launcher
 def test_busy_master_port_is_named():
-    from megatron.training.launch import port_problem
-
     with socket.socket() as s:
         s.bind(("", 0))
         s.listen()
@@ -461,7 +452,10 @@ def test_busy_master_port_is_named():
 ])
 def test_another_grad_buffer_dtype_is_refused_by_name(saved, now, fix):
 
-    from megatron.training.checkpoint.save_load import CheckpointError, _check_optimizer_compatible
+    from megatron.training.checkpoint.save_load import (  # megatron-core on first use
+        CheckpointError,
+        _check_optimizer_compatible,
+    )
 
     saved = dict(saved, use_distributed_optimizer=True)
     current = dict(use_distributed_optimizer=True, **now)
@@ -472,7 +466,9 @@ def test_another_grad_buffer_dtype_is_refused_by_name(saved, now, fix):
 
 def test_the_same_grad_buffer_dtype_loads():
 
-    from megatron.training.checkpoint.save_load import _check_optimizer_compatible
+    from megatron.training.checkpoint.save_load import (
+        _check_optimizer_compatible,  # megatron-core on first use
+    )
 
     for values in ({"bf16": True, "accumulate_allreduce_grads_in_fp32": True},
                    {"bf16": True, "accumulate_allreduce_grads_in_fp32": False},

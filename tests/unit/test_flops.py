@@ -1,12 +1,24 @@
 """FLOPs per iteration against a hand count, the MFU peak table, and the metrics writer."""
 
+import io
 import json
+import re
 
 import pytest
+import torch
 
 from megatron.planner.hardware import peak_tflops_for_device, preset_for_device
-from megatron.shapes import ModelShape, dense_training_flops
-from megatron.training.observe.metrics import MetricsWriter, StepStats, Throughput
+from megatron.shapes import ModelShape, dense_training_flops, training_flops
+from megatron.training.cli.arguments import parse_args, validate_args
+from megatron.training.data.batch import attention_pairs
+from megatron.training.observe.metrics import (
+    MetricsWriter,
+    StepStats,
+    Throughput,
+    host_memory_gib,
+    memory_report,
+    peak_host_memory_gib,
+)
 from tests.helpers import tiny_gpt_flags
 
 
@@ -69,8 +81,6 @@ def test_full_attention_equals_megatron_lms_formula():
 
 
 def test_shape_from_config_uses_gqa_only_when_asked():
-    from megatron.training.cli.arguments import parse_args, validate_args
-
     base = tiny_gpt_flags(llama=False, num_attention_heads=8, train_iters=2, lr="1e-3",
                           mock_data=True, vocab_size=100)
     for extra, groups in ((["--group-query-attention", "--num-query-groups", "2"], 2), ([], 8)):
@@ -112,8 +122,6 @@ def test_throughput_and_mfu():
 
 
 def test_metrics_writer(tmp_path):
-    import io
-
     shape = _shape(2, 64, 256, 4, 4, 16, 1024, swiglu=False)
     out = io.StringIO()
     metrics = tmp_path / "m" / "metrics.jsonl"
@@ -159,16 +167,6 @@ def test_disabled_writer_writes_nothing(tmp_path):
 def test_memory_report_names_host_memory_now_and_at_peak():
     """The start-up memory lines (after the model, after the optimizer): on the CPU the host
     part only, with the resident size now within the peak."""
-    import re
-
-    import torch
-
-    from megatron.training.observe.metrics import (
-        host_memory_gib,
-        memory_report,
-        peak_host_memory_gib,
-    )
-
     before = host_memory_gib()
     assert before is not None and 0 < before <= peak_host_memory_gib() + 0.05   # (ru_maxrss lags)
     block = torch.ones(64 << 20, dtype=torch.uint8)   # 64 MiB, touched: resident
@@ -182,10 +180,6 @@ def test_memory_report_names_host_memory_now_and_at_peak():
 
 def test_attention_pairs_count_each_document():
     """Documents of 3, 5 and 1 tokens and one of 9: (9 + 25 + 1)/2 + 81/2 pairs."""
-    import torch
-
-    from megatron.training.data.batch import attention_pairs
-
     seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2], [0] * 9], dtype=torch.int32)
     full = {"tokens": torch.zeros(2, 9, dtype=torch.int64), "segment_ids": seg}
     assert attention_pairs(full, documents=True) == (9 + 25 + 1) / 2 + 81 / 2
@@ -193,9 +187,6 @@ def test_attention_pairs_count_each_document():
 
 
 def test_throughput_counts_the_pairs_it_is_given():
-    from megatron.shapes import ModelShape, training_flops
-    from megatron.training.observe.metrics import Throughput
-
     shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128)
     tp = Throughput(shape, 1024, 2, world_size=1, peak_tflops=1.0)
     dense, docs = tp.of(1.0), tp.of(1.0, attention_pairs=1000.0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron.layers import fused_kernels as fk
+from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 from megatron.usp import backend_names
 from tests.helpers import tiny_gpt_flags
 
@@ -39,8 +40,6 @@ def test_resolve_refuses(monkeypatch, name, cuda, liger, needle):
 
 
 def test_validate_args_resolves_and_refuses():
-    from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
-
     base = tiny_gpt_flags(llama=False, micro_batch_size=1, global_batch_size=1, train_iters=1,
                           lr="1e-3")
     config = validate_args(parse_args(base), 1, cuda_available=False)
@@ -65,7 +64,9 @@ def test_swiglu_plain_matches_formula():
     gate, up = x[..., :6], x[..., 6:]
     want = gate / (1 + torch.exp(-gate)) * up
     torch.testing.assert_close(fk.swiglu(x, "torch"), want, rtol=1e-12, atol=1e-12)
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        TransformerConfig,  # megatron-core on first use
+    )
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
     module = fk.SwiGLU(config=config, impl="torch")
@@ -91,7 +92,7 @@ def _rotate_pairs(t: torch.Tensor, positions: torch.Tensor, base: float) -> torc
 @pytest.mark.parametrize("batch_positions", [False, True])
 def test_rope_plain_follows_given_positions(batch_positions):
     """Positions in the load-balanced order (chunks 0 and 3 of 4), or different per row."""
-    from megatron.bench.fused_kernels_bench import rope_freqs
+    from megatron.bench.fused_kernels_bench import rope_freqs  # megatron-core on first use
 
     gen = torch.Generator().manual_seed(2)
     s, b, d, base = 8, 2, 8, 10000.0
@@ -113,7 +114,7 @@ def test_rope_plain_follows_given_positions(batch_positions):
 
 
 def test_rope_partial_rotary_leaves_the_rest():
-    from megatron.bench.fused_kernels_bench import rope_freqs
+    from megatron.bench.fused_kernels_bench import rope_freqs  # megatron-core on first use
 
     freqs = rope_freqs(4, 4, dtype=torch.float64)                                 # rotate 4 of 8 dims
     q = torch.randn(4, 1, 2, 8, dtype=torch.float64)

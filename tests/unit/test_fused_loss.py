@@ -57,7 +57,9 @@ def _fused(hidden, weight, labels, probe, chunk_tokens):
 
 def _megatron_arithmetic(hidden, weight, labels, probe):
     """megatron-core's output layer + VocabParallelCrossEntropy steps, in float64, TP=1."""
-    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as VPCE
+    from megatron.core.tensor_parallel.cross_entropy import (
+        VocabParallelCrossEntropy as VPCE,  # megatron-core on first use
+    )
 
     logits = torch.einsum("sbh,vh->sbv", hidden, weight)          # [s, b, V]
     target = labels.t().contiguous()                               # [b, s] -> [s, b]
@@ -259,7 +261,7 @@ def test_gradients_computed_in_forward_equal_reference(chunk_tokens, case):
 
 
 def test_gradients_in_forward_only_when_gradients_are_wanted():
-    from megatron.training.model import fused_loss
+    from megatron.training.model import fused_loss  # megatron-core on first use
 
     hidden, weight, labels, _ = _inputs()
     calls = []
@@ -285,7 +287,7 @@ def test_gradients_in_forward_only_when_gradients_are_wanted():
 
 
 def test_common_scale():
-    from megatron.training.model.fused_loss import common_scale
+    from megatron.training.model.fused_loss import common_scale  # megatron-core on first use
 
     w = torch.tensor([0.0, 1.0, 1.0, 0.0])
     assert common_scale(0.5 * w, w) == 0.5

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.training.cpu_shims import cuda_requests_on_cpu
 from megatron.training.optim import grad_clip
 
 
@@ -55,9 +56,7 @@ def _params(seed, n=4, scale=3.0):
 
 
 def _reference_norm(subs):
-    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
-
-    from megatron.training.cpu_shims import cuda_requests_on_cpu
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32  # megatron-core on first use
 
     with cuda_requests_on_cpu():
         norms = [get_grad_norm_fp32(s.get_main_grads_for_grad_norm(),
@@ -69,9 +68,9 @@ def _reference_norm(subs):
 @pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("clip", [0.0, 1.0, 1e6])
 def test_norm_and_clip_equal_megatron_cores(chained, clip):
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-    from megatron.training.cpu_shims import cuda_requests_on_cpu
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,  # megatron-core on first use
+    )
 
     subs = [_Sub(_params(0), clip)] + ([_Sub(_params(1, n=3), clip)] if chained else [])
     optimizer = SimpleNamespace(chained_optimizers=subs) if chained else subs[0]
@@ -209,7 +208,7 @@ def test_fused_adams_only_where_the_kernel_takes_the_scaling():
 
 
 def test_use_fused_adam_switches_cpu_and_cuda_adams_only():
-    from megatron.training.loop import use_fused_adam
+    from megatron.training.loop import use_fused_adam  # megatron-core on first use
 
     def wrapped(opt):
         return SimpleNamespace(optimizer=opt)

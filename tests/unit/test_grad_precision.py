@@ -1,4 +1,4 @@
-"""Gradient precision under --bf16: float32 accumulation and reduction by default (issue 13).
+"""Gradient precision under --bf16: float32 accumulation and reduction by default.
 
 Megatron-LM forces ``accumulate_allreduce_grads_in_fp32`` under ``--bf16``; so does this
 project now, with ``--grad-reduce-in-bf16`` (Megatron-LM's name) as the opt-out. Checked
@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import megatron.planner as planner
 from megatron.training.cli.arguments import ArgumentsError, build_parser, parse_args, validate_args
+from megatron.training.cli.auto_layout import resolve_auto_layout
 from megatron.training.model.build import ddp_config_from_args, grad_buffer_dtype
 from tests.helpers import tiny_gpt_flags
 
@@ -70,9 +72,6 @@ def test_help_states_the_cost_and_the_saving():
 
 def test_planner_counts_the_gradient_buffer_the_run_has(monkeypatch):
     """'auto' degrees: the memory model's gradient bytes follow the flags (4 by default)."""
-    import megatron.planner as planner
-    from megatron.training.cli.auto_layout import resolve_auto_layout
-
     seen = []
     real = planner.choose_layout
 

@@ -10,12 +10,16 @@ the bf16 rounding of the inputs' own scale (2e-2).
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import subprocess
 import sys
 
 import pytest
 import torch
 
+from megatron.usp import kernels
+from megatron.usp.attention import usp_attention
 from megatron.usp.kernels import (
     AttentionBackendUnavailable,
     MathKernel,
@@ -207,8 +211,6 @@ def test_get_kernel_names_and_errors():
 
 
 def test_unavailable_backends_say_what_to_install():
-    import importlib.util
-
     if importlib.util.find_spec("flash_attn") is None and importlib.util.find_spec(
         "flash_attn_interface"
     ) is None:
@@ -319,8 +321,6 @@ def _te_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o
 
 
 def _install_fakes(monkeypatch, which):
-    from megatron.usp import kernels
-
     mods = {}
     if which == "fa2":
         mods["flash_attn"] = _module("flash_attn", __version__="2.8.3")
@@ -352,8 +352,6 @@ def _install_fakes(monkeypatch, which):
 @pytest.mark.parametrize("which", ["fa2", "fa3", "te"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_optional_adapters_against_stand_ins(monkeypatch, which, causal):
-    from megatron.usp import kernels
-
     _install_fakes(monkeypatch, which)
     kernel = kernels.TEKernel() if which == "te" else kernels.FlashAttnKernel()
     if which != "te":
@@ -373,8 +371,6 @@ def test_optional_adapters_against_stand_ins(monkeypatch, which, causal):
 
 def test_functional_path_imports_without_megatron_core():
     """Benchmarks and tools/gpu_attention_check.py use usp_attention with only torch."""
-    import subprocess
-
     code = (
         "import sys; sys.modules['megatron.core'] = None\n"
         "from megatron.usp.attention import usp_attention\n"
@@ -392,8 +388,6 @@ def test_functional_path_imports_without_megatron_core():
 def test_single_rank_usp_attention_on_sequence_major_views(batch, causal):
     """U = R = 1 runs the kernel on [b, h, s, d] views of megatron's [s, b, h, d] tensors (k, v
     strided views of one buffer): float64 out and gradients equal the reference."""
-    from megatron.usp.attention import usp_attention
-
     gen = torch.Generator().manual_seed(5)
     s, h, hk, d = 32, 4, 2, 16
     q = torch.randn(s, batch, h, d, generator=gen, dtype=torch.float64, requires_grad=True)

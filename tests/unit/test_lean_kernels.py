@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.layers import lean_kernels as lk
+from tests.harness import run_under_triton_interpreter
 
 TOL = dict(atol=1e-12, rtol=1e-12)
 
@@ -154,6 +155,4 @@ _INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernels_under_the_interpreter():
-    from tests.harness import run_under_triton_interpreter
-
     assert "kernels ok" in run_under_triton_interpreter(_INTERPRETED)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megatron.layers import lean_kernels as lk
 from megatron.layers import linear_wgrad as lw
@@ -146,15 +147,18 @@ def test_bad_shapes_are_refused_by_name():
 
 
 def test_spec_switch_maps_megatrons_linears_and_refuses_others():
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.tensor_parallel.layers import (  # megatron-core on first use
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec  # megatron-core on first use
 
-    from megatron.layers import fused_linears as fl
+    from megatron.layers import fused_linears as fl  # megatron-core on first use
     from megatron.training.model.layer_specs import (
         LayerSpecOptions,
         get_usp_gpt_layer_spec,
         with_wgrad_fusion,
-    )
+    )  # megatron-core on first use
 
     assert with_wgrad_fusion(ColumnParallelLinear).module is fl.USPColumnParallelLinear
     assert with_wgrad_fusion(RowParallelLinear).params == {"fuse_wgrad": True}
@@ -180,8 +184,6 @@ def test_ddp_skips_its_addition_under_a_non_reentrant_checkpoint(op):
     whose backward hands the Function the recomputed saved tensors: another Python object
     than the parameter. DDP's hook reads ``grad_added_to_main_grad`` from the parameter, so
     the flag must be set there, or it adds the uninitialised stand-in to ``main_grad``."""
-    from torch.utils.checkpoint import checkpoint
-
     w = _ddp_weight((4, 3))
     w.register_post_accumulate_grad_hook(_ddp_hook)
     x = torch.randn(4, 6 if op == "swiglu_linear" else 3, dtype=torch.float64)

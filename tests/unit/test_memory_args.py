@@ -5,7 +5,10 @@ flag and a way out; valid combinations pass and fill in defaults (the offload fr
 FSDP sharding strategy). Megatron-LM's names parse to Megatron-LM's dests.
 """
 
+import importlib.util
+
 import pytest
+import torch
 
 from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 from tests.helpers import tiny_gpt_flags
@@ -95,11 +98,9 @@ def test_precision_aware_offload_config_without_transformer_engine():
     """megatron-core 0.16.1's OptimizerConfig raises TypeError under
     use_precision_aware_optimizer when TE is absent; build_optimizer's workaround gives the
     config what __post_init__ sets for the HybridDeviceOptimizer path."""
-    import importlib.util
+    from megatron.core.optimizer import OptimizerConfig  # megatron-core on first use
 
-    from megatron.core.optimizer import OptimizerConfig
-
-    from megatron.training.loop import precision_aware_without_te
+    from megatron.training.loop import precision_aware_without_te  # megatron-core on first use
 
     if importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(TypeError):   # the upstream bug this works around
@@ -117,9 +118,9 @@ def test_precision_aware_offload_config_without_transformer_engine():
 
 
 def test_adam_step_goes_where_the_param_group_expects_it():
-    import torch
-
-    from megatron.training.checkpoint.save_load import adam_step_tensor
+    from megatron.training.checkpoint.save_load import (
+        adam_step_tensor,  # megatron-core on first use
+    )
 
     param = torch.empty(3, device="meta")   # stands for a CUDA parameter
     fused = adam_step_tensor(7.0, {"fused": True}, param)
@@ -133,11 +134,14 @@ def test_restored_adam_step_sits_with_the_tensor_a_sub_optimizer_steps(monkeypat
     """HybridDeviceOptimizer (--optimizer-cpu-offload): the state of a model parameter (CUDA)
     is stepped by a CPU sub-optimizer on a CPU copy; a fused group's restored step must sit on
     the CPU, not on the model parameter's device (a resumed run on one H200 failed so)."""
-    import torch
-    from megatron.core.optimizer import distrib_optimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer import distrib_optimizer  # megatron-core on first use
+    from megatron.core.optimizer.distrib_optimizer import (
+        DistributedOptimizer,  # megatron-core on first use
+    )
 
-    from megatron.training.checkpoint.save_load import _restore_adam_steps
+    from megatron.training.checkpoint.save_load import (
+        _restore_adam_steps,  # megatron-core on first use
+    )
 
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
     model_param = torch.nn.Parameter(torch.zeros(3, device="meta"))   # stands for CUDA

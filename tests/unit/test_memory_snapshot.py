@@ -6,7 +6,9 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 
+from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
 from megatron.training.observe import memory_snapshot as ms
 from tests.helpers import tiny_gpt_flags
 
@@ -61,8 +63,6 @@ def test_cli_reads_a_pickle(tmp_path, capsys):
 def test_per_rank_path_and_cpu_is_off():
     assert ms.snapshot_path_for_rank("/a/snap.pickle", 3) == "/a/snap.rank3.pickle"
 
-    import torch
-
     history = ms.MemoryHistory(True, 2, "/tmp/s{seq_length}.pickle", 4096, 0,
                                torch.device("cpu"))
     assert not history.enabled and not history.after(2)
@@ -70,8 +70,6 @@ def test_per_rank_path_and_cpu_is_off():
 
 
 def test_the_flag_is_refused_on_the_cpu():
-    from megatron.training.cli.arguments import ArgumentsError, parse_args, validate_args
-
     base = tiny_gpt_flags(llama=False, train_iters=3, lr="1e-3", mock_data=True,
                           vocab_size=1000)
     with pytest.raises(ArgumentsError, match="--record-memory-history"):

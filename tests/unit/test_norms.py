@@ -21,7 +21,9 @@ NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 
 
 def _config(normalization="RMSNorm", sequence_parallel=False, **extra):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        TransformerConfig,  # megatron-core on first use
+    )
 
     return TransformerConfig(
         num_layers=4, hidden_size=32, num_attention_heads=4, normalization=normalization,
@@ -45,7 +47,7 @@ def _run(module, x, dy):
 @pytest.mark.parametrize("normalization", sorted(NORMS))
 @pytest.mark.parametrize("shape,eps", [((16, 2, 32), 1e-5), ((5, 32), 1e-6), ((3, 1, 2, 32), 0.1)])
 def test_equals_wrapped_torch_norm(normalization, shape, eps):
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # megatron-core on first use
 
     config = _config(normalization)
     gen = torch.Generator().manual_seed(7)
@@ -123,10 +125,13 @@ def test_norm_class_names_the_flag():
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])
 def test_layer_spec_uses_our_norms(qk_layernorm):
-    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.identity_op import IdentityOp  # megatron-core on first use
 
-    from megatron.layers.fused_kernels import op_impl
-    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_layer_spec
+    from megatron.layers.fused_kernels import op_impl  # megatron-core on first use
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_layer_spec,
+    )
 
     def norm_module(slot):
         return slot.module if hasattr(slot, "module") else slot
@@ -147,8 +152,11 @@ def test_layer_spec_uses_our_norms(qk_layernorm):
 
 
 def test_block_spec_holds_this_stage_layers_and_our_final_norm():
-    from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
-    from megatron.usp.core_attention import USPAttention
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_block_spec,
+    )
+    from megatron.usp.core_attention import USPAttention  # megatron-core on first use
 
     config = _config("LayerNorm", qk_layernorm=True, pipeline_model_parallel_size=2,
                      pipeline_dtype=torch.float64)

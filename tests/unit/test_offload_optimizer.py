@@ -34,7 +34,9 @@ def test_empty_sub_optimizer_is_refused():
 
 
 def test_megatron_core_builds_on_the_gpu_where_its_copies_fit():
-    from megatron.training.optim.offload_optimizer import build_fraction
+    from megatron.training.optim.offload_optimizer import (
+        build_fraction,  # megatron-core on first use
+    )
 
     gib = 2**30
     llama3_8b = 8_030_261_248

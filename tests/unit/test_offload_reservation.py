@@ -10,6 +10,8 @@ and the bytes reserved are recorded.
 
 import json
 
+from megatron.training.cli.arguments import parse_args
+from tests.harness import run_on_ranks
 from tests.helpers import tiny_gpt_flags
 
 ARGS = tiny_gpt_flags(
@@ -21,9 +23,8 @@ ARGS = tiny_gpt_flags(
 
 
 def _run(rank, world_size, out_path):
-    from megatron.training import loop as training
-    from megatron.training.cli.arguments import parse_args
-    from megatron.training.model.build import unwrap
+    from megatron.training import loop as training  # megatron-core on first use
+    from megatron.training.model.build import unwrap  # megatron-core on first use
 
     order, chunks = [], []
     build, reserve = training.build_optimizer, training.reserve_offload_buffers
@@ -49,8 +50,6 @@ def _run(rank, world_size, out_path):
 
 
 def test_offload_buffers_are_pinned_after_the_optimizer(tmp_path):
-    from tests.harness import run_on_ranks
-
     out = tmp_path / "order.json"
     run_on_ranks(_run, 1, str(out), timeout=300)
     got = json.loads(out.read_text())

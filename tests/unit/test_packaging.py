@@ -1,6 +1,7 @@
 """Our code and megatron-core share the ``megatron`` namespace, installed either way."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,6 @@ def test_non_editable_install_imports_beside_megatron_core(tmp_path):
 def test_every_package_of_ours_is_installed():
     """Each folder under megatron/ is a package that setup.py ships (a missing one imports
     from the source tree's root and nowhere else)."""
-    import re
-
     ours = sorted(p.name for p in (REPO / "megatron").iterdir()
                   if p.is_dir() and any(p.glob("*.py")))
     shipped = re.findall(r'"megatron\.(\w+)\*"', (REPO / "setup.py").read_text())

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -18,6 +19,7 @@ from megatron.planner import (
     load_calibration,
     load_model,
 )
+from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, logits_bytes, rank_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -143,10 +145,6 @@ def test_bench_links_writes_a_calibration_the_planner_reads(dist_run, tmp_path, 
 def test_the_loss_the_plan_assumes(capsys):
     """The plan counts (and its command runs) the fused output layer and loss; the unfused
     loss keeps full-sequence float32 logits: Llama-3-8B at 256K on one GPU, 125 GiB of them."""
-    from dataclasses import replace
-
-    from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, logits_bytes, rank_shapes
-
     model, lay, gib = load_model("llama3-8b"), Layout.of(1, 1, 1, 1, 1, 1, "full"), 2**30
     n, h, v = 262144, model.hidden_size, model.vocab_size
     sh = rank_shapes(model, lay, 1, n, DEFAULT_ASSUMPTIONS)

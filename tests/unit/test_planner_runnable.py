@@ -3,18 +3,20 @@
 Every ranked layout of a few presets (its printed ``pretrain_gpt.py`` flags plus the run's
 LR, length and data flags) passes ``pretrain_gpt.py``'s own argument validation; none is
 ZeRO-2/3 (Megatron-FSDP: not recommended until verified on GPUs) or selective recompute of ``layernorm`` without
-TransformerEngine (refused by the arguments). Issue 12 of docs/reliability.md.
+TransformerEngine (refused by the arguments); docs/reliability.md lists the fault.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+from dataclasses import replace
 
 import pytest
 
-from megatron.planner import Workload, plan_layouts
+from megatron.planner import DEFAULT_ASSUMPTIONS, Workload, get_hardware, plan_layouts
 from megatron.planner.capabilities import FULL_MEGATRON, Capabilities, runnable
-from megatron.planner.cost_model import Layout
+from megatron.planner.cost_model import Layout, estimate
 from megatron.planner.plan import plan_from
 from megatron.shapes import PRESETS
 from megatron.training.cli.arguments import parse_args, validate_args
@@ -66,11 +68,6 @@ def test_capability_table_refuses_what_has_no_flag():
 
 def test_selective_recompute_memory_follows_the_modules():
     """Without layernorm recompute the norm outputs stay: selective needs more memory."""
-    from dataclasses import replace
-
-    from megatron.planner import DEFAULT_ASSUMPTIONS, get_hardware
-    from megatron.planner.cost_model import estimate
-
     w = Workload(PRESETS["llama3-8b"], 131072, 8, 8)
     lay = Layout.of(1, 8, 1, 1, 1, 1, "selective")
     with_norms = estimate(w, lay, get_hardware("h200"), DEFAULT_ASSUMPTIONS)
@@ -80,8 +77,6 @@ def test_selective_recompute_memory_follows_the_modules():
 
 
 def test_cli_prints_the_command(capsys):
-    import os
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location(
         "plan_parallel", os.path.join(root, "tools", "plan_parallel.py"))

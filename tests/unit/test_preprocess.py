@@ -121,7 +121,7 @@ def test_several_json_keys_and_no_append_eod(tmp_path, small_corpus):
 
 
 def test_preprocess_with_a_huggingface_tokenizer(tmp_path):
-    from tests.unit.test_tokenizer import _save_hf_tokenizer
+    from tests.unit.test_tokenizer import _save_hf_tokenizer  # megatron-core on first use
 
     _save_hf_tokenizer(tmp_path / "hf")
     src = _write_jsonl(tmp_path / "hf.jsonl", [json.dumps({"text": t}) for t in GOOD * 3])

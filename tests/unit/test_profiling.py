@@ -67,7 +67,7 @@ def test_window_and_ranks(tmp_path):
 
 
 def _profiled_run(rank, world_size, out_dir):
-    from megatron.training.loop import pretrain
+    from megatron.training.loop import pretrain  # megatron-core on first use
 
     args = parse_args(BASE + ["--profile", "--profile-step-start", "3", "--profile-step-end",
                               "5", "--profile-ranks", "0", "1", "--profile-dir", out_dir,

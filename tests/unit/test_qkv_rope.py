@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.layers import qkv_rope
+from tests.harness import run_under_triton_interpreter
 
 
 def _freqs(s: int, r: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -25,7 +26,9 @@ def _freqs(s: int, r: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("batch,groups,per,d,r", [(1, 2, 3, 16, 16), (2, 1, 4, 8, 4),
                                                   (3, 4, 1, 8, 8)])
 def test_reference_is_megatrons_split_and_rope(batch, groups, per, d, r):
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rope_utils import (
+        _apply_rotary_pos_emb_bshd,  # megatron-core on first use
+    )
 
     s = 7
     mixed = torch.randn(s, batch, groups, (per + 2) * d, dtype=torch.float64)
@@ -97,6 +100,4 @@ _INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernels_under_the_interpreter():
-    from tests.harness import run_under_triton_interpreter
-
     assert "kernels ok" in run_under_triton_interpreter(_INTERPRETED)

@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron.bench import ceiling, hf_peer
+from megatron.bench.e2e import config, summary
+from megatron.bench.models import MODELS
+from megatron.planner import Layout, Workload, cost_model, estimate, get_hardware
+from megatron.planner.models import model_from_mapping
 from megatron.shapes import (
     PRESETS,
     ModelShape,
@@ -20,6 +25,8 @@ from megatron.shapes import (
     training_flops,
 )
 from megatron.shapes.flags import shape_flags
+from megatron.training.cli import arguments
+from megatron.training.observe import metrics
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = [PRESETS[n] for n in ("tiny", "cpu-tiny", "llama-0.85b", "llama3-8b", "gpt-1.2b")]
@@ -66,8 +73,6 @@ def _shape_and_batch():
 
 
 def _metrics(monkeypatch):
-    from megatron.training.observe import metrics
-
     shape, seq, gbs = _shape_and_batch()
     # TFLOP/s per GPU of a 1 s step on 2 GPUs, back to FLOPs per iteration
     return metrics, lambda: (metrics.Throughput(shape, seq, gbs, 2, 989.0).of(1.0)
@@ -75,8 +80,6 @@ def _metrics(monkeypatch):
 
 
 def _bench_e2e(monkeypatch):
-    from megatron.bench.e2e import config, summary
-
     cfg = config.E2EConfig(seq_lens=[32768], splits=[(1, 1)], nproc_per_node=2, device="cpu")
     spec = config.RunSpec(32768, 1, 1, "none", 2)
     outcome = config.RunOutcome("error", 1, [], "l", [])
@@ -84,8 +87,6 @@ def _bench_e2e(monkeypatch):
 
 
 def _hf_peer(monkeypatch):
-    from megatron.bench import hf_peer
-
     monkeypatch.setattr(hf_peer, "missing_packages", lambda peer, cuda: "not here")
     shape, seq, _ = _shape_and_batch()
     return hf_peer, lambda: 2 * hf_peer.train("hf", shape, seq, 2, 1, "none", 1, None
@@ -93,8 +94,6 @@ def _hf_peer(monkeypatch):
 
 
 def _ceiling(monkeypatch):
-    from megatron.bench import ceiling
-
     monkeypatch.setattr(ceiling.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(ceiling, "linear_fwd_bwd_ms", lambda *a: 1.0)
     monkeypatch.setattr(ceiling, "attention_fwd_bwd_ms", lambda *a: 1.0)
@@ -103,8 +102,6 @@ def _ceiling(monkeypatch):
 
 
 def _planner(monkeypatch):
-    from megatron.planner import Layout, Workload, cost_model, estimate, get_hardware
-
     shape, seq, gbs = _shape_and_batch()
     w = Workload(shape, seq, 8, 8, global_batch_size=gbs)
     # TP 8 over 4 KV groups: the KV projections are replicated, still counted once.
@@ -154,7 +151,6 @@ def test_swiglu_width_is_megatrons_rule_everywhere(h):
     assert ModelShape(num_layers=1, hidden_size=h, num_attention_heads=8).ffn_hidden_size == want
     assert ModelShape(num_layers=1, hidden_size=h, num_attention_heads=8,
                       swiglu=False).ffn_hidden_size == 4 * h
-    from megatron.planner.models import model_from_mapping
 
     m = model_from_mapping({"num_layers": 1, "hidden_size": h, "num_attention_heads": 8,
                             "vocab_size": 128, "swiglu": True}, "m")
@@ -162,8 +158,6 @@ def test_swiglu_width_is_megatrons_rule_everywhere(h):
 
 
 def test_training_uses_the_same_rule():
-    from megatron.training.cli import arguments
-
     assert arguments.default_ffn_hidden_size is default_ffn_hidden_size
     config = arguments.validate_args(arguments.parse_args(
         ["--num-layers", "2", "--hidden-size", "1000", "--num-attention-heads", "8",
@@ -175,8 +169,6 @@ def test_training_uses_the_same_rule():
 # --------------------------------------------------------------------------- presets
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_round_trip_through_pretrain_gpt_flags(name):
-    from megatron.training.cli import arguments
-
     preset = PRESETS[name]
     assert preset.problems() == []
     flags = shape_flags(preset, vocab=True) + [
@@ -188,8 +180,6 @@ def test_presets_round_trip_through_pretrain_gpt_flags(name):
 
 
 def test_benchmark_models_are_presets():
-    from megatron.bench.models import MODELS
-
     for name, model in MODELS.items():
         assert model.shape is PRESETS[name]
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from megatron.training.cli.arguments import parse_args, validate_args
 from tests.helpers import flag_list, free_port, rel_err, tiny_gpt_flags
 
 
@@ -23,8 +24,6 @@ def test_tiny_gpt_flags_overrides_in_place_and_drops():
 
 
 def test_the_tiny_model_flags_parse_and_validate():
-    from megatron.training.cli.arguments import parse_args, validate_args
-
     args = validate_args(parse_args(tiny_gpt_flags(mock_data=True, vocab_size=255, lr="1e-3",
                                                    train_iters=1, device="cpu")),
                          1, cuda_available=False).args

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron.errors import UsageError
+from megatron.training.checkpoint.faults import CheckpointSaveError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +72,7 @@ def _pretrain_gpt():
 
 
 def _raise_from_pretrain(monkeypatch, exc):
-    import megatron.training.loop as loop
+    import megatron.training.loop as loop  # megatron-core on first use
 
     def fail(args):
         raise exc
@@ -99,8 +100,6 @@ def test_startup_reports_any_subsystems_usage_error_in_one_line(name, monkeypatc
 
 
 def test_a_failed_save_keeps_exit_status_1(monkeypatch, capsys):
-    from megatron.training.checkpoint.faults import CheckpointSaveError
-
     monkeypatch.setenv("RANK", "0")
     script = _raise_from_pretrain(monkeypatch, CheckpointSaveError("--save /x: no room"))
     assert script.main([]) == 1

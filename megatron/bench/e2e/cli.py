@@ -9,6 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import torch
+
 from megatron.bench import report
 from megatron.bench.cli import BenchConfigError, parse_seq_len, parse_seq_lens, parse_splits
 from megatron.bench.e2e.ceilings import ceiling_enabled, run_ceiling
@@ -222,8 +224,6 @@ def documents_tokens(cfg: E2EConfig) -> int:
 
 
 def _device(cfg: E2EConfig):
-    import torch
-
     return torch.device("cuda", 0) if cfg.use_cuda() else torch.device("cpu")
 
 

@@ -63,7 +63,7 @@ class E2EConfig:
 
     def use_cuda(self) -> bool:
         if self.device == "auto":
-            import torch
+            import torch  # torch-free module
 
             return torch.cuda.is_available()
         return self.device == "cuda"

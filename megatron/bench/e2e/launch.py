@@ -16,6 +16,7 @@ from typing import List, Optional
 
 from megatron.bench.e2e.command import launch_command, pretrain_args
 from megatron.bench.e2e.config import REPO_ROOT, E2EConfig, RunOutcome, RunSpec
+from megatron.bench.e2e.documents import trained_batches
 from megatron.bench.e2e.summary import train_steps
 from megatron.training.launch import free_port
 
@@ -95,8 +96,6 @@ def run_training(cfg: E2EConfig, spec: RunSpec) -> RunOutcome:
 
 def trained_batches_of(cfg: E2EConfig, spec: RunSpec):
     """The samples the run of ``spec`` trains (:func:`megatron.bench.e2e.documents.trained_batches`)."""
-    from megatron.bench.e2e.documents import trained_batches
-
     # Neither the metrics path nor recompute plays a part in the data: fixed, so that runs
     # differing only there share one rebuild.
     args = pretrain_args(cfg, replace(spec, recompute="none", round=1), "metrics.jsonl")

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import List
 
+import numpy as np
+
 from megatron.bench.cli import BenchConfigError
 from megatron.bench.e2e.config import E2EConfig, E2EResult, RunSpec, round_suffix
 from megatron.bench.e2e.launch import is_oom_log, run_to_end, trained_batches_of
@@ -53,8 +55,6 @@ def peer_documents(cfg: E2EConfig, seq_len: int) -> str:
     """The token sequences of ``--docs`` for the peers at ``seq_len``: the first ``--iters``
     samples the first split's run trains (its sequences one by one when its global batch is
     1), as ``LOG_DIR/S{seq_len}_documents.npz``."""
-    import numpy as np
-
     u, r = cfg.splits[0]
     batches = trained_batches_of(cfg, RunSpec(seq_len, u, r, "none", cfg.iters))
     path = Path(cfg.log_dir) / f"S{seq_len}_documents.npz"

@@ -31,6 +31,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional
 
+import xxhash
+
 from megatron.errors import UsageError
 
 MANIFEST = "checksums.json"
@@ -51,8 +53,6 @@ def _hash_range(path: str, start: int, length: Optional[int]) -> bytes:
     The bytes are hashed straight from a read-only memory map (the page cache, for files
     just written): no copy into a buffer, which made hashing 2-5x faster than ``readinto``
     on our CPU machine; a file that cannot be mapped is read instead."""
-    import xxhash
-
     size = os.path.getsize(path)
     end = size if length is None else start + length
     if end > size:
@@ -96,8 +96,6 @@ def hash_files(root: str, names: Iterable[str], chunk_bytes: Optional[int] = CHU
                ) -> Dict[str, Dict[str, object]]:
     """{name: {"bytes": size, ALGORITHM: digest}} for ``names`` under ``root``; the pieces
     of all files go through one thread pool. ``chunk_bytes=None``: the version-1 digest."""
-    import xxhash
-
     names = sorted(names)
     sizes = {n: os.path.getsize(os.path.join(root, n)) for n in names}
     tasks = []   # (name, start, length)

@@ -51,15 +51,28 @@ saved grid (TP, U, R, DP, PP) equals the current one.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import random
 import shutil
+import signal
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.optimizer import distrib_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.errors import UsageError
@@ -167,8 +180,6 @@ def verify_complete(path: str) -> None:
     Checks ``metadata.json`` and ``common.pt``, reads PyTorch's ``.metadata`` and checks
     every data file it refers to exists and holds the byte ranges it promises.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     for name in ("metadata.json", "common.pt", ".metadata"):
@@ -310,8 +321,6 @@ def locate_checkpoint_on_all_ranks(load: str, save: Optional[str],
 
 # --------------------------------------------------------------------------- RNG
 def get_rng_state(device: torch.device) -> Dict[str, Any]:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     return {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
@@ -322,8 +331,6 @@ def get_rng_state(device: torch.device) -> Dict[str, Any]:
 
 
 def set_rng_state(state: Dict[str, Any], device: torch.device) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -368,8 +375,6 @@ def plain_args(config: RunConfig,
 
 
 def _rng_sharded_object(rng: Optional[Dict[str, Any]]):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     world, rank = dist.get_world_size(), dist.get_rank()
     return ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
 
@@ -405,9 +410,6 @@ def _prime_distributed_optimizer_state(optimizer) -> None:
     optimizer from ``training.build_optimizer`` already has its state
     (``training.allocate_adam_state``) and is skipped; this serves one built otherwise.
     """
-    from megatron.core.optimizer import distrib_optimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -439,9 +441,6 @@ def _restore_adam_steps(optimizer, loaded: Any) -> None:
     parameter. The step saved in the param groups is the true one; it is restored here,
     one tensor per parameter. With Apex or TransformerEngine nothing is done.
     """
-    from megatron.core.optimizer import distrib_optimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
 
@@ -618,11 +617,6 @@ def _grad_buffer_dtypes(values: Dict[str, Any]) -> Tuple[str, str]:
 
 
 def _save_strategy(groups: USPGroups):
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelSaveStrategyWrapper,
-    )
-
     # Replicas over DP x CP share the writing of replicated tensors (Megatron-LM's default).
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
                                             groups.dp_cp, do_cache_distribution=True)
@@ -688,8 +682,6 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
     ``--save``) raises :class:`CheckpointSaveError` on every rank, naming the directory,
     the room needed and the last complete checkpoint, which is untouched.
     """
-    from megatron.core import dist_checkpointing
-
     root, it = config.args.save, train_state.iteration
     final = iteration_dir(root, it)
     tmp = final + TMP_SUFFIX
@@ -743,11 +735,6 @@ def start_writer_manager() -> None:
     ends with the rank (or by its guard). Without that function (another megatron-core)
     nothing is done and the Manager starts at the first save, as before.
     """
-    import multiprocessing
-    import signal
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     start = getattr(filesystem_async, "_get_write_results_queue", None)
     if start is None or multiprocessing.current_process().daemon:
         return  # (a daemonic test rank may not start processes; it saves under torchrun)
@@ -775,8 +762,6 @@ class Resume:
 def load_checkpoint(config: RunConfig, model, optimizer, scheduler) -> Resume:
     """Restore model, optimizer and scheduler from ``--load`` (fresh state when there is
     nothing to load). Collective over the world."""
-    from megatron.core import dist_checkpointing
-
     args = config.args
     if args.load is None:
         return Resume(TrainState())

@@ -513,7 +513,7 @@ def _validate_overlap_chunks(args, dims: ParallelDims, shape: ModelShape) -> Non
     chunks = args.usp_overlap_chunks
     if chunks == "auto":
         return
-    from megatron.usp.attention import resolve_overlap_chunks
+    from megatron.usp.attention import resolve_overlap_chunks  # torch-free --help
 
     try:
         resolve_overlap_chunks(args.num_attention_heads // dims.tp,
@@ -689,7 +689,7 @@ def _tokenizer_type(args) -> str:
 
 def _validate_split(args) -> None:
     """Validation asked for (``--eval-iters`` > 0) needs data in the validation split."""
-    from megatron.training.data.config import parse_split
+    from megatron.training.data.config import parse_split  # torch-free --help
 
     try:
         weights = parse_split(args.split)
@@ -812,7 +812,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     with the planner's ``degrees`` (U, R).
     """
     if cuda_available is None:
-        import torch
+        import torch  # torch-free --help
 
         cuda_available = torch.cuda.is_available()
     device = _device_fields(args, cuda_available)

@@ -12,6 +12,9 @@ import dataclasses
 import os
 from typing import List, Optional, Tuple
 
+from megatron.planner import DEFAULT_ASSUMPTIONS
+from megatron.planner.hardware import preset_for_device
+from megatron.planner.models import check_model
 from megatron.training.cli.arguments import validate_args
 from megatron.training.cli.config import RunConfig
 from megatron.training.cli.errors import ArgumentsError
@@ -19,9 +22,6 @@ from megatron.training.cli.errors import ArgumentsError
 
 def _planner_inputs(config: RunConfig, vocab_size: int):
     """(model, fixed degrees, assumptions) of the run as configured, for the planner."""
-    from megatron.planner import DEFAULT_ASSUMPTIONS
-    from megatron.planner.models import check_model
-
     args = config.args
     model = check_model(dataclasses.replace(config.shape, vocab_size=vocab_size))
     fixed = {"tensor_model_parallel_size": args.tensor_model_parallel_size,
@@ -51,8 +51,10 @@ def resolve_auto_layout(config: RunConfig, vocab_size: int,
     Deterministic, so every rank chooses the same layout without communicating. Raises
     :class:`ArgumentsError` naming the flags when no preset or no layout fits.
     """
-    from megatron.planner import PlannerError, choose_layout
-    from megatron.planner.hardware import preset_for_device
+    from megatron.planner import (  # per call: tests replace choose_layout
+        PlannerError,
+        choose_layout,
+    )
 
     args, world_size = config.args, config.world_size
     hardware = args.hardware or preset_for_device(device_name)

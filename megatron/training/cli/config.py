@@ -92,7 +92,7 @@ class RunConfig:
     def offload(self):
         """The activation keeping / offload of full recompute
         (:class:`~megatron.memory.activation_offload.OffloadConfig`)."""
-        from megatron.memory.activation_offload import OffloadConfig
+        from megatron.memory.activation_offload import OffloadConfig  # torch-free --help
 
         what = set(self.args.recompute_cpu_offload or ())
         return OffloadConfig(layer_input="layer_input" in what, core_attn="core_attn" in what,

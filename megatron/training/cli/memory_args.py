@@ -183,8 +183,8 @@ def _fsdp_strategy(args, dims: ParallelDims, device: str) -> Optional[str]:
         (args.save is not None or args.load is not None,
          "checkpoints need megatron-core's fsdp_dtensor format, which Megatron-USP's "
          "checkpointing does not write; drop --save / --load"),
-        # Measured on one H200 (2026-12-02, tools/gpu_long_sequence_check.py's diagnosis
-        # cases): over one rank, megatron-core 0.16.1's reduce-scatter writes each
+        # Measured on one GPU (tools/gpu_long_sequence_check.py's diagnosis cases): over
+        # one rank, megatron-core 0.16.1's reduce-scatter writes each
         # micro-batch's gradients into the very buffer it then adds them to, so the
         # gradients double at every micro-batch (grad norm 2x with one micro-batch per step,
         # ~3x with two, and different losses from the first update on).

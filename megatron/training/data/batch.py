@@ -48,6 +48,7 @@ from megatron.shapes import causal_pairs, document_pairs
 from megatron.training.data.config import DataConfigError
 from megatron.training.data.errors import BatchMismatchError
 from megatron.usp.document_kernels import pinned_to_device
+from megatron.usp.document_ring import build_document_ring_plan
 from megatron.usp.token_order import shard_for_cp_rank
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
@@ -146,8 +147,7 @@ def _document_params(full: Dict, ctx: BatchContext):
     """This ring rank's :class:`DocumentParams` for a full micro-batch, or None."""
     if full.get("segment_ids") is None:
         return None
-    from megatron.usp.core_attention import DocumentParams
-    from megatron.usp.document_ring import build_document_ring_plan
+    from megatron.usp.core_attention import DocumentParams  # megatron-core on first use
 
     plan = build_document_ring_plan(full["segment_ids"].numpy(), ctx.ring_rank, ctx.ring_size,
                                     full.get("chunk_assignment"), causal=True,

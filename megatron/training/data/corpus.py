@@ -226,8 +226,14 @@ def build_corpus_files(out_dir: str, max_bytes: int, vocab_size: int) -> Dict:
     tokenizer (:func:`megatron.training.data.tokenizer.train_sentencepiece` on each document's
     non-blank lines); tokenize with :func:`megatron.training.data.preprocess.preprocess_jsonl`.
     """
-    from megatron.training.data.preprocess import TokenizerSpec, preprocess_jsonl
-    from megatron.training.data.tokenizer import train_sentencepiece, training_sentences
+    from megatron.training.data.preprocess import (  # torch-free module
+        TokenizerSpec,
+        preprocess_jsonl,
+    )
+    from megatron.training.data.tokenizer import (  # torch-free module
+        train_sentencepiece,
+        training_sentences,
+    )
 
     os.makedirs(out_dir, exist_ok=True)
     times = {}

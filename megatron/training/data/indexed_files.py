@@ -9,6 +9,7 @@ endings. Both only read; a missing, truncated or foreign file raises
 
 from __future__ import annotations
 
+import glob
 import os
 import struct
 from dataclasses import dataclass
@@ -74,7 +75,6 @@ def check_prefix_files(prefix: str, flag: str) -> Tuple[str, str]:
     missing = [p for p in (idx_path, bin_path) if not os.path.isfile(p)]
     if missing:
         hint = ""
-        import glob
 
         near = sorted(glob.glob(glob.escape(prefix) + "_*_document.idx"))
         if near:

@@ -29,6 +29,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron.training.data.config import (
     DataConfig,
@@ -88,8 +89,12 @@ def build_gpt_datasets(
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
+    )  # megatron-core on first use
+    from megatron.core.datasets.gpt_dataset import (  # megatron-core on first use
+        GPTDataset,
+        GPTDatasetConfig,
+        MockGPTDataset,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     sizes = list(train_valid_test_num_samples)
     if len(sizes) != 3:
@@ -130,8 +135,6 @@ def _process_group_for_single_process_build():
     weighted blend cannot be built by a single-process tool (a benchmark, a notebook).
     The group lives only for the build; inside a distributed job nothing is created.
     """
-    import torch.distributed as dist
-
     if dist.is_initialized():
         yield
         return

@@ -71,7 +71,7 @@ class TokenizerSpec:
     vocab_size: Optional[int] = None
 
     def build(self):
-        from megatron.training.data.tokenizer import build_tokenizer
+        from megatron.training.data.tokenizer import build_tokenizer  # torch-free --help
 
         return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_size)
 
@@ -193,7 +193,9 @@ class _AtomicIndexedWriter:
     """
 
     def __init__(self, prefix: str, dtype) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+        from megatron.core.datasets.indexed_dataset import (
+            IndexedDatasetBuilder,  # torch-free --help
+        )
 
         self.prefix = prefix
         self.dtype = dtype
@@ -299,7 +301,7 @@ def preprocess_jsonl(
     for path in inputs:
         if not os.path.isfile(path):
             raise PreprocessError(f"--input {path}: no such file")
-    from megatron.core.datasets.indexed_dataset import DType
+    from megatron.core.datasets.indexed_dataset import DType  # torch-free --help
 
     encoder = _LineEncoder(tokenizer, keys, append_eod)
     dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)

@@ -23,10 +23,12 @@ token, which is also megatron-core's "no pad token" value.
 
 from __future__ import annotations
 
+import io
 import os
 from collections import OrderedDict
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
+import sentencepiece
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron.errors import UsageError
@@ -68,8 +70,6 @@ class SentencePieceTokenizer(_TextTokenizer):
     """A SentencePiece model. ``eod`` is the EOS piece, ``pad`` the PAD piece (or -1)."""
 
     def __init__(self, model_path: str) -> None:
-        import sentencepiece
-
         super().__init__(model_path, "sentencepiece")
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
@@ -176,7 +176,7 @@ class HuggingFaceTokenizer(_TextTokenizer):
 
 def _import_auto_tokenizer():
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional: transformers
     except ImportError as exc:
         raise TokenizerError(
             f"--tokenizer-type HuggingFaceTokenizer needs the 'transformers' package ({exc}); "
@@ -301,10 +301,6 @@ def train_sentencepiece(
         TokenizerError: when SentencePiece refuses (e.g. ``vocab_size`` too large for the
             text), naming ``--vocab-size``.
     """
-    import io
-
-    import sentencepiece
-
     if model_type not in ("bpe", "unigram", "char", "word"):
         raise TokenizerError(f"--model-type {model_type!r}: use bpe or unigram")
     out = io.BytesIO()

@@ -29,10 +29,21 @@ from __future__ import annotations
 from typing import List
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.memory.activation_offload import ActivationOffloader, install_recompute_offload
+from megatron.memory.kept_attention import RecomputeKeep
 from megatron.training.cli.arguments import SPEC_RECOMPUTE_MODULES
 from megatron.training.cli.config import RunConfig
+from megatron.training.model.fused_loss_model import FusedLossGPTModel
+from megatron.training.model.gpt_model import USPGPTModel
+from megatron.training.model.layer_specs import LayerSpecOptions, get_usp_gpt_block_spec
 from megatron.usp.parallel_state import USPGroups
 
 
@@ -51,8 +62,6 @@ def spec_recompute(config: RunConfig):
 
 def transformer_config_from_args(config: RunConfig):
     """megatron-core ``TransformerConfig`` for the validated run."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     args = config.args
     on_gpu = config.device == "cuda"
     add_bias = not args.disable_bias_linear
@@ -132,16 +141,12 @@ def _set_yarn_fields(transformer_config, rope) -> None:
 
 def _pipeline_stage(groups: USPGroups):
     """(pp_rank, pre_process, post_process) of this rank's pipeline stage."""
-    import torch.distributed as dist
-
     rank, size = dist.get_rank(groups.pp), dist.get_world_size(groups.pp)
     return rank, rank == 0, rank == size - 1
 
 
 def layer_spec_options(config: RunConfig, groups: USPGroups, recompute_keep=None):
     """The run's :class:`~megatron.training.model.layer_specs.LayerSpecOptions`."""
-    from megatron.training.model.layer_specs import LayerSpecOptions
-
     args = config.args
     lean_norms, lean_swiglu = spec_recompute(config)
     chunks = args.usp_overlap_chunks
@@ -169,9 +174,6 @@ def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):
     :class:`~megatron.memory.activation_offload.ActivationOffloader` (``model.activation_offloader``)
     hooked to its decoder.
     """
-    from megatron.training.model.gpt_model import USPGPTModel
-    from megatron.training.model.layer_specs import get_usp_gpt_block_spec
-
     args = config.args
     pp_rank, pre_process, post_process = _pipeline_stage(groups)
     device = (torch.device("cuda", torch.cuda.current_device())
@@ -181,7 +183,6 @@ def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):
                                   options=layer_spec_options(config, groups, keep))
     model_class, loss_kwargs = USPGPTModel, {}
     if config.loss_chunk_tokens is not None:   # --fused-linear-cross-entropy
-        from megatron.training.model.fused_loss_model import FusedLossGPTModel
 
         model_class = FusedLossGPTModel
         loss_kwargs = {"loss_chunk_tokens": config.loss_chunk_tokens}
@@ -202,8 +203,6 @@ def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):
         **loss_kwargs,
     )
     if offloader is not None:
-        from megatron.memory.activation_offload import install_recompute_offload
-
         install_recompute_offload(model.decoder, offloader)
         model.activation_offloader = offloader
     return model.to(device)
@@ -223,9 +222,6 @@ def _rope_scaling_kwargs(config: RunConfig) -> dict:
 def _recompute_offloader(config: RunConfig, device: torch.device):
     """(offloader, RecomputeKeep or None) for ``--recompute-cpu-offload`` /
     ``--recompute-keep-core-attn`` (full recompute), or (None, None)."""
-    from megatron.memory.activation_offload import ActivationOffloader
-    from megatron.memory.kept_attention import RecomputeKeep
-
     offload = config.offload
     if not offload.active:
         return None, None
@@ -285,8 +281,6 @@ def grad_buffer_dtype(config: RunConfig) -> torch.dtype:
 
 
 def ddp_config_from_args(config: RunConfig):
-    from megatron.core.distributed import DistributedDataParallelConfig
-
     args = config.args
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=config.grad_reduce_in_fp32,
@@ -315,10 +309,6 @@ def build_model(config: RunConfig, groups: USPGroups) -> List[torch.nn.Module]:
     reduced over ``groups.dp_cp`` by DDP; ``config.no_sync_func`` /
     ``finalize_model_grads_func`` are set by the training loop.
     """
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
     transformer_config = transformer_config_from_args(config)
     module = build_gpt_model(config, transformer_config, groups)
     for param in module.parameters():
@@ -332,7 +322,6 @@ def build_model(config: RunConfig, groups: USPGroups) -> List[torch.nn.Module]:
     wrapper = DistributedDataParallel
     if config.args.use_megatron_fsdp:
         # Megatron-FSDP (GPU only, memory_args.py): shards over DP x CP, units of one layer.
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
         wrapper = FullyShardedDataParallel
     ddp = wrapper(transformer_config, ddp_config_from_args(config), module,

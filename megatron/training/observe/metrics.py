@@ -258,7 +258,7 @@ class MetricsWriter:
 
 def _tensorboard_writer(log_dir: str):
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
     except ImportError as exc:
         raise ImportError(
             f"--tensorboard-dir needs the tensorboard package: pip install tensorboard "

@@ -72,7 +72,7 @@ def sum_of_squares(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
 
 
 def _local(grad: Tensor) -> Tensor:
-    from megatron.core.utils import to_local_if_dtensor
+    from megatron.core.utils import to_local_if_dtensor  # megatron-core on first use
 
     return to_local_if_dtensor(grad)
 
@@ -81,7 +81,7 @@ def grad_norm(optimizer, device: torch.device) -> Tensor:
     """The total L2 norm of the main grads (module docstring), a 0-dim float32 tensor on
     ``device``; every rank of the grad-stats groups gets the same value. Collective: every
     rank of those groups must call it."""
-    from megatron.core.utils import get_data_parallel_group_if_dtensor
+    from megatron.core.utils import get_data_parallel_group_if_dtensor  # megatron-core on first use
 
     # Sub-optimizers reducing over the same groups share one all-reduce (the sum of their
     # squares); the insertion order is the sub-optimizers' order, the same on every rank.
@@ -131,7 +131,7 @@ def clip_grads(optimizer, norm: float) -> None:
 def fused_adams(optimizer) -> Optional[List[torch.optim.Optimizer]]:
     """The PyTorch Adam(W) of each sub-optimizer when all of them run its fused kernel on
     plain tensors with no loss scaler (then :func:`scaled_in_adam` applies); else None."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # torch.distributed.tensor on first use
 
     adams = []
     for sub in sub_optimizers(optimizer):

@@ -41,6 +41,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
+from megatron.training.checkpoint.save_load import adam_step_tensor, zero_adam_state
+
 
 def staging_plan(numels: Sequence[int]) -> Tuple[int, int]:
     """(slots, numel per slot) for staging the gradients of sub-optimizers stepped one after
@@ -113,8 +115,6 @@ class StagedHybridDeviceOptimizer(HybridDeviceOptimizer):
     def _allocate_adam_states(self) -> None:
         """Adam's zero moments and step for every parameter now, as ``torch.optim.Adam(W)``
         would create them at its first step (same dtypes, devices and step placement)."""
-        from megatron.training.checkpoint.save_load import zero_adam_state
-
         for opt in self.sub_optimizers:
             if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
                 zero_adam_state(opt)
@@ -126,8 +126,6 @@ class StagedHybridDeviceOptimizer(HybridDeviceOptimizer):
         state of every sub-optimizer that is an instance of the CPU class to the CPU; without
         TransformerEngine or Apex both classes are ``torch.optim.AdamW``, so a resumed run with
         a fraction below 1 had its GPU moments on the CPU ("exp_avgs is on cpu", one H200)."""
-        from megatron.training.checkpoint.save_load import adam_step_tensor
-
         for opt in self.sub_optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
