@@ -69,12 +69,8 @@ def preflight(args):
     """The flag, input-file and output-directory checks, before megatron-core is imported (seconds of
     imports and its warnings); exit status 2 after one line from rank 0, else None.
     ``pretrain`` repeats them (``validate_args`` only reads ``args``)."""
-    import os
 
-    from megatron.errors import UsageError
-    from megatron.training.cli.arguments import validate_args
     from megatron.training.cli.input_paths import check_input_paths
-    from megatron.training.cli.output_paths import check_output_paths
 
     try:
         config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))

@@ -66,7 +66,13 @@ from megatron.training.checkpoint.save_load import (
 )
 from megatron.training.cli.config import RunConfig
 from megatron.training.data import batch as batch_mod
-from megatron.training.data.loader import shut_down_data_iterators
+from megatron.training.data.documents import DocumentBatching, documents_enabled
+from megatron.training.data.loader import (
+    build_data_iterator,
+    build_gpt_datasets,
+    shut_down_data_iterators,
+    worker_start_method,
+)
 from megatron.training.exit_paths import keep_own_exit_status
 from megatron.training.initialize import Runtime, initialize, launch_env, shutdown
 from megatron.training.model.build import build_model, count_parameters, reserve_offload_buffers
@@ -81,8 +87,14 @@ from megatron.training.observe.metrics import (
 )
 from megatron.training.observe.profiling import StepProfiler
 from megatron.training.optim import grad_clip
+from megatron.training.optim.offload_optimizer import (
+    build_fraction,
+    gpu_free_bytes,
+    install_staged_offload,
+)
 from megatron.training.peer_faults import PeerLostError, peer_lost
 from megatron.training.process_guard import children_ignore_stop_signals, stop_with_the_rank
+from megatron.usp.backend_names import backend_installed
 from megatron.usp.parallel_state import USPGroups
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,6 @@ def _gather(x: torch.Tensor, group) -> list:
 
 def _full(local: torch.Tensor, groups, assignment, vocab_parallel: bool) -> torch.Tensor:
     """[b, s_local(, V/TP)] on each rank -> [b, s(, V)]."""
-    from megatron.usp.token_order import unshard_from_cp_ranks
 
     if vocab_parallel:
         local = torch.cat(_gather(local, groups.tp), dim=-1)
@@ -53,7 +52,6 @@ def _full(local: torch.Tensor, groups, assignment, vocab_parallel: bool) -> torc
 
 def _run(model, groups, tokens, positions, labels=None, segments=None, assignment=None):
     """Full-sequence logits (and losses) of the model fed this CP rank's tokens."""
-    from megatron.usp.token_order import shard_for_cp_rank
 
     cp, cp_rank = groups.dims.cp, groups.cp_rank
 

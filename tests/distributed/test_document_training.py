@@ -19,6 +19,7 @@ PP2xU2 against PP2xDP2 (every stage reads the batch's positions and document pla
 
 from __future__ import annotations
 
+import json
 import math
 import os
 

@@ -120,7 +120,6 @@ def test_qkv_split_rope_on_gpu(batch, heads, groups, rot, mscale):
     and MQA as well as GQA, and YaRN's factor on cos and sin."""
     from megatron.bench.fused_kernels_bench import rope_freqs
     from megatron.layers import fused_kernels as fk
-    from megatron.layers.qkv_rope import qkv_split_rope, qkv_split_rope_reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, total, d = 2048, 4096, 128
