@@ -28,6 +28,7 @@ LAYOUTS = {"u2r2": ["--ulysses-degree", "2", "--ring-degree", "2", "--micro-batc
 
 
 def _count_builds(rank, world_size, layout):
+    import megatron.training.data.batch as batch_mod
     import megatron.usp.document_kernels as dk
     import megatron.usp.document_ring as dr
     import megatron.usp.packed_documents as pd
@@ -60,12 +61,14 @@ def _count_builds(rank, world_size, layout):
         return kernel
 
     dr.build_document_ring_plan, dr.build_document_block = plan, block
+    batch_mod.build_document_ring_plan = plan             # get_batch's own reference
     pd.build_packed_plan = packed_plan
     dk.AutoDocumentKernel.choose = choose
     try:
         pretrain(parse_args(MODEL + TRAINING + LAYOUTS[layout]))
     finally:
         dr.build_document_ring_plan, dr.build_document_block = real_plan, real_block
+        batch_mod.build_document_ring_plan = real_plan
         pd.build_packed_plan = real_packed
         dk.AutoDocumentKernel.choose = real_choose
     micro_batches = STEPS * MICRO
