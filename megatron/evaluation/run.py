@@ -75,7 +75,10 @@ def model_logits(config: EvalConfig, vocab: int) -> Iterator[Tuple[LogitsFn, Dic
 def evaluate(config: EvalConfig) -> Dict:
     """The result dictionary: ``model``, and ``perplexity`` / ``passkey`` when asked for."""
     init_distributed()
-    tok = load_tokenizer(config.tokenizer_type, config.tokenizer_model, config.gguf_file)
+    # A GGUF file carries its tokenizer too, when the tokenizer is read from its directory.
+    same_dir = config.tokenizer_model == config.hf_model
+    tok = load_tokenizer(config.tokenizer_type, config.tokenizer_model,
+                         config.gguf_file if same_dir else None)
     check_passkey_lengths(config, tok)
     windows = perplexity_windows(config, tok) if config.ppl_length else []
     result: Dict = {"label": config.label}

@@ -138,6 +138,25 @@ def test_documents_from_jsonl_and_text(tmp_path):
     assert perplexity.read_documents(str(txt)) == ["one\n\nbook"]
 
 
+def test_report_marks_what_lies_past_the_trained_context():
+    from megatron.evaluation.report import markdown
+
+    result = {"label": "m", "model": {"backend": "megatron-usp", "layout": "TP1 U2 R2",
+                                      "max_position_embeddings": 256},
+              "perplexity": {"length": 512, "windows": 1, "buckets": [
+                  {"start": 0, "end": 256, "tokens": 256, "nll": 2.0, "ppl": 7.389},
+                  {"start": 256, "end": 512, "tokens": 256, "nll": 3.0, "ppl": 20.09}]},
+              "passkey": {"trials": 2, "cells": [
+                  {"length": n, "depth": d, "accuracy": a}
+                  for n, d, a in [(256, 0.0, 1.0), (256, 1.0, 0.5), (512, 0.0, 0.0),
+                                  (512, 1.0, 0.5)]]}}
+    text = markdown(result)
+    assert "### m (megatron-usp, TP1 U2 R2)" in text
+    assert "| 0-255 | 256 | 2.0000 | 7.39 |" in text and "| 256-511* | 256 |" in text
+    assert "| length | 0 | 1 | mean |" in text
+    assert "| 256 | 1.00 | 0.50 | 0.75 |" in text and "| 512* | 0.00 | 0.50 | 0.25 |" in text
+
+
 # --------------------------------------------------------------------------- flags
 def _tool():
     spec = importlib.util.spec_from_file_location(
