@@ -51,5 +51,6 @@ def _check(rank, world_size, hf_dir, ckpt):
             assert abs(a.nll - b.nll) <= 1e-5, (name, a, b)
 
 
+@pytest.mark.slow
 def test_checkpoint_logits_match_transformers_on_every_layout(dist_run, tiny):
     dist_run(_check, 4, *tiny, timeout=600)

@@ -153,6 +153,7 @@ def test_quickstart(tmp_path):
     assert "validation loss at iteration 3" in proc.stdout
 
 
+@pytest.mark.slow
 def test_extend_context(tmp_path):
     from tests.distributed.test_convert_hf_training import save_word_tokenizer, write_corpus
     from tests.unit.test_convert_hf import make_hf_model
