@@ -102,9 +102,10 @@ class PasskeyCell:
 
 def evaluate_passkey(logits_fn: Callable[[List[int]], torch.Tensor], encode: Encode,
                      decode: Callable[[List[int]], str], lengths: Sequence[int],
-                     depths: Sequence[float], trials: int, seed: int) -> List[PasskeyCell]:
+                     depths: Sequence[float], trials: int, seed: int,
+                     progress: Callable[[str], None] = lambda line: None) -> List[PasskeyCell]:
     """One :class:`PasskeyCell` per (length, depth); ``logits_fn(ids) -> [len(ids), V]``.
-    The same ``trials`` keys are used in every cell."""
+    The same ``trials`` keys are used in every cell; ``progress`` gets a line per cell."""
     keys = random_keys(trials, seed)
     cells = []
     for length in lengths:
@@ -116,4 +117,5 @@ def evaluate_passkey(logits_fn: Callable[[List[int]], torch.Tensor], encode: Enc
                 correct += got == prompt.answer
                 answers.append(decode(got))
             cells.append(PasskeyCell(length, depth, correct, answers))
+            progress(f"passkey length {length} depth {depth:g}: {correct}/{trials}")
     return cells

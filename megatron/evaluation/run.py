@@ -4,6 +4,7 @@ into tables). Every rank of a torchrun job runs it and gets the same result."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Dict, Iterator, List, Tuple
@@ -16,6 +17,7 @@ from megatron.evaluation.models import (
     LogitsFn,
     checkpoint_logits,
     init_distributed,
+    is_rank0,
     load_transformers,
     transformers_logits,
 )
@@ -72,6 +74,12 @@ def model_logits(config: EvalConfig, vocab: int) -> Iterator[Tuple[LogitsFn, Dic
             "rotary_base": built.config.args.rotary_base}
 
 
+def _progress(line: str) -> None:
+    # A CPU forward at thousands of tokens takes minutes: say what is done as it is done.
+    if is_rank0():
+        print(line, file=sys.stderr, flush=True)
+
+
 def evaluate(config: EvalConfig) -> Dict:
     """The result dictionary: ``model``, and ``perplexity`` / ``passkey`` when asked for."""
     init_distributed()
@@ -92,7 +100,7 @@ def evaluate(config: EvalConfig) -> Dict:
         if config.passkey_lengths:
             cells = passkey.evaluate_passkey(
                 logits_fn, tok.encode, tok.decode, config.passkey_lengths,
-                config.passkey_depths, config.passkey_trials, config.seed)
+                config.passkey_depths, config.passkey_trials, config.seed, _progress)
             result["passkey"] = {"trials": config.passkey_trials,
                                  "cells": [dict(asdict(c), accuracy=c.accuracy)
                                            for c in cells]}
