@@ -45,6 +45,7 @@ def run(argv: Optional[List[str]] = None) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     # megatron-core warns at import that TransformerEngine and Apex are absent; unused here.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+    warnings.filterwarnings("ignore", message="Apex is not installed.*")
     from megatron.errors import UsageError
     from megatron.evaluation.models import is_rank0
 

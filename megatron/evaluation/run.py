@@ -80,6 +80,20 @@ def _progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _perplexity_result(config: EvalConfig, logits_fn: LogitsFn, windows) -> Dict:
+    buckets = perplexity.evaluate_perplexity(logits_fn, windows, config.bucket_tokens)
+    return {"length": config.ppl_length, "windows": len(windows),
+            "buckets": [dict(asdict(b), ppl=b.ppl) for b in buckets]}
+
+
+def _passkey_result(config: EvalConfig, logits_fn: LogitsFn, tok: TextTokenizer) -> Dict:
+    cells = passkey.evaluate_passkey(logits_fn, tok.encode, tok.decode, config.passkey_lengths,
+                                     config.passkey_depths, config.passkey_trials, config.seed,
+                                     _progress)
+    return {"trials": config.passkey_trials,
+            "cells": [dict(asdict(c), accuracy=c.accuracy) for c in cells]}
+
+
 def evaluate(config: EvalConfig) -> Dict:
     """The result dictionary: ``model``, and ``perplexity`` / ``passkey`` when asked for."""
     init_distributed()
@@ -93,15 +107,7 @@ def evaluate(config: EvalConfig) -> Dict:
     with model_logits(config, tok.vocab_size) as (logits_fn, about):
         result["model"] = about
         if windows:
-            buckets = perplexity.evaluate_perplexity(logits_fn, windows, config.bucket_tokens)
-            result["perplexity"] = {
-                "length": config.ppl_length, "windows": len(windows),
-                "buckets": [dict(asdict(b), ppl=b.ppl) for b in buckets]}
+            result["perplexity"] = _perplexity_result(config, logits_fn, windows)
         if config.passkey_lengths:
-            cells = passkey.evaluate_passkey(
-                logits_fn, tok.encode, tok.decode, config.passkey_lengths,
-                config.passkey_depths, config.passkey_trials, config.seed, _progress)
-            result["passkey"] = {"trials": config.passkey_trials,
-                                 "cells": [dict(asdict(c), accuracy=c.accuracy)
-                                           for c in cells]}
+            result["passkey"] = _passkey_result(config, logits_fn, tok)
     return result
