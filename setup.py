@@ -15,7 +15,8 @@ setup(
     packages=find_namespace_packages(include=["megatron.errors*", "megatron.shapes*", "megatron.usp*",
                                                "megatron.layers*", "megatron.memory*",
                                                "megatron.planner*", "megatron.training*",
-                                               "megatron.convert*", "megatron.bench*"]),
+                                               "megatron.convert*", "megatron.evaluation*",
+                                               "megatron.bench*"]),
     install_requires=[
         "megatron-core==0.16.1",
         "torch>=2.6",

@@ -10,6 +10,9 @@ The Slurm template is run locally as the batch script it is (``bash``), with sta
 ``srun`` (one node: drops srun's options and runs the task) and ``scontrol`` on PATH, so its
 own srun line launches examples/pretrain_usp.sh; the stand-in records the srun options.
 
+The context-extension recipe runs on a tiny imported Llama (a word-level tokenizer, random
+words as documents) from 128 to 512 tokens on 4 CPU processes (U2 x R2).
+
 The quick start (the README's main job) runs end to end: install check, corpus, DP 4 and
 U2 x R2 runs of examples/pretrain_cpu.sh, compare_loss and the PNG.
 """
@@ -30,6 +33,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 # Each script and the test that runs it (pretrain_cpu.sh runs twice inside the quick
 # start, pretrain_usp.sh inside the Slurm template).
 RUN_BY = {
+    "extend_context.sh": "test_extend_context",
     "pretrain_cpu.sh": "test_quickstart",
     "pretrain_dp.sh": "test_gpu_script_on_cpu",
     "pretrain_tp_usp.sh": "test_gpu_script_on_cpu",
@@ -147,3 +151,37 @@ def test_quickstart(tmp_path):
     assert _check_run_dir(str(out / "dp4"), tensorboard=False) == "TP1 U1 R1 DP4 PP1"
     assert _check_run_dir(str(out / "u2r2"), tensorboard=False) == "TP1 U2 R2 DP1 PP1"
     assert "validation loss at iteration 3" in proc.stdout
+
+
+@pytest.mark.slow
+def test_extend_context(tmp_path):
+    from tests.distributed.test_convert_hf_training import save_word_tokenizer, write_corpus
+    from tests.unit.test_convert_hf import make_hf_model
+
+    hf_dir, work = tmp_path / "hf", tmp_path / "work"
+    make_hf_model("llama").save_pretrained(str(hf_dir))
+    save_word_tokenizer(str(hf_dir))
+    write_corpus(str(tmp_path / "docs.jsonl"))
+    long_docs = [" ".join(f"w{4 + (i * 7 + j) % 250}" for j in range(600)) for i in range(2)]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                 for t in long_docs))
+    proc = _run("extend_context.sh", _env(
+        HF_DIR=hf_dir, WORK_DIR=work, DATA_JSONL=tmp_path / "docs.jsonl",
+        EVAL_DATA=tmp_path / "long.jsonl", TRAIN_ITERS=3, PASSKEY_TRIALS=1), timeout=600)
+    assert "context 128 -> 512 tokens, RoPE: --rotary-base 63496" in proc.stdout
+    with open(work / "metrics.jsonl") as f:
+        train = [r["iteration"] for r in map(json.loads, f) if r["kind"] == "train"]
+    assert train == [1, 2, 3]
+    with open(work / "hf_extended" / "config.json") as f:
+        config = json.load(f)
+    assert config["max_position_embeddings"] == 512 and config["rope_theta"] == 63496
+    for name, (positions, base) in {"before": (128, 10000), "after": (512, 63496)}.items():
+        with open(work / f"eval_{name}.json") as f:
+            result = json.load(f)
+        assert result["model"]["layout"] == "TP1 U2 R2"
+        assert (result["model"]["max_position_embeddings"], result["model"]["rotary_base"]) \
+            == (positions, base)
+        assert [b["end"] for b in result["perplexity"]["buckets"]][-1] == 512
+        assert {(c["length"], c["depth"]) for c in result["passkey"]["cells"]} == {
+            (n, d) for n in (128, 512) for d in (0.0, 0.5, 1.0)}
+        assert (work / f"eval_{name}.md").read_text() in proc.stdout

@@ -126,8 +126,16 @@ _GRAB = r"""
 import argparse, json, runpy, sys
 class Grabbed(BaseException):
     pass
+def options(parser):
+    # a subcommand's flags (convert_hf.py export --hf-config) live on its own parser
+    out = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= options(sub)
+    return out
 def grab(self, args=None, namespace=None):
-    raise Grabbed(sorted(self._option_string_actions))
+    raise Grabbed(sorted(options(self)))
 argparse.ArgumentParser.parse_known_args = grab
 found = {}
 for program in json.loads(sys.argv[1]):
