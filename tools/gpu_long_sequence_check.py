@@ -17,7 +17,7 @@ under ``torchrun`` on several GPUs (data parallel), and writes (rank 0)
   sub-optimizer);
 * ``fsdp``: ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``
   (refused at start-up on one GPU: nothing to shard, and megatron-core 0.16.1 double-counts
-  the gradients over one rank; see ``benchmarks/results/longest_sequence/h200-2026-12-02/fsdp_diagnosis.json``).
+  the gradients over one rank; see docs/long_sequences.md).
 
 ``extra`` records each step's learning rate and grad norm, where the optimizer state lives
 (``optimizer_state_devices``) and, for the offload case, the offloader's counters. The
