@@ -2,6 +2,7 @@
 
 import io
 import json
+import mmap
 import re
 
 import pytest
@@ -169,13 +170,17 @@ def test_memory_report_names_host_memory_now_and_at_peak():
     part only, with the resident size now within the peak."""
     before = host_memory_gib()
     assert before is not None and 0 < before <= peak_host_memory_gib() + 0.05   # (ru_maxrss lags)
-    block = torch.ones(64 << 20, dtype=torch.uint8)   # 64 MiB, touched: resident
+    # 64 MiB of fresh anonymous pages, touched: resident (a tensor could reuse pages the
+    # process freed earlier and leave the resident size unchanged)
+    block = mmap.mmap(-1, 64 << 20)
+    for offset in range(0, 64 << 20, 4096):
+        block[offset] = 1
     assert host_memory_gib() >= before + 0.05
     line = memory_report(torch.device("cpu"))
     assert "GPU" not in line
     now, peak = map(float, re.fullmatch(r"host (\S+) GiB resident \(peak (\S+)\)", line).groups())
     assert 0 < now <= peak + 0.05
-    del block
+    block.close()
 
 
 def test_attention_pairs_count_each_document():
