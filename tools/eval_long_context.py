@@ -23,9 +23,9 @@ from typing import List, Optional
 
 
 def run(argv: Optional[List[str]] = None) -> int:
-    from megatron.evaluation import config, report
-    from megatron.evaluation.models import is_rank0
-    from megatron.evaluation.run import evaluate
+    from megatron.evaluation import config, report  # torch-free --help
+    from megatron.evaluation.models import is_rank0  # torch-free --help
+    from megatron.evaluation.run import evaluate  # torch-free --help
 
     cfg = config.parse(argv)
     result = evaluate(cfg)
@@ -46,8 +46,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # megatron-core warns at import that TransformerEngine and Apex are absent; unused here.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     warnings.filterwarnings("ignore", message="Apex is not installed.*")
-    from megatron.errors import UsageError
-    from megatron.evaluation.models import is_rank0
+    from megatron.errors import UsageError  # torch-free --help
+    from megatron.evaluation.models import is_rank0  # torch-free --help
 
     try:
         return run(argv)

@@ -151,7 +151,7 @@ class NativeContextParallel:
         Returns compact local shards [b, h, S/N, d]. Records in ``same_order_as_usp`` whether
         the shards equal :func:`megatron.usp.token_order.shard_for_cp_rank` of the same inputs.
         """
-        from torch.distributed.tensor.experimental import (
+        from torch.distributed.tensor.experimental import (  # optional: torch's experimental context parallel
             context_parallel,  # optional: torch's experimental context parallel
         )
 

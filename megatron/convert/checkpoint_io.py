@@ -179,7 +179,7 @@ def _saved_args(path: str) -> Dict:
 
 
 def _checkpoint_path(ckpt_dir: str, iteration: Optional[int]) -> Tuple[int, str]:
-    from megatron.training.checkpoint.save_load import (
+    from megatron.training.checkpoint.save_load import (  # megatron-core on first use
         locate_checkpoint,  # megatron-core on first use
     )
 

@@ -41,7 +41,10 @@ def checkpoint_logits(model: torch.nn.Module, groups, vocab: int) -> LogitsFn:
     """Logits of ``model`` (a ``GPTModel`` of :class:`~megatron.convert.checkpoint_io.
     SingleRankModel`) whose ranks all call with the same ids; ``groups``: its USP groups.
     Talks to the TP and CP groups: one all-gather of ``[s/CP, V/TP]`` float32 logits each."""
-    from megatron.usp.token_order import shard_for_cp_rank, unshard_from_cp_ranks
+    from megatron.usp.token_order import (  # only for a checkpoint on a U x R layout
+        shard_for_cp_rank,
+        unshard_from_cp_ranks,
+    )
 
     cp, cp_rank = groups.dims.cp, groups.cp_rank
     model.eval()
@@ -78,7 +81,7 @@ def transformers_logits(model: torch.nn.Module, device: torch.device) -> LogitsF
 def load_transformers(path: str, gguf_file, device: torch.device) -> torch.nn.Module:
     """A causal LM from a local directory (``gguf_file``: a GGUF file in it, dequantised to
     float32 by transformers)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # optional: transformers
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,

@@ -38,7 +38,9 @@ def perplexity_windows(config: EvalConfig, tok: TextTokenizer) -> List[List[int]
     naming the longest document."""
     path = config.ppl_data
     if path is None:
-        from megatron.training.data.corpus import ensure_default_corpus
+        from megatron.training.data.corpus import (
+            ensure_default_corpus,  # the corpus is built only when asked for
+        )
 
         path = ensure_default_corpus().corpus_jsonl
     docs = [tok.encode(text) for text in perplexity.read_documents(path)]
@@ -63,7 +65,7 @@ def model_logits(config: EvalConfig, vocab: int) -> Iterator[Tuple[LogitsFn, Dic
             "backend": "transformers", "source": config.hf_model,
             "max_position_embeddings": model.config.max_position_embeddings}
         return
-    from megatron.convert.checkpoint_io import loaded_checkpoint
+    from megatron.convert.checkpoint_io import loaded_checkpoint  # megatron-core on first use
 
     with loaded_checkpoint(config.load, config.ckpt_step, config.layout) as built:
         dims = built.groups.dims

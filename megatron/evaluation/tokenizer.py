@@ -18,12 +18,12 @@ def load_tokenizer(kind: str, path: str, gguf_file: Optional[str] = None) -> Tex
     """``kind``: ``HuggingFaceTokenizer`` (a directory; ``gguf_file`` a GGUF in it) or
     ``SentencePieceTokenizer`` (a ``.model`` file), the names of ``--tokenizer-type``."""
     if kind == "HuggingFaceTokenizer" and gguf_file:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional: transformers
 
         tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
         return TextTokenizer(lambda text: tok(text, add_special_tokens=False).input_ids,
                              tok.decode, len(tok))
-    from megatron.training.data.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer  # torch-free module
 
     tok = build_tokenizer(kind, path)
     return TextTokenizer(tok.tokenize, tok.detokenize, tok.vocab_size)

@@ -101,11 +101,11 @@ def _rope_get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
 def _yarn_get_emb(self, max_seq_len: int, offset: int = 0):
     """Replaces ``YarnRotaryEmbedding.get_emb``: the same (table, concentration factor), left
     on the frequencies' device."""
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (  # megatron-core on first use
         _yarn_get_concentration_factor,
     )
 
-    from megatron.training.model.gpt_model import rope_inv_freq
+    from megatron.training.model.gpt_model import rope_inv_freq  # megatron-core on first use
 
     inv_freq = rope_inv_freq(self)
     seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=inv_freq.dtype) + offset
@@ -184,7 +184,7 @@ def _tracker_fork(self, name="model-parallel-rng"):
 
 def _get_all_rng_states():
     """Replaces ``random._get_all_rng_states``: (CPU state, no CUDA state, tracker states)."""
-    from megatron.core.tensor_parallel.random import (
+    from megatron.core.tensor_parallel.random import (  # megatron-core on first use
         get_cuda_rng_tracker,  # megatron-core on first use
     )
 
@@ -193,7 +193,7 @@ def _get_all_rng_states():
 
 def _set_all_rng_states(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker):
     """Replaces ``random._set_all_rng_states``: restore the CPU state and the tracker's."""
-    from megatron.core.tensor_parallel.random import (
+    from megatron.core.tensor_parallel.random import (  # megatron-core on first use
         get_cuda_rng_tracker,  # megatron-core on first use
     )
 
@@ -285,7 +285,7 @@ def _apply_training_loop_shims() -> None:
     from megatron.core import dist_checkpointing  # megatron-core on first use
     from megatron.core import optimizer as mcore_optimizer  # megatron-core on first use
     from megatron.core.dist_checkpointing import serialization  # megatron-core on first use
-    from megatron.core.distributed import (
+    from megatron.core.distributed import (  # megatron-core on first use
         distributed_data_parallel as ddp_mod,  # megatron-core on first use
     )
     from megatron.core.optimizer import distrib_optimizer  # megatron-core on first use
@@ -340,12 +340,12 @@ def apply_cpu_shims() -> List[str]:
     if torch.cuda.is_available() or _APPLIED:
         return applied_shims()
 
-    from megatron.core.models.common.embeddings import (
+    from megatron.core.models.common.embeddings import (  # megatron-core on first use
         rope_utils,
         rotary_pos_embedding,
         yarn_rotary_pos_embedding,
     )
-    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.tensor_parallel import random as tp_random  # megatron-core on first use
 
     rotary_pos_embedding.RotaryEmbedding.get_emb = _rope_get_emb
     _APPLIED.append("rotary_pos_embedding.RotaryEmbedding.get_emb")

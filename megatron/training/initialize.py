@@ -209,8 +209,8 @@ def check_save_room(config: RunConfig, device: torch.device) -> None:
     """
     if not config.args.save:
         return
-    from megatron.training.checkpoint.faults import free_bytes
-    from megatron.training.checkpoint.room import check_room
+    from megatron.training.checkpoint.faults import free_bytes  # only with --save
+    from megatron.training.checkpoint.room import check_room  # only with --save
 
     free = free_bytes(config.args.save)
     least = torch.tensor([2**62 if free is None else free], dtype=torch.int64, device=device)

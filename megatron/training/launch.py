@@ -93,7 +93,7 @@ def failure_line(name: str, failures: Dict[int, Tuple[int, float]]) -> Tuple[str
 
 def main(argv: Optional[List[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException  # torch-free --help
-    from torch.distributed.elastic.multiprocessing.errors import (
+    from torch.distributed.elastic.multiprocessing.errors import (  # torch-free launcher until a worker fails
         ChildFailedError,  # torch-free --help
     )
     from torch.distributed.run import parse_args, run  # torch-free --help

@@ -193,7 +193,7 @@ class _AtomicIndexedWriter:
     """
 
     def __init__(self, prefix: str, dtype) -> None:
-        from megatron.core.datasets.indexed_dataset import (
+        from megatron.core.datasets.indexed_dataset import (  # megatron-core on first use
             IndexedDatasetBuilder,  # torch-free --help
         )
 

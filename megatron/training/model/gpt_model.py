@@ -43,7 +43,9 @@ def rope_inv_freq(rotary) -> Tensor:
     ``YarnRotaryEmbedding`` its interpolated and original frequencies blended by the ramp
     between its correction dimensions (megatron-core's own helpers, so the same float32
     values)."""
-    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+    from megatron.core.models.common.embeddings import (
+        yarn_rotary_pos_embedding as yarn,  # megatron-core's YaRN, only with --position-embedding-type yarn
+    )
 
     if not isinstance(rotary, yarn.YarnRotaryEmbedding):
         return rotary.inv_freq
