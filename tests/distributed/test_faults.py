@@ -453,6 +453,16 @@ def test_usage_errors_are_always_printed_through_the_launcher(tmp_path):
             assert "Traceback" not in out, out[-3000:]
 
 
+def _fresh_child(proc, settled, deadline):
+    """The first child of ``proc`` not in ``settled`` (a writer of the save in progress)."""
+    while time.monotonic() < deadline:
+        fresh = [p for p in proc.children() if p.pid not in settled]
+        if fresh:
+            return fresh[0]
+        time.sleep(0.005)
+    raise AssertionError("no writer process seen")
+
+
 def test_a_checkpoint_writer_killed_mid_save_ends_the_job_promptly(tmp_path):
     """SIGKILL of a writer process that megatron-core forked for rank 1's save: rank 1 says
     so in one line (it waited for that writer with no timeout before), every process is
@@ -467,15 +477,24 @@ def test_a_checkpoint_writer_killed_mid_save_ends_the_job_promptly(tmp_path):
         settled = {p.pid for p in rank.children()}   # DataLoader worker, writer Manager
         time.sleep(0.5)
         settled &= {p.pid for p in rank.children()}
-        deadline = time.monotonic() + 120
-        writer = None
-        while writer is None and time.monotonic() < deadline:
-            fresh = [p for p in rank.children() if p.pid not in settled]
-            writer = fresh[0] if fresh else None
-            time.sleep(0.005)
-        assert writer is not None, "no writer process seen"
-        t0 = time.monotonic()
-        writer.kill()
+        # A tiny model's writer lives for milliseconds: one seen may be gone (or done) before
+        # the kill lands, and the job then just saves on. Try again with the next save's
+        # writer until the kill is one the rank reports.
+        t0 = None
+        for _ in range(10):
+            writer = _fresh_child(rank, settled, time.monotonic() + 120)
+            t = time.monotonic()
+            try:
+                writer.kill()
+            except psutil.NoSuchProcess:
+                continue
+            try:
+                job.when("a checkpoint writer process (pid", timeout=5)
+            except AssertionError:
+                continue
+            t0 = t
+            break
+        assert t0 is not None, "no writer process killed mid-write in 10 tries"
         took = job.gone_within(t0, GONE_S)
         out = job.out
         assert job.proc.returncode == 1, out[-6000:]
