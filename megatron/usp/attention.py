@@ -39,6 +39,14 @@ all-to-alls and the head-chunk pipeline are unchanged; the ring step is the docu
 :mod:`megatron.usp.document_ring` (only K/V blocks that share a document move) with the
 document-masked kernels of :mod:`megatron.usp.document_kernels`.
 
+Sliding window (``window`` = left, causal only): the same pipeline with the document ring's
+windowed plan (:meth:`~megatron.usp.document_ring.DocumentRingPlan.with_window` of the
+micro-batch's plan, or :func:`~megatron.usp.document_ring.window_ring_plan`, one segment,
+without documents): only the halo of keys the window reaches moves. With U = R = 1 and no
+documents the local kernel's window runs on the whole sequence
+(:mod:`megatron.usp.window_kernel`). A window reaching the whole sequence is full causal
+attention, run as such.
+
 ``overlap_chunks=None`` (auto) picks G = 2 when something can overlap (U > 1 or R > 1), two
 chunks are valid, and each chunk keeps at least ``AUTO_MIN_HEADS_PER_CHUNK`` (8) query heads
 per rank, so that every kernel call keeps enough heads to fill the GPU; else 1. Two chunks
@@ -78,6 +86,8 @@ from megatron.usp.document_ring import (
     DocumentRingPlan,
     document_ring_backward,
     document_ring_forward,
+    effective_window,
+    window_ring_plan,
 )
 from megatron.usp.kernels import AttentionKernel, get_kernel
 from megatron.usp.packed_documents import PackedDocumentAttention, PackedPlan, packed_plan_for
@@ -95,6 +105,7 @@ from megatron.usp.ulysses import (
     start_heads_to_seq,
     start_seq_to_heads,
 )
+from megatron.usp.window_kernel import window_backward, window_forward
 
 Tensor = torch.Tensor
 
@@ -144,7 +155,9 @@ class USPSchedule:
         chunks: head chunks G (:func:`resolve_overlap_chunks`).
         kernel, causal, scale: the local attention kernel and its arguments.
         documents, document_kernel: the micro-batch's document ring plan and the
-            document-masked kernel (None: no document mask).
+            document-masked kernel (None: no document mask); with a window, the windowed plan.
+        window: the left window (None: none; then only with U = R = 1 and no documents is it
+            read, by the local kernel, the plans carrying it otherwise).
     """
 
     ulysses: Optional[dist.ProcessGroup]
@@ -156,6 +169,7 @@ class USPSchedule:
     scale: float
     documents: Optional[DocumentRingPlan] = None
     document_kernel: Optional[DocumentKernel] = None
+    window: Optional[int] = None
 
 
 def _ring_forward(q_h: Tensor, kv_h: Tensor, sched: USPSchedule) -> Tuple[Tensor, Tensor]:
@@ -320,7 +334,10 @@ class _LocalAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sched):
         q_b, k_b, v_b = _heads_view(q), _heads_view(k), _heads_view(v)
-        out_b, lse = sched.kernel.forward(q_b, k_b, v_b, sched.causal, sched.scale)
+        if sched.window is not None:
+            out_b, lse = window_forward(q_b, k_b, v_b, True, sched.window, sched.scale)
+        else:
+            out_b, lse = sched.kernel.forward(q_b, k_b, v_b, sched.causal, sched.scale)
         out = out_b.permute(2, 0, 1, 3)                                   # [s, b, h, d]
         if not out.is_contiguous():
             out = out.contiguous()
@@ -332,8 +349,12 @@ class _LocalAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q_b, k_b, v_b, out_b, lse = ctx.saved_tensors
         sched = ctx.sched
-        dq, dk, dv = sched.kernel.backward(_heads_view(dout), q_b, k_b, v_b, out_b, lse,
-                                           sched.causal, sched.scale)
+        if sched.window is not None:
+            dq, dk, dv = window_backward(_heads_view(dout), q_b, k_b, v_b, out_b, lse, True,
+                                         sched.window, sched.scale)
+        else:
+            dq, dk, dv = sched.kernel.backward(_heads_view(dout), q_b, k_b, v_b, out_b, lse,
+                                               sched.causal, sched.scale)
         return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3), None
 
 
@@ -350,6 +371,7 @@ def usp_attention(
     overlap_chunks: Optional[int] = None,
     documents: Optional[DocumentRingPlan] = None,
     document_kernel: Union[str, DocumentKernel] = "auto",
+    window: Optional[int] = None,
 ) -> Tensor:
     """Unified sequence-parallel attention on this rank's tokens; differentiable.
 
@@ -369,7 +391,10 @@ def usp_attention(
             ``causal``); q, k, v then hold the tokens of the plan's chunk assignment. None:
             no document mask.
         document_kernel: ``--document-attention-kernel`` name or a
-            :class:`~megatron.usp.document_kernels.DocumentKernel` (only with ``documents``).
+            :class:`~megatron.usp.document_kernels.DocumentKernel` (with ``documents`` or
+            ``window``).
+        window: sliding window, megatron-core's ``window_size[0]`` (``left``): a query at
+            position i sees keys j with ``i - left <= j <= i`` (causal only; None: none).
     Returns:
         [s, b, h, d] contiguous attention output of the local tokens, q's dtype: what
         single-device attention on the whole sequence gives for these tokens.
@@ -390,7 +415,7 @@ def usp_attention(
     sched = make_schedule(q, k, ulysses_group=ulysses_group, ring_group=ring_group,
                           causal=causal, softmax_scale=softmax_scale, backend=backend,
                           overlap_chunks=overlap_chunks, documents=documents,
-                          document_kernel=document_kernel)
+                          document_kernel=document_kernel, window=window)
     return usp_attention_with_schedule(q, k, v, sched)
 
 
@@ -398,13 +423,19 @@ def make_schedule(q: Tensor, k: Tensor, *, ulysses_group: Optional[dist.ProcessG
                   ring_group: Optional[dist.ProcessGroup], causal: bool,
                   softmax_scale: Optional[float], backend: Union[str, AttentionKernel],
                   overlap_chunks: Optional[int], documents: Optional[DocumentRingPlan] = None,
-                  document_kernel: Union[str, DocumentKernel] = "auto") -> USPSchedule:
+                  document_kernel: Union[str, DocumentKernel] = "auto",
+                  window: Optional[int] = None) -> USPSchedule:
     """The :class:`USPSchedule` of a call with q [s, b, h, d] and k [s, b, hk, d] (arguments as
     for :func:`usp_attention`)."""
     U, R = group_size(ulysses_group), group_size(ring_group)
     kernel = get_kernel(backend)
+    ring_rank = dist.get_rank(ring_group) if R > 1 else 0
     if documents is not None:
-        _check_documents(documents, q, U, R, dist.get_rank(ring_group) if R > 1 else 0, causal)
+        _check_documents(documents, q, U, R, ring_rank, causal)
+    window = _check_window(window, causal, q.shape[0] * U * R)
+    if window is not None:
+        documents = (documents.with_window(window) if documents is not None else
+                     _window_plan(q, U, R, ring_rank, window))
     return USPSchedule(
         ulysses=ulysses_group if U > 1 else None,
         ring=RingComm(ring_group if R > 1 else None),
@@ -416,7 +447,31 @@ def make_schedule(q: Tensor, k: Tensor, *, ulysses_group: Optional[dist.ProcessG
         documents=documents,
         document_kernel=(get_document_kernel(document_kernel, kernel)
                          if documents is not None else None),
+        window=window,
     )
+
+
+def _check_window(window: Optional[int], causal: bool, seq_len: int) -> Optional[int]:
+    """The window the call runs with (None for a window reaching the whole sequence)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window={window!r}: a sliding window is a number of keys >= 1 "
+                         f"(megatron-core's window_size[0]), e.g. window=4096")
+    if not causal:
+        raise ValueError("a sliding window needs causal attention (window_size = (left, 0)); "
+                         "use causal=True or window=None")
+    return effective_window(window, seq_len)
+
+
+def _window_plan(q: Tensor, U: int, R: int, ring_rank: int, window: int
+                 ) -> Optional[DocumentRingPlan]:
+    """The windowed ring plan of a call without documents; None for U = R = 1 (the local
+    kernel's window then runs on the whole sequence)."""
+    if U == 1 and R == 1:
+        return None
+    s, b = q.shape[:2]
+    return window_ring_plan(s * U * R, b, ring_rank, R, window, q.device)
 
 
 def usp_attention_with_schedule(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule) -> Tensor:

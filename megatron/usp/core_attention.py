@@ -20,6 +20,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron.usp.attention import make_schedule, resolve_overlap_chunks, usp_attention
 from megatron.usp.document_kernels import get_document_kernel
@@ -76,6 +77,11 @@ class USPAttention(MegatronModule):
     identically for a block whichever rank computes it (ring position dependent), and
     no RNG scheme for that is implemented; modern LLM pretraining uses 0.
 
+    Sliding window: ``config.window_size = (left, 0)`` with megatron-core's per-layer rule
+    (``is_layer_window_attention(window_size, window_attn_skip_freq, layer_number)``): a
+    window layer attends to keys ``i - left <= j <= i`` (:func:`layer_window`), a full layer
+    runs unchanged.
+
     Softmax scale: ``softmax_scale`` or 1/sqrt(hn). ``apply_query_key_layer_scaling``
     does not change the result in megatron (it divides the scale by the layer number
     and multiplies it back inside the softmax), so it is ignored.
@@ -107,6 +113,7 @@ class USPAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.current_max_attn_logits = None
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
+        self.window = layer_window(config, self.layer_number)
         self.ulysses_group, self.ring_group = _groups_from(pg_collection)
         self.kernel = get_kernel(attention_backend)
         self.document_kernel = get_document_kernel(document_kernel, self.kernel)
@@ -143,13 +150,34 @@ class USPAttention(MegatronModule):
         call_args = dict(ulysses_group=self.ulysses_group, ring_group=self.ring_group,
                          causal=causal, softmax_scale=self.softmax_scale, backend=self.kernel,
                          overlap_chunks=self.overlap_chunks, documents=plan,
-                         document_kernel=self.document_kernel)
+                         document_kernel=self.document_kernel, window=self.window)
         if self.keeper is not None and self.training:
             out = self.keeper(query, key, value, make_schedule(query, key, **call_args))
         else:
             out = usp_attention(query, key, value, **call_args)
         s, b = out.shape[:2]
         return out.view(s, b, -1)
+
+def layer_window(config, layer_number: int) -> Optional[int]:
+    """The left window of layer ``layer_number`` (1-based, global), or None for a full layer.
+
+    megatron-core's fields: ``window_size = (left, 0)`` (None: no window) and
+    ``window_attn_skip_freq`` (None: every layer; int N: layers with number % N != 0; a list:
+    1 marks a window layer), decided by megatron-core's own ``is_layer_window_attention``.
+    Raises ValueError naming ``--window-size`` for a window this attention cannot run.
+    """
+    window_size = getattr(config, "window_size", None)
+    if window_size is None:
+        return None
+    left, right = tuple(window_size)
+    if right != 0 or not isinstance(left, int) or left < 1:
+        raise ValueError(f"--window-size {tuple(window_size)} is not supported: USP attention "
+                         f"takes a causal left window (left >= 1, right 0), e.g. "
+                         f"--window-size 4096")
+    if not is_layer_window_attention(window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    return left
+
 
 def _is_causal(mask_type) -> bool:
     if mask_type == AttnMaskType.causal:
@@ -173,11 +201,6 @@ def _check_supported(config, attn_mask_type, attention_type, attention_dropout) 
             f"--attention-dropout {dropout} is not supported with USP attention (no RNG "
             f"scheme makes a block's dropout mask independent of which rank computes it); "
             f"pass --attention-dropout 0.0"
-        )
-    if getattr(config, "window_size", None) is not None:
-        raise NotImplementedError(
-            "USP attention does not support sliding-window attention (--window-size); "
-            "drop --window-size"
         )
     if getattr(config, "qk_clip", False):
         raise NotImplementedError(

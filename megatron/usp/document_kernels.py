@@ -55,6 +55,7 @@ from megatron.usp.kernels import (
     accum_dtype,
     merge_block_,
 )
+from megatron.usp.window_kernel import window_backward, window_forward
 
 Tensor = torch.Tensor
 
@@ -172,6 +173,7 @@ class TileGroup:
     pairs: int
     fresh_q: bool = False
     fresh_k: bool = False
+    window: Optional[int] = None
 
 
 @dataclass
@@ -190,6 +192,9 @@ class DocumentBlock:
         q_init, k_init: some query row / key column is untouched, or first touched by a group
             that accumulates: the output / gradient buffers must start at 0 (and lse at -inf).
         q_pos, q_seg, k_pos, k_seg: host arrays [b, s] (the ``math`` and ``varlen`` kernels).
+        window: the left window of the block's mask (None: none); each group carries the
+            window its tiles still need in the kernel's own convention
+            (:mod:`megatron.usp.window_kernel`).
     """
 
     batch: int
@@ -207,6 +212,7 @@ class DocumentBlock:
     k_pos: np.ndarray
     k_seg: np.ndarray
     device: torch.device = torch.device("cpu")
+    window: Optional[int] = None
     _cache: Dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
@@ -261,9 +267,10 @@ class _Coverage:
 
 
 def build_document_block(q_pos: np.ndarray, q_seg: np.ndarray, k_pos: np.ndarray,
-                         k_seg: np.ndarray, causal: bool, device=None
-                         ) -> Optional[DocumentBlock]:
-    """The :class:`DocumentBlock` of queries (positions, segments) ``[b, sq]`` on keys ``[b, sk]``.
+                         k_seg: np.ndarray, causal: bool, device=None,
+                         window: Optional[int] = None) -> Optional[DocumentBlock]:
+    """The :class:`DocumentBlock` of queries (positions, segments) ``[b, sq]`` on keys ``[b, sk]``
+    (``window``: a left window, causal only).
 
     Returns None when no pair is visible (the ring then skips the block entirely).
     """
@@ -273,22 +280,22 @@ def build_document_block(q_pos: np.ndarray, q_seg: np.ndarray, k_pos: np.ndarray
     batch, sq = q_pos.shape
     sk = k_pos.shape[1]
     per_sample = [tiles_for_block(token_runs(q_pos[i], q_seg[i]), token_runs(k_pos[i], k_seg[i]),
-                                  causal) for i in range(batch)]
+                                  causal, window) for i in range(batch)]
     if not any(per_sample):
         return None
     groups: List[TileGroup] = []
     q_cov, k_cov = _Coverage(batch, sq), _Coverage(batch, sk)
     for sample, tiles in enumerate(per_sample):
-        by_shape: Dict[Tuple[int, int, bool], List[Tile]] = {}
+        by_shape: Dict[Tuple[int, int, bool, Optional[int]], List[Tile]] = {}
         for t in tiles:
-            by_shape.setdefault((t.q_len, t.k_len, t.causal), []).append(t)
+            by_shape.setdefault((t.q_len, t.k_len, t.causal, t.window), []).append(t)
         # Largest calls first: they are the fresh writes, the small ones accumulate onto them.
         shapes = sorted(by_shape.items(), key=lambda kv: -sum(t.pairs for t in kv[1]))
-        for (lq, lk, causal_tile), same_shape in shapes:
+        for (lq, lk, causal_tile, tile_window), same_shape in shapes:
             for ts in _row_disjoint_layers(same_shape, sq):
                 group = TileGroup(_make_slots(sample, [t.q_start for t in ts], lq, device),
                                   _make_slots(sample, [t.k_start for t in ts], lk, device),
-                                  causal_tile, sum(t.pairs for t in ts))
+                                  causal_tile, sum(t.pairs for t in ts), window=tile_window)
                 group.fresh_q = q_cov.touch(sample, [t.q_start for t in ts], lq, True)
                 group.fresh_k = k_cov.touch(sample, [t.k_start for t in ts], lk,
                                             group.k.disjoint)
@@ -297,7 +304,7 @@ def build_document_block(q_pos: np.ndarray, q_seg: np.ndarray, k_pos: np.ndarray
     k_init = k_cov.init or not k_cov.count.all()
     return DocumentBlock(batch, sq, sk, causal, per_sample, groups, int(q_cov.count.max()),
                          int(k_cov.count.max()), q_init, k_init, q_pos, q_seg, k_pos, k_seg,
-                         device)
+                         device, window)
 
 
 def _out_buffers(q: Tensor, block: DocumentBlock) -> Tuple[Tensor, Tensor]:
@@ -342,7 +349,8 @@ class MathDocumentKernel(DocumentKernel):
         acc = accum_dtype(q.dtype)
         hk = k.shape[1]
         mask = dense_document_mask(block.tensor("q_pos"), block.tensor("q_seg"),
-                                   block.tensor("k_pos"), block.tensor("k_seg"), block.causal)
+                                   block.tensor("k_pos"), block.tensor("k_seg"), block.causal,
+                                   block.window)
         qg = q.to(acc).unflatten(1, (hk, q.shape[1] // hk))            # [b, hk, g, sq, d]
         scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
         return scores.masked_fill_(~mask[:, None, None], float("-inf"))
@@ -415,7 +423,9 @@ class TileDocumentKernel(DocumentKernel):
         return (self.views and key not in self._refused and q.stride(-1) == 1
                 and _strided_cudnn_ok(self.kernel, q))
 
-    def _fwd(self, q, k, v, causal, scale):
+    def _fwd(self, q, k, v, causal, scale, window=None):
+        if window is not None:          # the window kernel: flash's own window, else a mask
+            return window_forward(q, k, v, causal, window, scale)
         key = ("fwd", q.dtype, tuple(q.shape), tuple(k.shape), causal)
         if self._use_views(key, q):
             try:
@@ -424,7 +434,9 @@ class TileDocumentKernel(DocumentKernel):
                 self._refused.add(key)
         return self.kernel.forward(q, k, v, causal, scale)
 
-    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale, window=None):
+        if window is not None:
+            return window_backward(dout, q, k, v, out, lse, causal, window, scale)
         key = ("bwd", q.dtype, tuple(q.shape), tuple(k.shape), causal)
         if self._use_views(key, q):
             try:
@@ -436,19 +448,21 @@ class TileDocumentKernel(DocumentKernel):
     def forward(self, q, k, v, block, scale):
         if block.is_dense():
             g = block.groups[0]
-            out, lse = self._fwd(q, k, v, g.causal, scale)
+            out, lse = self._fwd(q, k, v, g.causal, scale, g.window)
             return out, lse.to(accum_dtype(q.dtype))
         if _one_tiling_group(block):
             # Equal documents over the whole block: the batched call's own output is the
             # block's output when its memory is laid out [h, n*L, d] (no copy).
             g = block.groups[0]
-            o_g, l_g = self._fwd(g.q.read(q), g.k.read(k), g.k.read(v), g.causal, scale)
+            o_g, l_g = self._fwd(g.q.read(q), g.k.read(k), g.k.read(v), g.causal, scale,
+                                 g.window)
             out = _as_block(o_g)
             lse = l_g.transpose(0, 1).reshape(1, q.shape[1], q.shape[2])
             return (out if out is not None else _as_block_copy(o_g)), lse.to(accum_dtype(q.dtype))
         out, lse = _out_buffers(q, block)
         for g in block.groups:
-            o_g, l_g = self._fwd(g.q.read(q), g.k.read(k), g.k.read(v), g.causal, scale)
+            o_g, l_g = self._fwd(g.q.read(q), g.k.read(k), g.k.read(v), g.causal, scale,
+                                 g.window)
             if g.fresh_q:
                 g.q.put(out, o_g)
                 g.q.put(lse, l_g.to(lse.dtype))
@@ -464,11 +478,11 @@ class TileDocumentKernel(DocumentKernel):
     def backward(self, dout, q, k, v, out, lse, block, scale):
         if block.is_dense():
             g = block.groups[0]
-            return self._bwd(dout, q, k, v, out, lse, g.causal, scale)
+            return self._bwd(dout, q, k, v, out, lse, g.causal, scale, g.window)
         if _one_tiling_group(block) and _tiles_side(block.groups[0].k, block.sk):
             g = block.groups[0]
             grads = self._bwd(g.q.read(dout), g.q.read(q), g.k.read(k), g.k.read(v),
-                              g.q.read(out), g.q.read(lse), g.causal, scale)
+                              g.q.read(out), g.q.read(lse), g.causal, scale, g.window)
             return tuple(_as_block(t) if _as_block(t) is not None else _as_block_copy(t)
                          for t in grads)
         dq = _grad_buffer(q, block.q_cover, block.q_init)
@@ -476,7 +490,8 @@ class TileDocumentKernel(DocumentKernel):
         dv = _grad_buffer(v, block.k_cover, block.k_init)
         for g in block.groups:
             dq_g, dk_g, dv_g = self._bwd(g.q.read(dout), g.q.read(q), g.k.read(k), g.k.read(v),
-                                         g.q.read(out), g.q.read(lse), g.causal, scale)
+                                         g.q.read(out), g.q.read(lse), g.causal, scale,
+                                         g.window)
             (g.q.put if g.fresh_q else g.q.add)(dq, dq_g)
             (g.k.put if g.fresh_k else g.k.add)(dk, dk_g)
             (g.k.put if g.fresh_k else g.k.add)(dv, dv_g)
@@ -595,7 +610,10 @@ class VarlenDocumentKernel(DocumentKernel):
 
     name = "varlen"
 
-    def _check(self, q: Tensor) -> None:
+    def _check(self, q: Tensor, block: DocumentBlock) -> None:
+        if block.window is not None:
+            raise ValueError("--document-attention-kernel varlen does not take a sliding "
+                             "window; use --document-attention-kernel tiles (or auto)")
         if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_available()):
             raise ValueError(
                 f"--document-attention-kernel varlen needs CUDA fp16/bf16 tensors and PyTorch's "
@@ -603,7 +621,7 @@ class VarlenDocumentKernel(DocumentKernel):
                 f"tiles")
 
     def forward(self, q, k, v, block, scale):
-        self._check(q)
+        self._check(q, block)
         out = torch.zeros(q.shape, dtype=accum_dtype(q.dtype) if block.q_cover > 2 else q.dtype,
                           device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -627,7 +645,7 @@ class VarlenDocumentKernel(DocumentKernel):
         return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, block, scale):
-        self._check(q)
+        self._check(q, block)
         acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -662,7 +680,8 @@ class AutoDocumentKernel(DocumentKernel):
         if not q.is_cuda:
             small = block.batch * block.sq * block.sk <= AUTO_CPU_MATH_ELEMENTS
             return self.math if small else self.tiles
-        if not (q.dtype in (torch.float16, torch.bfloat16) and varlen_available()):
+        if block.window is not None or not (q.dtype in (torch.float16, torch.bfloat16)
+                                            and varlen_available()):
             return self.tiles
         per_call = block.pairs / max(1, len(block.groups))
         return self.tiles if per_call >= AUTO_TABLE["min_pairs_per_tile_call"] else self.varlen

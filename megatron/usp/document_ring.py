@@ -23,6 +23,18 @@ backward the same K/V traffic plus ``n_in`` dK/dV shares sent and ``n_out`` rece
 dtype). Every transfer of step ``i + 1`` is started before step ``i`` computes. Bytes skipped
 against the zigzag ring: :meth:`DocumentRingPlan.skipped_kv_messages`.
 
+Sliding window (``window`` = left, megatron-core's ``window_size = (left, 0)``, causal only):
+the same plan with the window in its predicate, and *halo* transfers: ``halo[r][j]`` lists the
+local indices of ring rank ``j``'s tokens that some query of ``r`` sees (a key at position
+``p`` is needed iff the first query position ``q >= p`` of ``r`` lies in ``p``'s document and
+``q - p <= left``), so ``j`` sends ``r`` only those tokens (one gathered
+``[2, b, hk, n, d]`` message) and ``r`` sends their dK/dV shares back, which ``j`` adds at
+the same indices. In the zigzag order a rank's two chunks reach back into up to two
+predecessors' chunks (more when ``left`` exceeds a chunk), so a rank sends and receives
+``O(left)`` tokens per layer, whatever S is, and nothing when no window crosses a ring rank
+(docs/sliding_window.md gives the byte count). Without a window every needed block moves
+whole. :meth:`DocumentRingPlan.kv_tokens_sent` counts what one forward sends.
+
 Accumulators: a row merges at most ``1 + n_in`` blocks and an owner sums ``1 + n_out`` dK/dV
 shares; as in the zigzag ring (:func:`megatron.usp.ring_attention.ring_accum_dtype`) two terms
 are summed in the input dtype (exact), more in float32.
@@ -30,14 +42,19 @@ are summed in the input dtype (exact), more in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from megatron.usp import token_order
-from megatron.usp.document_kernels import DocumentBlock, DocumentKernel, build_document_block
+from megatron.usp.document_kernels import (
+    DocumentBlock,
+    DocumentKernel,
+    build_document_block,
+    pinned_to_device,
+)
 from megatron.usp.kernels import accum_dtype, merge_block_
 from megatron.usp.ring_attention import RingGrads, ring_accum_dtype
 from megatron.usp.ring_comm import PendingExchange, RingComm
@@ -86,6 +103,41 @@ def needs_matrix(segments: np.ndarray, positions: Sequence[np.ndarray], causal: 
     return tuple(tuple(row) for row in needs)
 
 
+def monotone_segments(segments: np.ndarray) -> bool:
+    """Segment ids never decrease along a sample (documents are contiguous, as EOD cuts make
+    them): what :func:`halo_matrix` assumes."""
+    return bool(np.all(np.diff(segments, axis=-1) >= 0))
+
+
+def halo_indices(segments: np.ndarray, q_positions: np.ndarray, k_positions: np.ndarray,
+                 window: Optional[int]) -> np.ndarray:
+    """Local indices (into ``k_positions``) of the keys some query at ``q_positions`` sees
+    causally, within its document and, with ``window``, at most ``window`` positions back
+    (module docstring's rule; ``segments`` [b, S] monotone, union over samples)."""
+    queries = np.sort(q_positions)
+    nxt = np.searchsorted(queries, k_positions, side="left")      # first query >= the key
+    has = nxt < queries.size
+    q_next = queries[np.minimum(nxt, queries.size - 1)]
+    reach = has if window is None else has & (q_next - k_positions <= window)
+    same_doc = (segments[:, q_next] == segments[:, k_positions]).any(axis=0)
+    return np.flatnonzero(reach & same_doc)
+
+
+def halo_matrix(segments: np.ndarray, positions: Sequence[np.ndarray], window: Optional[int]
+                ) -> Tuple[Tuple[Optional[np.ndarray], ...], ...]:
+    """``halo[r][j]``: ring rank ``j``'s local token indices that rank ``r`` needs; None
+    where all of them (the local block, or every key needed), an empty array where none."""
+    R = len(positions)
+    out = []
+    for r in range(R):
+        row = []
+        for j in range(R):
+            idx = None if r == j else halo_indices(segments, positions[r], positions[j], window)
+            row.append(None if idx is not None and idx.size == positions[j].size else idx)
+        out.append(tuple(row))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class DocumentRingPlan:
     """This ring rank's document ring schedule for one micro-batch (module docstring).
@@ -96,6 +148,10 @@ class DocumentRingPlan:
         blocks: ``blocks[j]``: this rank's queries on ring rank ``j``'s keys (None: no pair).
         seq_len, batch: the micro-batch's S and b.
         causal: causal within documents (else bidirectional within documents).
+        window: the left window (None: none).
+        halo: with a window, :func:`halo_matrix` (the same on every rank); else empty (every
+            needed block moves whole).
+        segments, assignment, device: what the plan was built from (:meth:`with_window`).
     """
 
     ring_rank: int
@@ -105,6 +161,55 @@ class DocumentRingPlan:
     seq_len: int
     batch: int
     causal: bool = True
+    window: Optional[int] = None
+    halo: tuple = field(default=(), compare=False, repr=False)
+    segments: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
+    assignment: Optional[ChunkAssignment] = field(default=None, compare=False, repr=False)
+    device: object = field(default=None, compare=False, repr=False)
+    _cache: Dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def _halo(self, r: int, j: int) -> Optional[np.ndarray]:
+        return self.halo[r][j] if self.halo else None
+
+    def _tokens(self, r: int, j: int) -> int:
+        idx = self._halo(r, j)
+        return self.seq_len // self.ring_size if idx is None else int(idx.size)
+
+    def send_tokens(self, step: int) -> int:
+        """Tokens of our K/V that ring rank ``r + step`` needs (sent at ``step``)."""
+        return self._tokens((self.ring_rank + step) % self.ring_size, self.ring_rank)
+
+    def recv_tokens(self, step: int) -> int:
+        """Tokens of the source's K/V received at ``step``."""
+        return self._tokens(self.ring_rank, self.source(step))
+
+    def send_index(self, step: int, device) -> Optional[Tensor]:
+        """Local indices of our tokens sent at ``step`` (int64 on ``device``; None: all)."""
+        idx = self._halo((self.ring_rank + step) % self.ring_size, self.ring_rank)
+        if idx is None:
+            return None
+        key = ("send", step, str(device))
+        if key not in self._cache:
+            self._cache[key] = pinned_to_device(idx, torch.int64, device)
+        return self._cache[key]  # type: ignore[return-value]
+
+    def kv_tokens_sent(self) -> int:
+        """Tokens whose K/V this rank sends in one forward (the backward sends as many K/V
+        and receives as many dK/dV back); bytes = tokens x 2 x b x hk x d x element size."""
+        return sum(self.send_tokens(i) for i in range(1, self.ring_size) if self.sends(i))
+
+    def with_window(self, window: Optional[int]) -> "DocumentRingPlan":
+        """The same micro-batch's plan with a left window (built once, cached)."""
+        if window == self.window:
+            return self
+        if self.segments is None:
+            raise ValueError("this document plan was built without its segment ids; build it "
+                             "with build_document_ring_plan to derive a windowed plan")
+        if window not in self._cache:
+            self._cache[window] = build_document_ring_plan(
+                self.segments, self.ring_rank, self.ring_size, self.assignment, self.causal,
+                self.device, window)
+        return self._cache[window]  # type: ignore[return-value]
 
     def source(self, step: int) -> int:
         return (self.ring_rank - step) % self.ring_size
@@ -136,17 +241,32 @@ class DocumentRingPlan:
         return self.ring_size * (self.ring_size - 1) - self.kv_messages()
 
 
+def effective_window(window: Optional[int], seq_len: int) -> Optional[int]:
+    """``window``, or None when it reaches the whole sequence (full causal attention)."""
+    return None if window is None or window >= seq_len - 1 else int(window)
+
+
 def build_document_ring_plan(segments: np.ndarray, ring_rank: int, ring_size: int,
                              assignment: Optional[ChunkAssignment], causal: bool = True,
-                             device=None) -> DocumentRingPlan:
+                             device=None, window: Optional[int] = None) -> DocumentRingPlan:
     """The plan of ``ring_rank`` for full-sequence segment ids ``[b, S]`` (host numpy).
 
-    ``assignment`` is the micro-batch's chunk assignment (None: the default zigzag order).
+    ``assignment`` is the micro-batch's chunk assignment (None: the default zigzag order);
+    ``window``: a left window (module docstring; causal only, documents contiguous).
     """
     seg = np.atleast_2d(np.asarray(segments, dtype=np.int64))
     batch, seq_len = seg.shape
+    window = effective_window(window, seq_len)
     positions = ring_positions(seq_len, ring_size, assignment)
-    needs = needs_matrix(seg, positions, causal)
+    halo: tuple = ()
+    if window is None:
+        needs = needs_matrix(seg, positions, causal)
+    else:
+        if not causal or not monotone_segments(seg):
+            raise ValueError("a sliding window needs causal attention over contiguous "
+                             "documents (segment ids that never decrease along a sample)")
+        halo = halo_matrix(seg, positions, window)
+        needs = tuple(tuple(idx is None or idx.size > 0 for idx in row) for row in halo)
     mine = positions[ring_rank]
     q_pos = np.broadcast_to(mine, (batch, mine.size))
     blocks = []
@@ -154,20 +274,50 @@ def build_document_ring_plan(segments: np.ndarray, ring_rank: int, ring_size: in
         if not needs[ring_rank][j]:
             blocks.append(None)
             continue
-        k_pos = np.broadcast_to(positions[j], (batch, positions[j].size))
-        blocks.append(build_document_block(q_pos, seg[:, mine], k_pos, seg[:, positions[j]],
-                                           causal, device))
-    return DocumentRingPlan(ring_rank, ring_size, needs, tuple(blocks), seq_len, batch, causal)
+        keys = positions[j] if not halo or halo[ring_rank][j] is None \
+            else positions[j][halo[ring_rank][j]]
+        k_pos = np.broadcast_to(keys, (batch, keys.size))
+        blocks.append(build_document_block(q_pos, seg[:, mine], k_pos, seg[:, keys],
+                                           causal, device, window))
+    return DocumentRingPlan(ring_rank, ring_size, needs, tuple(blocks), seq_len, batch, causal,
+                            window, halo, seg, assignment, device)
+
+
+_WINDOW_PLANS: Dict[tuple, DocumentRingPlan] = {}
+
+
+def window_ring_plan(seq_len: int, batch: int, ring_rank: int, ring_size: int, window: int,
+                     device=None) -> DocumentRingPlan:
+    """The windowed plan of a sequence without documents in the zigzag order (one segment),
+    built once per shape and cached."""
+    key = (seq_len, batch, ring_rank, ring_size, window, str(device))
+    if key not in _WINDOW_PLANS:
+        _WINDOW_PLANS[key] = build_document_ring_plan(
+            np.zeros((batch, seq_len), dtype=np.int64), ring_rank, ring_size, None, True,
+            device, window)
+    return _WINDOW_PLANS[key]
 
 
 # --------------------------------------------------------------------------- forward
+def _halo_buffer(kv: Tensor, tokens: int) -> Tensor:
+    """An empty [2, b, hk, tokens, d] buffer like ``kv`` [2, b, hk, S_r, d]."""
+    if tokens == kv.shape[3]:
+        return torch.empty_like(kv)
+    return kv.new_empty(kv.shape[:3] + (tokens,) + kv.shape[4:])
+
+
 def _start_kv(comm: RingComm, kv: Tensor, plan: DocumentRingPlan, step: int
               ) -> Optional[PendingExchange]:
-    """Step ``step``'s K/V transfer: our own K/V out, the source's in, each where needed."""
+    """Step ``step``'s K/V transfer: our own K/V (or the receiver's halo of it, gathered to
+    [2, b, hk, n, d]) out, the source's in, each where needed."""
     if step >= comm.size:
         return None
-    recv = torch.empty_like(kv) if plan.receives(step) else None
-    return comm.shift(step, kv if plan.sends(step) else None, recv)
+    recv = _halo_buffer(kv, plan.recv_tokens(step)) if plan.receives(step) else None
+    send = None
+    if plan.sends(step):
+        idx = plan.send_index(step, kv.device)
+        send = kv if idx is None else kv.index_select(3, idx)
+    return comm.shift(step, send, recv)
 
 
 def _row_span(block: DocumentBlock) -> Tuple[int, int]:
@@ -216,18 +366,24 @@ class _PendingShares:
     def __init__(self, acc: Tensor, out_dtype: torch.dtype) -> None:
         self._acc = acc
         self._dtype = out_dtype
-        self._pending: List[PendingExchange] = []
+        self._pending: List[Tuple[PendingExchange, Optional[Tensor]]] = []
 
-    def add(self, pending: Optional[PendingExchange]) -> None:
+    def add(self, pending: Optional[PendingExchange], index: Optional[Tensor] = None) -> None:
+        """A transfer bringing a share of our dK/dV, for our tokens ``index`` (None: all)."""
         if pending is not None:
-            self._pending.append(pending)
+            self._pending.append((pending, index))
 
     def settle(self, keep: int = 0) -> None:
         """Wait for all but the ``keep`` newest transfers and add what they brought."""
         while len(self._pending) > keep:
-            share = self._pending.pop(0).wait()
-            if share is not None:
+            pending, index = self._pending.pop(0)
+            share = pending.wait()
+            if share is None:
+                continue
+            if index is None:
                 self._acc.add_(share)
+            else:                          # a halo's share: scatter-add to its tokens
+                self._acc.index_add_(3, index, share.to(self._acc.dtype))
 
     def wait(self) -> Tensor:
         self.settle()
@@ -275,7 +431,7 @@ def document_ring_backward(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse
         del received
         # Our share of the source's dK/dV goes straight home; the ranks that used our K/V at
         # this step send theirs back to us.
-        incoming = torch.empty_like(kv) if plan.sends(step) else None
-        shares.add(comm.shift(-step, mine, incoming))
+        incoming = _halo_buffer(kv, plan.send_tokens(step)) if plan.sends(step) else None
+        shares.add(comm.shift(-step, mine, incoming), plan.send_index(step, kv.device))
         shares.settle(keep=1)                        # the newest overlaps the next step
     return RingGrads(dq_acc.to(q.dtype), home=shares)

@@ -543,7 +543,7 @@ def packed_plan_for(block: Optional[DocumentBlock], kernel: AttentionKernel, q: 
                     k: Tensor) -> Optional[PackedPlan]:
     """The block's :class:`PackedPlan` when its documents are whole and in order (built once
     per block and head shape, cached on the block), else None."""
-    if block is None:
+    if block is None or block.window is not None:     # a window is not a whole document
         return None
     key = ("packed", q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], kernel.name)
     if key not in block._cache:

@@ -112,12 +112,15 @@ class RingComm:
     Attributes:
         size, rank: ring size R and this process's ring rank r.
         send_to, recv_from: global ranks of ring ranks (r+1) % R and (r-1) % R.
+        bytes_sent: bytes this communicator has sent so far (every exchange and shift), what
+            tests and benchmarks read to check a schedule's traffic.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup],
                  timeout: Optional[datetime.timedelta] = None) -> None:
         self.group = group
         self.timeout = timeout if timeout is not None else group_timeout(group)
+        self.bytes_sent = 0
         if group is None:
             self.size, self.rank = 1, 0
             self.send_to = self.recv_from = None
@@ -142,6 +145,7 @@ class RingComm:
             raise ValueError("ring exchange buffers must be contiguous")
         if recv_buf is None:
             recv_buf = torch.empty_like(send_buf)
+        self.bytes_sent += send_buf.numel() * send_buf.element_size()
         ops = [
             dist.P2POp(dist.isend, send_buf, self.send_to, self.group),
             dist.P2POp(dist.irecv, recv_buf, self.recv_from, self.group),
@@ -182,6 +186,7 @@ class RingComm:
             if not send_buf.is_contiguous():
                 raise ValueError("ring exchange buffers must be contiguous")
             dst = dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+            self.bytes_sent += send_buf.numel() * send_buf.element_size()
             ops.append(dist.P2POp(dist.isend, send_buf, dst, self.group))
         if recv_buf is not None:
             src = dist.get_global_rank(self.group, (self.rank - offset) % self.size)

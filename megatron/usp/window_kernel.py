@@ -1,0 +1,150 @@
+"""Sliding-window local attention of one (query block, key block) pair.
+
+The window follows megatron-core / TransformerEngine / flash-attn: ``window_size = (left, 0)``,
+and a block of ``sq`` queries on ``sk`` keys is aligned at its bottom-right corner, so query
+row ``i`` sees key column ``j`` iff::
+
+    j >= i + sk - sq - left          and, when causal,   j <= i + sk - sq
+
+(for a square causal block: ``i - left <= j <= i``). Shapes are those of
+:class:`megatron.usp.kernels.AttentionKernel`::
+
+    q, dq, out, dout : [b, h,  sq, d]
+    k, v, dk, dv     : [b, hk, sk, d]     h % hk == 0 (GQA / MQA)
+    lse              : [b, h,  sq]        float32 (float64 for float64 inputs)
+
+Rows that see no key give ``out = 0``, ``lse = -inf`` and zero gradients.
+
+Where it runs: on CUDA with fp16/bf16 and PyTorch's flash op, the op's own window
+(``torch.ops.aten._flash_attention_forward`` / ``_backward`` with ``window_size_left`` /
+``window_size_right``; blocks outside the window are skipped by the kernel), called in its
+varlen form with ``b`` sequences of equal length. Elsewhere (the CPU, fp32, fp64) an explicit
+masked product in float32 (float64 for float64): exact, O(sq*sk) memory. No communication.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.usp.kernels import _probs, accum_dtype
+
+Tensor = torch.Tensor
+
+
+def window_mask(sq: int, sk: int, causal: bool, left: int, device=None) -> Tensor:
+    """[sq, sk] boolean mask of the module docstring's convention (True: visible)."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    diag = i + (sk - sq)
+    visible = j >= diag - left
+    if causal:
+        visible &= j <= diag
+    return visible
+
+
+def flash_window_usable(q: Tensor) -> bool:
+    """PyTorch's flash op with a window can run on ``q`` (CUDA, fp16/bf16)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and hasattr(torch.ops.aten, "_flash_attention_forward")
+            and hasattr(torch.ops.aten, "_flash_attention_backward"))
+
+
+# --------------------------------------------------------------------------- masked product
+def _scores(q: Tensor, k: Tensor, causal: bool, left: int, scale: float) -> Tensor:
+    acc = accum_dtype(q.dtype)
+    hk = k.shape[1]
+    qg = q.to(acc).unflatten(1, (hk, q.shape[1] // hk))                # [b, hk, g, sq, d]
+    scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
+    mask = window_mask(q.shape[2], k.shape[2], causal, left, q.device)
+    return scores.masked_fill_(~mask, float("-inf"))                   # [b, hk, g, sq, sk]
+
+
+def _masked_forward(q, k, v, causal, left, scale):
+    scores = _scores(q, k, causal, left, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(_probs(scores, lse), v.to(scores.dtype).unsqueeze(2))
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+
+def _masked_backward(dout, q, k, v, out, lse, causal, left, scale):
+    hk = k.shape[1]
+    g = q.shape[1] // hk
+    scores = _scores(q, k, causal, left, scale)
+    acc = scores.dtype
+    p = _probs(scores, lse.to(acc).unflatten(1, (hk, g)))
+    do = dout.to(acc).unflatten(1, (hk, g))
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+    dp = torch.matmul(do, v.to(acc).unsqueeze(2).transpose(-1, -2))
+    delta = (do * out.to(acc).unflatten(1, (hk, g))).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, k.to(acc).unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).unflatten(1, (hk, g))).sum(2) * scale
+    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- flash op
+_EXTRAS: Dict[Tuple[torch.device, int, int], Tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+
+def _flash_extras(device, b: int, sq: int, sk: int):
+    """(cu_q, cu_k, rng_state, unused) of a varlen call of ``b`` equal sequences (cached)."""
+    key = (device, b, sq, sk)
+    if key not in _EXTRAS:
+        steps = torch.arange(b + 1, dtype=torch.int32, device=device)
+        _EXTRAS[key] = (steps * sq, steps * sk, torch.zeros(2, dtype=torch.uint64, device=device),
+                        torch.empty(0, device=device))
+    return _EXTRAS[key]
+
+
+def _tokens(x: Tensor) -> Tensor:
+    """[b, h, s, d] -> the varlen op's [b*s, h, d] (a copy when not already so laid out)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _right(causal: bool) -> int:
+    # As torch.nn.attention.varlen does: the causal limit is the window's right side 0, with
+    # is_causal off (flash-attn treats -1 as no limit).
+    return 0 if causal else -1
+
+
+def _flash_forward(q, k, v, causal, left, scale):
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    cu_q, cu_k, _, _ = _flash_extras(q.device, b, sq, sk)
+    res = torch.ops.aten._flash_attention_forward(
+        _tokens(q), _tokens(k), _tokens(v), cu_q, cu_k, sq, sk, 0.0, False, False,
+        scale=scale, window_size_left=left, window_size_right=_right(causal))
+    out = res[0].unflatten(0, (b, sq)).transpose(1, 2)                # [b, h, sq, d]
+    lse = res[1].unflatten(1, (b, sq)).transpose(0, 1)                # [h, b*sq] -> [b, h, sq]
+    return out, lse.float()
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, left, scale):
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    cu_q, cu_k, rng, unused = _flash_extras(q.device, b, sq, sk)
+    lse_t = lse.float().transpose(0, 1).reshape(h, b * sq).contiguous()
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse_t, cu_q, cu_k,
+        sq, sk, 0.0, False, rng, unused, scale=scale, window_size_left=left,
+        window_size_right=_right(causal))
+    return tuple(g.unflatten(0, (b, -1)).transpose(1, 2) for g in (dq, dk, dv))
+
+
+# --------------------------------------------------------------------------- entry points
+def window_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, left: int, scale: float
+                   ) -> Tuple[Tensor, Tensor]:
+    """out [b, h, sq, d] (q's dtype), lse [b, h, sq] (accum dtype) under the window ``left``."""
+    if flash_window_usable(q):
+        return _flash_forward(q, k, v, causal, left, scale)
+    return _masked_forward(q, k, v, causal, left, scale)
+
+
+def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    causal: bool, left: int, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv in the inputs' dtypes; ``out`` / ``lse`` are the rows' final (merged) ones."""
+    if flash_window_usable(q):
+        return _flash_backward(dout, q, k, v, out, lse, causal, left, scale)
+    return _masked_backward(dout, q, k, v, out, lse, causal, left, scale)
