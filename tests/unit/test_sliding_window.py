@@ -1,0 +1,182 @@
+"""Sliding-window attention's pure pieces, without any process group.
+
+The window's tiles cover exactly the visible pairs; the window kernel's masked product equals
+a float64 masked softmax in flash's bottom-right convention; the ring plan is counted: every
+visible (query, key) pair is computed by exactly one block on exactly one rank, and the halo
+bytes grow with the window and not with the sequence (zero when no window crosses a ring
+rank); megatron-core's per-layer rule decides which layers are windowed.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.usp.core_attention import layer_window
+from megatron.usp.document_mask import dense_document_mask, tiles_for_block, token_runs
+from megatron.usp.document_ring import (
+    build_document_ring_plan,
+    effective_window,
+    ring_positions,
+    window_ring_plan,
+)
+from megatron.usp.window_kernel import window_backward, window_forward, window_mask
+
+
+# --------------------------------------------------------------------------- tiles
+def _covered(tiles, sq, sk):
+    """How many tiles (with their own window / causal mask) cover each [sq, sk] pair."""
+    count = np.zeros((sq, sk), dtype=np.int64)
+    for t in tiles:
+        if t.window is None and not t.causal:
+            local = np.ones((t.q_len, t.k_len), dtype=bool)
+        elif t.window is None:
+            local = np.tril(np.ones((t.q_len, t.k_len), dtype=bool))
+        else:
+            local = window_mask(t.q_len, t.k_len, t.causal, t.window).numpy()
+        count[t.q_start:t.q_start + t.q_len, t.k_start:t.k_start + t.k_len] += local
+    return count
+
+
+@pytest.mark.parametrize("window", [1, 3, 7, 8, 9, 20, None])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_window_tiles_cover_each_visible_pair_once(window, seed):
+    rng = np.random.default_rng(seed)
+    seq = 64
+    seg = np.repeat(np.arange(4), np.diff([0, *sorted(rng.choice(np.arange(1, seq), 3,
+                                                                 replace=False)), seq]))
+    positions = ring_positions(seq, 4, None)
+    for qp in positions:
+        for kp in positions:
+            tiles = tiles_for_block(token_runs(qp, seg[qp]), token_runs(kp, seg[kp]), True,
+                                    window)
+            want = dense_document_mask(torch.as_tensor(qp), torch.as_tensor(seg[qp]),
+                                       torch.as_tensor(kp), torch.as_tensor(seg[kp]), True,
+                                       window).numpy()
+            got = _covered(tiles, qp.size, kp.size)
+            assert np.array_equal(got, want.astype(np.int64))
+            assert sum(t.pairs for t in tiles) == int(want.sum())
+
+
+# --------------------------------------------------------------------------- the kernel
+def _reference(q, k, v, causal, left, scale):
+    """Masked softmax in float64, flash's bottom-right window, written out per pair."""
+    sq, sk = q.shape[2], k.shape[2]
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    visible = torch.zeros(sq, sk, dtype=torch.bool)
+    for i in range(sq):
+        for j in range(sk):
+            diag = i + sk - sq
+            visible[i, j] = j >= diag - left and (not causal or j <= diag)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    return probs @ v
+
+
+@pytest.mark.parametrize("sq,sk,causal,left", [(16, 16, True, 0), (16, 16, True, 5),
+                                               (12, 20, False, 4), (20, 12, False, 3),
+                                               (8, 8, True, 100)])
+def test_window_kernel_matches_masked_softmax(sq, sk, causal, left):
+    gen = torch.Generator().manual_seed(sq + sk + left)
+    q = torch.randn(2, 4, sq, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, sk, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, sk, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    dout = torch.randn(2, 4, sq, 8, dtype=torch.float64, generator=gen)
+    want = _reference(q, k, v, causal, left, 0.3)
+    want.backward(dout)
+    out, lse = window_forward(q.detach(), k.detach(), v.detach(), causal, left, 0.3)
+    torch.testing.assert_close(out, want.detach(), atol=1e-12, rtol=1e-12)
+    grads = window_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal, left,
+                            0.3)
+    for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)
+
+
+# --------------------------------------------------------------------------- the plan
+def _visible_pairs(seg_row, window):
+    seq = seg_row.size
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    return int(((j <= i) & (i - j <= window) & (seg_row[:, None] == seg_row[None, :])).sum())
+
+
+@pytest.mark.parametrize("ring,window", [(2, 1), (3, 7), (4, 8), (4, 9), (4, 19), (8, 3)])
+def test_plan_computes_every_visible_pair_once(ring, window):
+    seq = 96 if ring == 3 else 128
+    seg = np.repeat(np.arange(3), [40, 50, seq - 90])[None]
+    plans = [build_document_ring_plan(seg, r, ring, None, window=window) for r in range(ring)]
+    pairs = sum(b.pairs for p in plans for b in p.blocks if b is not None)
+    assert pairs == _visible_pairs(seg[0], window)
+    assert all(p.needs == plans[0].needs for p in plans)
+
+
+def _halo_tokens(seq, ring, window):
+    return [window_ring_plan(seq, 1, r, ring, window).kv_tokens_sent() for r in range(ring)]
+
+
+def test_halo_bytes_grow_with_the_window_not_the_sequence():
+    ring = 4
+    w64, w128 = _halo_tokens(4096, ring, 64), _halo_tokens(4096, ring, 128)
+    assert w128 == [2 * t for t in w64]                 # doubling W doubles every rank's halo
+    assert _halo_tokens(8192, ring, 64) == w64          # doubling S at fixed W changes nothing
+    # Zigzag: chunk c needs the last W tokens of chunk c-1; the 2R-2 such pairs on two ranks
+    # are the halos. The end ranks send one, the middle ones two.
+    assert w64 == [64, 128, 128, 64] and sum(w64) == (2 * ring - 2) * 64
+    full = (4096 // ring) * (ring - 1)
+    assert max(w64) < full / 20
+
+
+def test_halo_spans_several_predecessors_when_the_window_exceeds_a_chunk():
+    seq, ring = 256, 4
+    chunk = seq // (2 * ring)                           # 32 tokens per zigzag chunk
+    plan = window_ring_plan(seq, 1, 2, ring, 2 * chunk + 5)
+    sources = [plan.source(i) for i in range(1, ring) if plan.receives(i)]
+    assert len(sources) == 3                            # every other ring rank
+    assert plan.kv_tokens_sent() > 2 * chunk
+
+
+def test_no_ring_traffic_when_no_window_crosses_a_ring_rank():
+    seq, ring = 128, 4
+    chunk = seq // (2 * ring)
+    seg = np.repeat(np.arange(2 * ring), chunk)[None]   # one document per zigzag chunk
+    for r in range(ring):
+        plan = build_document_ring_plan(seg, r, ring, None, window=5)
+        assert plan.kv_tokens_sent() == 0 and plan.kv_messages() == 0
+    assert window_ring_plan(seq, 1, 0, 1, 5).kv_tokens_sent() == 0      # one ring rank
+
+
+def test_a_window_over_the_whole_sequence_is_full_attention():
+    assert effective_window(127, 128) is None and effective_window(500, 128) is None
+    assert effective_window(126, 128) == 126 and effective_window(None, 128) is None
+    seg = np.zeros((1, 64), dtype=np.int64)
+    assert build_document_ring_plan(seg, 0, 2, None, window=63).window is None
+
+
+# --------------------------------------------------------------------------- layers
+def _config(window_size, skip):
+    return SimpleNamespace(window_size=window_size, window_attn_skip_freq=skip)
+
+
+def test_layers_follow_megatron_cores_pattern():
+    assert [layer_window(_config((16, 0), 2), n) for n in range(1, 5)] == [16, None, 16, None]
+    assert [layer_window(_config((16, 0), [1, 1, 0, 1]), n) for n in range(1, 5)] == [
+        16, 16, None, 16]
+    assert [layer_window(_config((16, 0), None), n) for n in range(1, 3)] == [16, 16]
+    assert layer_window(_config(None, 2), 1) is None
+
+
+@pytest.mark.parametrize("bad", [(16, 4), (0, 0), (-1, 0)])
+def test_layer_window_refuses_what_it_cannot_run(bad):
+    with pytest.raises(ValueError, match="--window-size"):
+        layer_window(_config(bad, None), 1)
+
+
+def test_window_mask_is_the_causal_band():
+    mask = window_mask(6, 6, True, 2)
+    i, j = np.arange(6)[:, None], np.arange(6)[None, :]
+    assert np.array_equal(mask.numpy(), (j <= i) & (i - j <= 2))
+    assert math.isclose(float(mask.sum()), 6 + 5 + 4)
