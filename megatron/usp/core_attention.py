@@ -114,6 +114,9 @@ class USPAttention(MegatronModule):
         self.current_max_attn_logits = None
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
         self.window = layer_window(config, self.layer_number)
+        if self.window is not None and not _is_causal(attn_mask_type):
+            raise ValueError(f"--window-size {self.window} needs causal attention (megatron-core's "
+                             f"window_size = (left, 0)); drop --window-size for {attn_mask_type}")
         self.ulysses_group, self.ring_group = _groups_from(pg_collection)
         self.kernel = get_kernel(attention_backend)
         self.document_kernel = get_document_kernel(document_kernel, self.kernel)

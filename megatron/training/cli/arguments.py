@@ -33,6 +33,7 @@ from megatron.training.cli.errors import ArgumentsError
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
 from megatron.training.cli.pretrained_args import add_pretrained_args
 from megatron.training.cli.rope_args import add_rope_args, rope_scaling_from_args
+from megatron.training.cli.window_args import add_window_args, window_from_args
 from megatron.training.data.errors import DataConfigError
 from megatron.training.exit_paths import leave_the_message_to_rank_0
 from megatron.usp.backend_names import (
@@ -129,6 +130,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="vocabulary of --tokenizer-type NullTokenizer (and --mock-data)")
     add_pretrained_args(g)
     add_rope_args(g)
+    add_window_args(g)
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -495,8 +497,10 @@ def _model_sizes(args) -> Dict[str, int]:
             f"--attention-dropout 0.0")
     if not 0.0 <= args.hidden_dropout < 1.0:
         raise ArgumentsError(f"--hidden-dropout {args.hidden_dropout} must be in [0, 1)")
+    window_size, window_attn_skip_freq = window_from_args(args)
     return {"kv_channels": kv_channels, "ffn_hidden_size": ffn,
             "max_position_embeddings": positions, "rope": rope_scaling_from_args(args),
+            "window_size": window_size, "window_attn_skip_freq": window_attn_skip_freq,
             "shape": ModelShape(
                 num_layers=args.num_layers, hidden_size=args.hidden_size,
                 num_attention_heads=args.num_attention_heads,

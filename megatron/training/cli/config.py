@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron.shapes import ModelShape, RopeScaling
 from megatron.usp.parallel_dims import ParallelDims
@@ -55,6 +55,8 @@ class RunConfig:
             defaults under ``--optimizer-cpu-offload`` / ``--use-megatron-fsdp``.
         padded_vocab_size: the tokenizer's vocabulary padded (:meth:`with_padded_vocab`,
             once the tokenizer is known); None before.
+        window_size / window_attn_skip_freq: megatron-core's sliding-window fields from
+            ``--window-size`` / ``--window-attn-skip-freq`` (None: full attention).
     """
 
     args: argparse.Namespace
@@ -82,6 +84,8 @@ class RunConfig:
     optimizer_offload_fraction: Optional[float]
     data_parallel_sharding_strategy: Optional[str]
     padded_vocab_size: Optional[int] = None
+    window_size: Optional[Tuple[int, int]] = None
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
 
     @property
     def params_dtype(self) -> str:

@@ -117,6 +117,8 @@ def transformer_config_from_args(config: RunConfig):
         # No CUDA graphs: megatron-core's default scope "full" only earns a deprecation
         # warning per model build; [] is its non-deprecated spelling of the same.
         cuda_graph_scope=[],
+        window_size=config.window_size,
+        window_attn_skip_freq=config.window_attn_skip_freq,
     )
     _set_yarn_fields(config_out, config.rope)
     return config_out
