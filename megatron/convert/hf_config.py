@@ -3,8 +3,8 @@
 :func:`from_hf_config` reads a config (a dict, as ``config.json`` holds it) of a supported
 decoder (Llama 2 / 3 / 3.1 / 3.2, Qwen2 / 2.5, Qwen3, Mistral, SmolLM2: RMSNorm, SwiGLU, RoPE,
 GQA) into a :class:`PretrainedConfig`; whatever the model here cannot run (another
-architecture, a sliding window, a RoPE scaling megatron-core lacks, a bias the layer spec has
-no slot for) raises ``ValueError`` in one line naming the config field. :func:`model_flags` gives the flags that
+architecture, a window it cannot express, a RoPE scaling megatron-core lacks, a bias the layer
+spec has no slot for) raises ``ValueError`` in one line naming the config field. :func:`model_flags` gives the flags that
 build the same model; :func:`to_hf_config` writes the config back for an export.
 
 RoPE is read from ``rope_parameters`` (transformers 5) or from ``rope_theta`` and
@@ -14,16 +14,25 @@ to the RoPE-scaling flags (:class:`~megatron.shapes.rope.RopeScaling`) and back 
 factors and original context, ``yarn`` only with ``truncate`` true (megatron-core rounds the
 correction range). YaRN's ``attention_factor``, or ``mscale`` over ``mscale_all_dim``, becomes
 ``--yarn-mscale`` / ``--yarn-mscale-all-dim`` giving the same factor on cos and sin.
+
+Sliding windows: transformers' ``sliding_window`` counts the query itself (its mask keeps
+``kv_idx > q_idx - sliding_window``), megatron-core's ``window_size = (left, 0)`` does not
+(``q_idx - left <= kv_idx``), so ``left = sliding_window - 1``. Mistral windows every layer;
+Qwen2 / Qwen3 (``use_sliding_window``) window the layers ``layer_types`` marks
+``sliding_attention``, by default those from ``max_window_layers`` on. A null
+``sliding_window`` is full attention. The window becomes ``--window-size`` and, when not every
+layer has it, ``--window-attn-skip-freq [..]`` (1: window layer); the export writes it back.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.errors import UsageError
 from megatron.shapes.rope import LLAMA3_FIXED, RopeScaling, yarn_mscale
+from megatron.training.cli.window_args import parse_skip_freq, parse_window_size
 
 # model_type -> the class transformers builds for it
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -49,6 +58,8 @@ class PretrainedConfig:
         qkv_bias: biases on Q, K and V only (Qwen2).
         qk_layernorm: RMSNorm over each query / key head before RoPE (Qwen3).
         rope_scaling: RoPE scaling for context extension (kind ``none`` without).
+        window_size: the sliding window's ``left`` (None: full attention).
+        window_layers: per layer 1 (window) or 0 (full); None: every layer when windowed.
         extra: config fields an export writes back unchanged (token ids, dtype).
     """
 
@@ -67,6 +78,8 @@ class PretrainedConfig:
     qkv_bias: bool = False
     qk_layernorm: bool = False
     rope_scaling: RopeScaling = RopeScaling()
+    window_size: Optional[int] = None
+    window_layers: Optional[Tuple[int, ...]] = None
     extra: Optional[Dict[str, Any]] = None
 
 
@@ -101,16 +114,57 @@ def _check_biases(cfg: Dict[str, Any], model_type: str) -> bool:
     return False
 
 
-def _check_full_attention(cfg: Dict[str, Any], model_type: str) -> None:
+WINDOW_KINDS = {"full_attention": 0, "sliding_attention": 1}
+
+
+def _window_layers(cfg: Dict[str, Any], model_type: str, windowed: bool) -> List[int]:
+    """Per layer 1 (window) or 0 (full), as transformers builds the family's layers."""
+    layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        unknown = sorted(set(kinds) - set(WINDOW_KINDS))
+        if unknown or len(kinds) != layers:
+            raise _refuse("layer_types", unknown or len(kinds), "is not supported (one "
+                                                                "full_attention or "
+                                                                "sliding_attention per layer)")
+        marks = [WINDOW_KINDS[k] for k in kinds]
+        if model_type == "qwen2" or model_type == "qwen3":
+            return marks if windowed else [0] * layers
+        if marks != [int(windowed)] * layers:   # Mistral windows all layers or none
+            raise _refuse("layer_types", kinds, f"is not supported ({model_type} applies "
+                                                f"sliding_window to every layer)")
+        return marks
+    if not windowed:
+        return [0] * layers
+    if model_type == "qwen2" or model_type == "qwen3":
+        first = int(cfg.get("max_window_layers", layers))
+        return [int(i >= first) for i in range(layers)]
+    return [1] * layers
+
+
+def _sliding_window(cfg: Dict[str, Any], model_type: str
+                    ) -> Tuple[Optional[int], Optional[Tuple[int, ...]]]:
+    """(left, per-layer marks or None for every layer) of a config (module docstring)."""
     window = cfg.get("sliding_window")
-    windowed = (cfg.get("use_sliding_window", False) if model_type in ("qwen2", "qwen3")
-                else window is not None)
-    if windowed:
-        raise _refuse("sliding_window", window, "is not supported (attention here is full "
-                                                "causal; no window)")
-    kinds = set(cfg.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise _refuse("layer_types", sorted(kinds), "is not supported (full attention only)")
+    if model_type == "qwen2" or model_type == "qwen3":
+        windowed = bool(cfg.get("use_sliding_window", False)) and window is not None
+    elif model_type == "mistral":
+        windowed = window is not None
+    else:
+        if window is not None:
+            raise _refuse("sliding_window", window, f"is not supported ({model_type} has no "
+                                                    f"sliding window in transformers)")
+        windowed = False
+    marks = _window_layers(cfg, model_type, windowed)
+    if not any(marks):
+        return None, None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise _refuse("sliding_window", window, "is not supported (a window of at least 2 "
+                                                "tokens, the query and one key before it)")
+    return window - 1, None if all(marks) else tuple(marks)
+
+
+def _check_full_attention(cfg: Dict[str, Any], model_type: str) -> None:
     factor = cfg.get("partial_rotary_factor", 1.0)
     if factor != 1.0:
         raise _refuse("partial_rotary_factor", factor, "is not supported yet")
@@ -218,6 +272,7 @@ def from_hf_config(cfg: Dict[str, Any]) -> PretrainedConfig:
     model_type = _check_architecture(cfg)
     qkv_bias = _check_biases(cfg, model_type)
     _check_full_attention(cfg, model_type)
+    window_size, window_layers = _sliding_window(cfg, model_type)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     keep = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
@@ -229,7 +284,8 @@ def from_hf_config(cfg: Dict[str, Any]) -> PretrainedConfig:
         vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"],
         rotary_base=rope_theta(cfg), rope_scaling=rope_scaling(cfg), norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type == "qwen3", window_size=window_size,
+        window_layers=window_layers,
         extra={k: cfg[k] for k in keep if cfg.get(k) is not None})
 
 
@@ -261,6 +317,11 @@ def model_flags(model: PretrainedConfig, vocab_divisible_by: Optional[int] = Non
               repr(model.norm_epsilon), "--disable-bias-linear",
               "--make-vocab-size-divisible-by", str(divisor)]
     flags += ["--add-qkv-bias"] * model.qkv_bias + ["--qk-layernorm"] * model.qk_layernorm
+    if model.window_size is not None:
+        flags += ["--window-size", str(model.window_size)]
+        if model.window_layers is not None:
+            flags += ["--window-attn-skip-freq",
+                      "[" + ",".join(str(m) for m in model.window_layers) + "]"]
     if not model.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
     return flags
@@ -271,12 +332,15 @@ def from_args(args: Dict[str, Any], model_type: Optional[str] = None,
     """The :class:`PretrainedConfig` of the arguments a checkpoint recorded (a dict).
 
     ``model_type`` defaults to what the architecture flags imply (``qwen3`` with
-    ``--qk-layernorm``, ``qwen2`` with ``--add-qkv-bias``, else ``llama``); the vocabulary
+    ``--qk-layernorm``, ``qwen2`` with ``--add-qkv-bias``, ``mistral`` with ``--window-size``,
+    else ``llama``); the vocabulary
     is the padded one unless ``extra`` holds the import's ``vocab_size``.
     """
     _check_exportable(args)
     qkv_bias, qk_norm = bool(args.get("add_qkv_bias")), bool(args.get("qk_layernorm"))
-    implied = "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+    window = _window_from_args(args)
+    implied = ("qwen3" if qk_norm else "qwen2" if qkv_bias else
+               "mistral" if window else "llama")      # llama has no window
     extra = dict(extra or {})
     heads = args["num_attention_heads"]
     model = PretrainedConfig(
@@ -291,9 +355,25 @@ def from_args(args: Dict[str, Any], model_type: Optional[str] = None,
         rotary_base=int(args["rotary_base"]), rope_scaling=RopeScaling.from_flag_values(args),
         norm_epsilon=float(args["norm_epsilon"]),
         tied_embeddings=not args.get("untie_embeddings_and_output_weights"),
-        qkv_bias=qkv_bias, qk_layernorm=qk_norm, extra=extra)
+        qkv_bias=qkv_bias, qk_layernorm=qk_norm, extra=extra, **window)
     _check_model_type(model)
     return model
+
+
+def _window_from_args(args: Dict[str, Any]) -> Dict[str, Any]:
+    """``window_size`` / ``window_layers`` of recorded arguments (the flags' text)."""
+    if args.get("window_size") is None:
+        return {}
+    left = parse_window_size(args["window_size"])[0]
+    freq = args.get("window_attn_skip_freq")
+    if freq is None:
+        return {"window_size": left}
+    freq = parse_skip_freq(freq, args["num_layers"])
+    marks = (tuple(freq) if isinstance(freq, list) else
+             tuple(int(n % freq != 0) for n in range(1, args["num_layers"] + 1)))
+    if not any(marks):
+        return {}
+    return {"window_size": left, "window_layers": None if all(marks) else marks}
 
 
 # (flag, value the export needs) for the architecture flags every supported family shares
@@ -349,10 +429,32 @@ def to_hf_config(model: PretrainedConfig) -> Dict[str, Any]:
         cfg.update(attention_bias=False)
     if model.model_type == "llama":
         cfg.update(mlp_bias=False)
-    if model.model_type in ("mistral", "qwen2", "qwen3"):
-        cfg.update(sliding_window=None, use_sliding_window=False)
+    cfg.update(_hf_window(model))
     cfg.update(model.extra or {})
     return cfg
+
+
+def _hf_window(model: PretrainedConfig) -> Dict[str, Any]:
+    """The window fields of the family's config (module docstring); refuses a window the
+    family cannot express, naming the flag."""
+    if model.model_type == "llama":
+        if model.window_size is not None:
+            raise ConversionError(f"--window-size {model.window_size}: llama has no sliding "
+                                  f"window in transformers; export with a mistral or qwen2 "
+                                  f"--hf-config")
+        return {}
+    if model.window_size is None:
+        return {"sliding_window": None, "use_sliding_window": False}
+    marks = model.window_layers or (1,) * model.num_layers
+    if model.model_type == "mistral":
+        if not all(marks):
+            raise ConversionError(f"--window-attn-skip-freq {list(marks)}: mistral windows "
+                                  f"every layer; export with a qwen2 --hf-config")
+        return {"sliding_window": model.window_size + 1}
+    kinds = [k for m in marks for k, v in WINDOW_KINDS.items() if v == m]
+    first = marks.index(1)
+    return {"sliding_window": model.window_size + 1, "use_sliding_window": True,
+            "max_window_layers": first, "layer_types": kinds}
 
 
 def _hf_rope_scaling(rope: RopeScaling) -> Optional[Dict[str, Any]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,6 +62,11 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=16,
                                   num_key_value_heads=4), []),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None), []),
+    # Windows smaller than the test sequences (HF's sliding_window counts the query itself):
+    # every layer (Mistral) and from layer 1 on (Qwen2's max_window_layers).
+    "mistral_window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=9), []),
+    "qwen2_window": ("Qwen2Config", dict(tie_word_embeddings=False, use_sliding_window=True,
+                                         sliding_window=7, max_window_layers=1), []),
     "llama_padded": ("LlamaConfig", dict(tie_word_embeddings=False, vocab_size=250),
                      ["--make-vocab-size-divisible-by", "128"]),
 }
@@ -241,16 +247,21 @@ LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermedia
     (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6}),
      "rope_parameters.rope_type=longrope is not supported"),
     (dict(model_type="gemma"), "model_type=gemma is not supported"),
-    (dict(model_type="mistral", sliding_window=4096), "sliding_window=4096 is not supported"),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=32),
-     "sliding_window=32 is not supported"),
+    (dict(model_type="mistral", sliding_window=1), "sliding_window=1 is not supported"),
+    (dict(sliding_window=32), "sliding_window=32 is not supported"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=32,
+          layer_types=["full_attention", "chunked_attention"]),
+     "layer_types=['chunked_attention'] is not supported"),
+    (dict(model_type="mistral", sliding_window=32,
+          layer_types=["full_attention", "sliding_attention"]), "layer_types=.* is not supported"),
     (dict(attention_bias=True), "attention_bias=true is not supported"),
     (dict(mlp_bias=True), "mlp_bias=true is not supported"),
     (dict(hidden_act="gelu"), "hidden_act=gelu is not supported"),
     (dict(rope_theta=10000.5), "rope_theta=10000.5 is not an integer"),
 ])
 def test_unsupported_configs_are_refused_naming_the_field(fields, message):
-    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace(r"\.*", ".*")
+                       .replace("[", r"\[").replace("]", r"\]")):
         from_hf_config({**LLAMA, **fields})
 
 
@@ -265,7 +276,12 @@ def test_rope_parameters_and_rope_theta_read_alike():
 def test_config_round_trips_through_the_flags():
     """HF config -> flags -> the arguments a checkpoint records -> HF config again."""
     for fields in (dict(), dict(model_type="qwen3", head_dim=16), dict(model_type="qwen2"),
-                   dict(tie_word_embeddings=True)):
+                   dict(tie_word_embeddings=True),
+                   dict(model_type="mistral", sliding_window=4096),
+                   dict(model_type="qwen2", use_sliding_window=True, sliding_window=33,
+                        max_window_layers=1),
+                   dict(model_type="qwen2", use_sliding_window=True, sliding_window=33,
+                        layer_types=["sliding_attention", "full_attention"])):
         model = from_hf_config({**LLAMA, **fields})
         args = parse_args(model_flags(model) + SINGLE_RANK_FLAGS + [
             "--seq-length", "64", "--vocab-size", str(VOCAB)])
@@ -274,6 +290,32 @@ def test_config_round_trips_through_the_flags():
         back = from_args(vars(args), extra=model.extra)
         assert back == model, (fields, back)
         assert from_hf_config(to_hf_config(back)) == model
+
+
+def test_hf_window_counts_the_query_itself():
+    """HF's sliding_window W keeps kv_idx > q_idx - W: megatron-core's left is W - 1."""
+    mistral = from_hf_config({**LLAMA, "model_type": "mistral", "sliding_window": 4096})
+    assert mistral.window_size == 4095 and mistral.window_layers is None
+    flags = model_flags(mistral)
+    assert flags[flags.index("--window-size") + 1] == "4095"
+    assert "--window-attn-skip-freq" not in flags
+    qwen = from_hf_config({**LLAMA, "model_type": "qwen2", "use_sliding_window": True,
+                           "sliding_window": 64, "max_window_layers": 1})
+    assert qwen.window_size == 63 and qwen.window_layers == (0, 1)
+    flags = model_flags(qwen)
+    assert flags[flags.index("--window-attn-skip-freq") + 1] == "[0,1]"
+    assert from_hf_config({**LLAMA, "model_type": "mistral", "sliding_window": None}
+                          ).window_size is None
+    assert from_hf_config({**LLAMA, "model_type": "qwen2", "use_sliding_window": False,
+                           "sliding_window": 64}).window_size is None
+
+
+def test_a_window_the_family_cannot_express_is_refused_on_export():
+    mistral = from_hf_config({**LLAMA, "model_type": "mistral", "sliding_window": 64})
+    with pytest.raises(ValueError, match="--window-attn-skip-freq"):
+        to_hf_config(replace(mistral, window_layers=(1, 0)))
+    with pytest.raises(ValueError, match="--window-size 63: llama has no sliding window"):
+        to_hf_config(replace(mistral, model_type="llama"))
 
 
 @pytest.mark.parametrize("vocab, divisor", [(49152, 128), (128256, 32), (151936, 16),
