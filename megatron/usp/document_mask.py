@@ -77,7 +77,9 @@ def token_runs(positions: Sequence[int], segments: Sequence[int]) -> List[Run]:
 class Tile:
     """Query rows ``q_start..+q_len`` x key columns ``k_start..+k_len`` (local indices of the
     block); ``causal``: a square (q_len == k_len) with the same positions on both sides, the
-    causal mask on its diagonal; else every pair is visible."""
+    causal mask on its diagonal; else every pair is visible. ``window``: a left window in
+    flash's bottom-right convention (row i sees columns j >= i + k_len - q_len - window) still
+    cutting the tile; None when the window (if any) reaches all of it."""
 
     q_start: int
     k_start: int

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.usp.core_attention import layer_window
+from megatron.usp.core_attention import USPAttention, layer_window
 from megatron.usp.document_mask import dense_document_mask, tiles_for_block, token_runs
 from megatron.usp.document_ring import (
     build_document_ring_plan,
@@ -25,6 +26,7 @@ from megatron.usp.document_ring import (
     window_ring_plan,
 )
 from megatron.usp.window_kernel import window_backward, window_forward, window_mask
+from tests.helpers import attention_config
 
 
 # --------------------------------------------------------------------------- tiles
@@ -180,3 +182,12 @@ def test_window_mask_is_the_causal_band():
     i, j = np.arange(6)[:, None], np.arange(6)[None, :]
     assert np.array_equal(mask.numpy(), (j <= i) & (i - j <= 2))
     assert math.isclose(float(mask.sum()), 6 + 5 + 4)
+
+
+def test_a_window_layer_refuses_a_non_causal_mask():
+    config = attention_config(4, 8, 2, window_size=(16, 0), window_attn_skip_freq=2)
+    assert USPAttention(config, 1, AttnMaskType.causal).window == 16
+    assert USPAttention(config, 2, AttnMaskType.causal).window is None
+    USPAttention(config, 2, AttnMaskType.no_mask)            # a full layer may be bidirectional
+    with pytest.raises(ValueError, match="--window-size 16 needs causal attention"):
+        USPAttention(config, 1, AttnMaskType.no_mask)
