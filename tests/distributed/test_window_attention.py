@@ -14,7 +14,9 @@ and with packed documents in the zigzag order and the balanced assignment.
 
 The ring's bytes are counted (``RingComm.bytes_sent``) against the plan: each rank sends, in
 one forward and backward, the K/V halo its successors need twice and the dK/dV shares of the
-halos it received, and nothing else.
+halos it received, and nothing else; on U1xR2 the bytes measured double from W = 64 to 128,
+stay the same from S = 1024 to 2048, and are zero when documents keep every window inside a
+ring rank.
 """
 
 from __future__ import annotations
@@ -172,3 +174,38 @@ def test_case_matrix_covers_the_windows():
                 seen.add(case["docs"])
     assert {"one", "chunk", "several", "full", "128", "mha", "gqa", "mqa", "zigzag",
             "balanced", None} <= seen
+
+
+# --------------------------------------------------------------------------- bytes on the wire
+def _ring_bytes(groups, seq_len, window, seg=None):
+    """Bytes this rank's ring sends in one forward + backward at U1 x R2, float32."""
+    gen = torch.Generator().manual_seed(seq_len + window)
+    q, k, v = (torch.randn(seq_len, 1, 2, 8, generator=gen) for _ in range(3))
+    plan = None if seg is None else build_document_ring_plan(seg, groups.ring_rank, 2, None)
+
+    def mine(x):
+        return token_order.shard_for_cp_rank(x, 0, groups.cp_rank, 2).clone().requires_grad_()
+
+    q_l, k_l, v_l = mine(q), mine(k), mine(v)
+    sched = make_schedule(q_l, k_l, ulysses_group=None, ring_group=groups.ring, causal=True,
+                          softmax_scale=None, backend="torch", overlap_chunks=1,
+                          documents=plan, document_kernel="auto", window=window)
+    usp_attention_with_schedule(q_l, k_l, v_l, sched).sum().backward()
+    return sched.ring.bytes_sent
+
+
+def _measure_bytes(rank, world_size):
+    groups = initialize_usp_parallel(ParallelDims(world_size, ulysses=1, ring=2))
+    w64, w128 = _ring_bytes(groups, 1024, 64), _ring_bytes(groups, 1024, 128)
+    assert w64 > 0 and w128 == 2 * w64, (w64, w128)             # bytes grow with W ...
+    assert _ring_bytes(groups, 2048, 64) == w64                   # ... and not with S
+    # Per rank: one halo of W tokens out twice (K/V forward and backward) and one dK/dV share
+    # back, each 2 (K, V) x 1 x 2 heads x 8 dims x 4 bytes per token.
+    assert w64 == 3 * 64 * 2 * 2 * 8 * 4
+    chunks = np.repeat(np.arange(4), 256)[None]                   # documents = zigzag chunks
+    assert _ring_bytes(groups, 1024, 64, chunks) == 0              # no window crosses a rank
+    destroy_usp_parallel()
+
+
+def test_ring_bytes_grow_with_the_window_not_the_sequence(dist_run):
+    dist_run(_measure_bytes, 2, timeout=300)
