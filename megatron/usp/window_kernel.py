@@ -19,7 +19,9 @@ Where it runs: on CUDA with fp16/bf16 and PyTorch's flash op, the op's own windo
 (``torch.ops.aten._flash_attention_forward`` / ``_backward`` with ``window_size_left`` /
 ``window_size_right``; blocks outside the window are skipped by the kernel), called in its
 varlen form with ``b`` sequences of equal length. Elsewhere (the CPU, fp32, fp64) an explicit
-masked product in float32 (float64 for float64): exact, O(sq*sk) memory. No communication.
+masked product in float32 (float64 for float64): exact, O(sq*sk) memory. Window tiles take
+this path whatever ``--attention-backend`` is (the flash-attn and TransformerEngine adapters
+take no window yet). No communication.
 """
 
 from __future__ import annotations
@@ -109,11 +111,16 @@ def _right(causal: bool) -> int:
     return 0 if causal else -1
 
 
+def _flash_ops():
+    """PyTorch's flash forward and backward ops (looked up per call: CPU builds lack them)."""
+    return torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+
+
 def _flash_forward(q, k, v, causal, left, scale):
     b, h, sq, d = q.shape
     sk = k.shape[2]
     cu_q, cu_k, _, _ = _flash_extras(q.device, b, sq, sk)
-    res = torch.ops.aten._flash_attention_forward(
+    res = _flash_ops()[0](
         _tokens(q), _tokens(k), _tokens(v), cu_q, cu_k, sq, sk, 0.0, False, False,
         scale=scale, window_size_left=left, window_size_right=_right(causal))
     out = res[0].unflatten(0, (b, sq)).transpose(1, 2)                # [b, h, sq, d]
@@ -126,7 +133,7 @@ def _flash_backward(dout, q, k, v, out, lse, causal, left, scale):
     sk = k.shape[2]
     cu_q, cu_k, rng, unused = _flash_extras(q.device, b, sq, sk)
     lse_t = lse.float().transpose(0, 1).reshape(h, b * sq).contiguous()
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    dq, dk, dv = _flash_ops()[1](
         _tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse_t, cu_q, cu_k,
         sq, sk, 0.0, False, rng, unused, scale=scale, window_size_left=left,
         window_size_right=_right(causal))
