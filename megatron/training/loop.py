@@ -51,6 +51,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.utils import is_layer_window_attention
 from torch.distributed.tensor import DTensor
 
 from megatron.errors import UsageError
@@ -352,7 +353,17 @@ def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
                                   ring_size=g.ring_size,
                                   documents=documents_enabled(args.reset_attention_mask,
                                                               args.reset_position_ids),
-                                  agreement=agreement)
+                                  agreement=agreement, window=_any_layer_window(config))
+
+
+def _any_layer_window(config: RunConfig) -> Optional[int]:
+    """The left window when some layer of the model is windowed (megatron-core's rule)."""
+    if config.window_size is None:
+        return None
+    layers = range(1, config.args.num_layers + 1)
+    windowed = any(is_layer_window_attention(config.window_size, config.window_attn_skip_freq, n)
+                   for n in layers)
+    return config.window_size[0] if windowed else None
 
 
 # --------------------------------------------------------------------------- one step

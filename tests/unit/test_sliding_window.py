@@ -17,6 +17,7 @@ import pytest
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron.training.data.batch import BatchContext, _document_params
 from megatron.usp.core_attention import USPAttention, layer_window
 from megatron.usp.document_mask import dense_document_mask, tiles_for_block, token_runs
 from megatron.usp.document_ring import (
@@ -268,3 +269,15 @@ def test_flash_path_plumbing_matches_the_masked_product(fake_flash, sq, sk, caus
     want = fake_flash._masked_backward(dout, q, k, v, want_out, want_lse, causal, left, 0.3)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+# --------------------------------------------------------------------------- the batch
+def test_the_batch_builds_the_windowed_plan_with_the_micro_batch():
+    seg = torch.as_tensor(np.repeat(np.arange(3), [20, 30, 14])[None])
+    ctx = BatchContext(cp_rank=0, cp_size=2, device=torch.device("cpu"), first_stage=True,
+                       last_stage=True, ring_rank=1, ring_size=2, documents=True, window=5)
+    plan = _document_params({"segment_ids": seg}, ctx).plan
+    assert plan.window is None and 5 in plan._cache           # built here, not in a layer
+    assert plan.with_window(5) is plan._cache[5] and plan.with_window(5).window == 5
+    ctx_full = BatchContext(**{**ctx.__dict__, "window": 63})  # reaches everything: no plan
+    assert _document_params({"segment_ids": seg}, ctx_full).plan._cache == {}

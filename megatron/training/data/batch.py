@@ -48,7 +48,7 @@ from megatron.shapes import causal_pairs, document_pairs
 from megatron.training.data.config import DataConfigError
 from megatron.training.data.errors import BatchMismatchError
 from megatron.usp.document_kernels import pinned_to_device
-from megatron.usp.document_ring import build_document_ring_plan
+from megatron.usp.document_ring import build_document_ring_plan, effective_window
 from megatron.usp.token_order import shard_for_cp_rank
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
@@ -141,6 +141,9 @@ class BatchContext:
     ring_size: int = 1
     documents: bool = False     # --reset-position-ids / --reset-attention-mask
     agreement: Optional[BatchAgreement] = None   # --batch-agreement-interval
+    # --window-size's left window when some layer uses it: the micro-batch's windowed document
+    # plan is built here with the batch, not by the first window layer's forward.
+    window: Optional[int] = None
 
 
 def _document_params(full: Dict, ctx: BatchContext):
@@ -152,6 +155,8 @@ def _document_params(full: Dict, ctx: BatchContext):
     plan = build_document_ring_plan(full["segment_ids"].numpy(), ctx.ring_rank, ctx.ring_size,
                                     full.get("chunk_assignment"), causal=True,
                                     device=ctx.device)
+    if ctx.window is not None:
+        plan.with_window(effective_window(ctx.window, plan.seq_len))     # cached on the plan
     return DocumentParams.for_plan(plan)
 
 
