@@ -285,3 +285,28 @@ def test_bench_attention_document_kernels_and_balance_report(tmp_path):
     assert [(r["ulysses"], r["ring"]) for r in rows] == [(1, 2), (2, 2)]
     for r in rows:
         assert r["spread_max"] <= 0.05 and r["spread_max"] <= r["zigzag_spread_max"]
+
+
+# --------------------------------------------------------------------------- imported model
+def test_imported_model_recipe_on_the_cpu(tmp_path):
+    """benchmarks/imported_model.sh with a tiny model on 4 gloo ranks (U2 x R2): builds the
+    Hugging Face model, imports it, trains it from the checkpoint and from scratch with the
+    same flags, and writes both runs' figures and their ratios."""
+    out = tmp_path / "imported"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SHAPE="tiny", SEQ_LEN="256", DEVICE="cpu", NPROC="4", ULYSSES_DEGREE="2",
+               RING_DEGREE="2", ITERS="3", WARMUP="1", OUT_DIR=str(out),
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "imported_model.sh")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    result = json.loads((out / "imported_model.json").read_text())
+    for name in ("imported", "scratch"):
+        run = result[name]
+        assert run["layout"] == "TP1 U2 R2 DP1 PP1" and run["iterations"] == 2
+        assert run["args"]["seq_length"] == 256 and run["tokens_per_s"] > 0
+    assert result["imported"]["args"]["load"] == str(out / "imported")
+    assert result["scratch"]["args"]["load"] is None
+    assert result["tokens_per_s_ratio"] > 0 and "imported / scratch" in proc.stdout
+    assert result["metadata"]["command"]

@@ -646,3 +646,24 @@ def test_a_failed_run_is_explained_by_its_cause_not_torchruns_summary():
               "[rank0]: TypeError: '>=' not supported between instances of 'NoneType' and "
               "'Version'\n") + torchrun_tail
     assert failure_cause(ranked).startswith("TypeError: '>=' not supported")
+
+
+def test_imported_model_compare_reads_two_metrics_files(tmp_path):
+    from megatron.bench.imported import compare, markdown
+
+    def write(name, tokens, mem):
+        rows = [{"kind": "run", "layout": "TP1 U1 R1 DP1 PP1", "args": {"seq_length": 8}}]
+        rows += [{"kind": "train", "iteration": i + 1, "tokens_per_s": t, "step_time_s": 8 / t,
+                  "mem_gib": m} for i, (t, m) in enumerate(zip(tokens, mem))]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    a = write("a", [1.0, 90.0, 100.0, 110.0], [9.0, 2.0, 2.0, 2.0])
+    b = write("b", [1.0, 200.0, 200.0, 200.0], [1.0, 1.0, 1.0, 1.0])
+    result = compare(a, b, warmup=1)   # the first iteration (compilation) is left out
+    assert result["imported"]["tokens_per_s"] == 100.0 and result["imported"]["mem_gib"] == 2.0
+    assert result["tokens_per_s_ratio"] == 0.5 and result["mem_ratio"] == 2.0
+    assert "tokens/s 0.500x, memory 2.000x" in markdown(result)
+    with pytest.raises(SystemExit, match="no training iteration after the first 4"):
+        compare(a, b, warmup=4)
