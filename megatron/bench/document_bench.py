@@ -54,8 +54,8 @@ from megatron.training.data.corpus import ensure_default_corpus
 from megatron.training.data.indexed_files import inspect_indexed_dataset
 from megatron.usp import load_balance as lb
 from megatron.usp.attention import usp_attention
+from megatron.usp.document_choice import AutoDocumentKernel
 from megatron.usp.document_kernels import (
-    AutoDocumentKernel,
     TileDocumentKernel,
     VarlenDocumentKernel,
     build_document_block,
@@ -400,7 +400,7 @@ def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
                     "varlen": VarlenDocumentKernel, "auto": lambda: AutoDocumentKernel(local)}[
                 name]()
             if name == "auto":
-                chosen = kern.choose(q, block)
+                chosen = kern.choose(q, k, block)
                 res.auto_choice = chosen.name
 
             def f(q_, k_, v_, s_, kern=kern):
