@@ -46,7 +46,7 @@ def ring_table(cpu_costs):
 
 
 def _count_builds(rank, world_size, layout, out_dir):
-    # the training stack is imported in the forked rank, after the harness set it up
+    # the training stack loads in the ranks only, so collecting this file stays light
     import megatron.training.data.batch as batch_mod
     import megatron.usp.document_choice as dc
     import megatron.usp.document_ring as dr
@@ -126,7 +126,7 @@ def _count_builds(rank, world_size, layout, out_dir):
 def _replayed(record):
     """The kernels one process chooses for the recorded rank's blocks, rebuilt from the same
     segment ids, with a fresh copy of the table that rank priced them with."""
-    # imported where used, as the ranks do
+    # loaded where used, as in the ranks
     from megatron.usp.document_choice import choose_block_kernel
     from megatron.usp.document_ring import build_document_ring_plan
     from megatron.usp.packed_documents import costs_from_state
@@ -142,7 +142,7 @@ def test_document_metadata_is_built_once_per_micro_batch(layout, tmp_path):
     run_on_ranks(_count_builds, 4, layout, str(tmp_path), timeout=600)
     if layout != "u2r2":
         return
-    from megatron.usp.packed_documents import costs_state, cpu_costs  # as the ranks do
+    from megatron.usp.packed_documents import costs_state, cpu_costs  # as in the ranks
 
     records = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(4)]
     by_ring_rank = {}
@@ -161,7 +161,7 @@ def test_document_metadata_is_built_once_per_micro_batch(layout, tmp_path):
 
 # --------------------------------------------------------------------------- noisy timings
 def _agree_on_noisy_tables(rank, world_size, out_dir):
-    # imported in the forked rank, as the training ranks do
+    # loaded in the ranks only, as above
     from megatron.usp.document_choice import BLOCK_KERNELS, choose_block_kernel
     from megatron.usp.packed_documents import agreed_costs, costs_state
     from tests.unit.test_document_choice import blocks_of, gpu_like, mix_segments
