@@ -4,8 +4,9 @@ No timing: every cost table here is written by hand. On the bench's document mix
 and 8K, lognormal, the corpus, uniform 1..4K) at 32K and 128K, for the whole sequence (one
 rank) and for every block of the ring ranks of U2xR2 (balanced assignment): the choice is the
 kernel of least modelled cost, the model prices a block's documents exactly as the in-place
-path prices them, and the choice follows the table (no fixed threshold). The cost table
-survives the trip it makes between ranks.
+path prices them, and the choice follows the table (no fixed threshold). A block is decided
+once for every layer and the backward. The cost table survives the trip it makes between
+ranks.
 """
 
 import math
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import megatron.usp.document_choice as dc
 from megatron.bench.document_bench import mix_lengths
 from megatron.usp import load_balance as lb
 from megatron.usp.document_choice import (
@@ -25,8 +27,10 @@ from megatron.usp.document_choice import (
 )
 from megatron.usp.document_kernels import build_document_block
 from megatron.usp.document_ring import build_document_ring_plan
+from megatron.usp.kernels import get_kernel
 from megatron.usp.packed_documents import (
     KernelCosts,
+    agreed_costs,
     choose_segments,
     costs_from_state,
     costs_state,
@@ -181,3 +185,30 @@ def test_cost_table_survives_its_trip_between_ranks():
             n, n // 2 + 1, False, count)
     assert copy.batched(100, 1) == costs.batched(100, 1) + costs.build_s
     assert (copy.has_varlen, copy.padding, copy.masked(10)) == (True, True, costs.masked(10))
+
+
+def test_each_block_is_decided_once_for_every_layer(monkeypatch):
+    """Two layers' auto kernels, forward and backward: one decision per block and head
+    shape, cached on the block (built once per micro-batch)."""
+    calls = []
+    real = dc.choose_block_kernel
+    monkeypatch.setattr(dc, "choose_block_kernel",
+                        lambda *a: calls.append(a[0]) or real(*a))
+    seg = np.repeat(np.arange(8), 8)[None]
+    pos = np.arange(64)[None]
+    block = build_document_block(pos, seg, pos, seg, True)
+    q = torch.randn(1, 4, 64, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 64, 8, dtype=torch.float64)
+    layers = [dc.get_document_kernel("auto", get_kernel("torch")) for _ in range(2)]
+    for layer in layers:
+        out, lse = layer.forward(q, k, k, block, 0.5)
+        layer.backward(q, q, k, k, out, lse, block, 0.5)
+    assert calls == [block]
+    layers[0].choose(q[:, :2], k, block)                 # another head shape decides anew
+    assert calls == [block, block]
+
+
+def test_a_table_without_a_group_is_measured_here():
+    measured = []
+    table = agreed_costs(lambda: measured.append(1) or gpu_like(), None)
+    assert measured == [1] and costs_state(table) == costs_state(gpu_like())
