@@ -274,6 +274,22 @@ def test_bench_attention_document_kernels_and_balance_report(tmp_path):
     for name in ("tiles-copy", "per-document", "auto"):
         assert by_kernel[name]["rel_err_vs_tiles"] < 1e-5, by_kernel[name]
     assert by_kernel["auto"]["auto_choice"] == "math" and by_kernel["tiles"]["tile_calls"] == 1
+    assert {r["auto_choice"] for r in results if r["status"] == "ok"} == {"math"}
+    assert "auto -> math" in proc.stderr + proc.stdout
+    ring_out = tmp_path / "ring.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--seq-lens", "256",
+         *TINY, "--warmup", "0", "--docs", "lognormal", "--doc-kernels",
+         "dense,tiles,per-document,auto", "--doc-kernels-split", "2x2", "--out",
+         str(ring_out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ring = {r["kernel"]: r for r in json.loads(ring_out.read_text())["results"]}
+    assert ring["per-document"]["status"] == "skipped"
+    choices = ring["auto"]["auto_choice"].split(",")
+    assert 1 <= len(choices) <= 2 and set(choices) <= {"tiles", "math"}
+    assert ring["tiles"]["auto_choice"] == ring["auto"]["auto_choice"]
+    assert ring["tiles"]["label"] == "tiles U2xR2 rank 0" and ring["tiles"]["ring"] == 2
+    assert f"auto -> {ring['auto']['auto_choice']}" in proc.stderr + proc.stdout
     report_json = tmp_path / "balance.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--docs", "lognormal",

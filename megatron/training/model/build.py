@@ -157,7 +157,7 @@ def layer_spec_options(config: RunConfig, groups: USPGroups, recompute_keep=None
         lean_swiglu=lean_swiglu, mlp_tile_tokens=args.mlp_tile_tokens,
         recompute_keep=recompute_keep, mlp_tp_group=groups.tp,
         document_kernel=args.document_attention_kernel,
-        fuse_wgrad=args.gradient_accumulation_fusion)
+        fuse_wgrad=args.gradient_accumulation_fusion, document_costs_group=groups.same_batch)
 
 
 def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):

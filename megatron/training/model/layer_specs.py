@@ -73,7 +73,8 @@ from megatron.usp.kernels import BACKEND_NAMES
 def usp_core_attention_spec(attention_backend: str = "auto",
                             overlap_chunks: Optional[int] = None,
                             recompute_keep: Optional[RecomputeKeep] = None,
-                            document_kernel: str = "auto") -> ModuleSpec:
+                            document_kernel: str = "auto",
+                            document_costs_group: Any = None) -> ModuleSpec:
     """``ModuleSpec`` of :class:`megatron.usp.core_attention.USPAttention` with the given backend.
 
     ``overlap_chunks`` (``--usp-overlap-chunks``): head chunks of the all-to-all/attention
@@ -81,7 +82,9 @@ def usp_core_attention_spec(attention_backend: str = "auto",
     the layer is built, so a bad value fails at start-up. ``recompute_keep``
     (``--recompute-keep-core-attn``): see :mod:`megatron.memory.kept_attention`.
     ``document_kernel`` (``--document-attention-kernel``): the document-masked kernel used with
-    packed documents.
+    packed documents; ``document_costs_group``: the gloo group of the ranks that read the same
+    micro-batch, over which ``auto``'s cost table is agreed
+    (:class:`~megatron.usp.document_choice.AutoDocumentKernel`).
     """
     if attention_backend not in BACKEND_NAMES:
         raise ValueError(
@@ -91,6 +94,8 @@ def usp_core_attention_spec(attention_backend: str = "auto",
     params = {"attention_backend": attention_backend}
     if document_kernel != "auto":
         params["document_kernel"] = document_kernel
+    if document_costs_group is not None:
+        params["document_costs_group"] = document_costs_group
     if overlap_chunks is not None:
         params["overlap_chunks"] = overlap_chunks
     if recompute_keep is not None:
@@ -142,6 +147,7 @@ class LayerSpecOptions:
             "Unknown MLP type ... default kwargs"), so the tiled MLP gets it from its spec.
         fuse_wgrad: ``--gradient-accumulation-fusion``: QKV, the projection, FC1 and FC2 add
             their weight gradients into ``main_grad`` (:func:`with_wgrad_fusion`).
+        document_costs_group: as for :func:`usp_core_attention_spec`.
     """
 
     attention_backend: str = "auto"
@@ -154,6 +160,7 @@ class LayerSpecOptions:
     mlp_tp_group: Any = None
     document_kernel: str = "auto"
     fuse_wgrad: bool = False
+    document_costs_group: Any = None
 
 
 def get_usp_gpt_layer_spec(
@@ -193,7 +200,8 @@ def get_usp_gpt_layer_spec(
     attn_norms = dict(q_layernorm=norm, k_layernorm=norm) if qk_layernorm else {}
     attn.submodules = dataclasses.replace(
         attn.submodules, core_attention=usp_core_attention_spec(
-            o.attention_backend, o.overlap_chunks, o.recompute_keep, o.document_kernel),
+            o.attention_backend, o.overlap_chunks, o.recompute_keep, o.document_kernel,
+            o.document_costs_group),
         **attn_norms
     )
     attn.module = USPSelfAttention
