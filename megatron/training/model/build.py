@@ -157,7 +157,8 @@ def layer_spec_options(config: RunConfig, groups: USPGroups, recompute_keep=None
         lean_swiglu=lean_swiglu, mlp_tile_tokens=args.mlp_tile_tokens,
         recompute_keep=recompute_keep, mlp_tp_group=groups.tp,
         document_kernel=args.document_attention_kernel,
-        fuse_wgrad=args.gradient_accumulation_fusion)
+        fuse_wgrad=args.gradient_accumulation_fusion,
+        float8_linears=config.fp8 is not None)
 
 
 def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):
@@ -327,6 +328,29 @@ def build_model(config: RunConfig, groups: USPGroups) -> List[torch.nn.Module]:
     ddp = wrapper(transformer_config, ddp_config_from_args(config), module,
                   pg_collection=groups.pg_collection)
     return [ddp]
+
+
+def float8_tokens(config: RunConfig) -> dict:
+    """GEMM rows per micro-batch of each float8 candidate (QKV, proj, FC1, FC2): this rank's
+    ``s/CP * b`` tokens (sequence parallelism gathers them before QKV and FC1; the
+    projection and FC2 take them whole), FC1 and FC2 over tiles of ``--mlp-tile-tokens``."""
+    args = config.args
+    tokens = args.seq_length // config.dims.cp * args.micro_batch_size
+    mlp = min(tokens, args.mlp_tile_tokens) if args.mlp_tile_tokens else tokens
+    return {"QKV": tokens, "proj": tokens, "FC1": mlp, "FC2": mlp}
+
+
+def configure_float8(config: RunConfig, model_chunks, device: torch.device,
+                     group) -> List[str]:
+    """Choose which linear layers of ``model_chunks`` run in float8 (``--fp8-format``;
+    :func:`megatron.layers.float8_policy.apply_float8`, timings agreed over ``group``) and
+    return the start-up report; nothing without ``--fp8-format``."""
+    if config.fp8 is None:
+        return []
+    from megatron.layers.float8_policy import apply_float8  # torchao only with --fp8-format
+
+    return apply_float8(model_chunks, config.fp8, float8_tokens(config), device,
+                        params_dtype(config), group)
 
 
 def unwrap(model_chunk) -> torch.nn.Module:
