@@ -28,13 +28,14 @@ import dataclasses
 
 import torch
 
+from megatron.errors import UsageError
 from megatron.layers.float8_options import TORCHAO_INSTALL, Float8Options
 
 Tensor = torch.Tensor
 
 
-class Float8Unavailable(ImportError):
-    """torchao's float8 training is not importable."""
+class Float8Unavailable(UsageError, RuntimeError):
+    """torchao's float8 training is not importable (the message names ``pip install``)."""
 
 
 def _torchao():
