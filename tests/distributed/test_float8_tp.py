@@ -111,3 +111,33 @@ def test_float8_linears_under_tp_tensorwise_hybrid(dist_run):
 
 def test_float8_linears_under_tp_rowwise_e4m3(dist_run):
     dist_run(_run, 2, "e4m3", "rowwise", timeout=240)
+
+
+def _auto_choice(rank, world_size, out):
+    """``--fp8-linears auto`` on 2 ranks: every shape timed (both ways), the timings
+    averaged over the world, so both ranks make the same choice and print the same report."""
+    import torch.distributed as dist
+
+    from megatron.layers.float8_options import Float8Options
+    from megatron.layers.float8_policy import apply_float8  # megatron-core on first use
+    from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
+
+    apply_cpu_shims()
+    initialize_usp_parallel(ParallelDims(2, tp=2))
+    layers = _layers(sp=True)
+    model = torch.nn.ModuleDict({"linear_qkv": layers["QKV"], "linear_proj": layers["proj"],
+                                 "linear_fc1": layers["FC1"], "linear_fc2": layers["FC2+SwiGLU"]})
+    tokens = {kind: SEQ * BATCH for kind in ("QKV", "proj", "FC1", "FC2")}
+    report = apply_float8([model], Float8Options(linears="auto", emulate=True), tokens,
+                          torch.device("cpu"), torch.float32, dist.group.WORLD)
+    assert len(report) == 5 and report[0].startswith("fp8 (tensorwise hybrid, emulated"), report
+    assert all("(high " in line and " ms, float8 " in line for line in report[1:]), report
+    reports = [None] * world_size
+    dist.all_gather_object(reports, report)
+    assert reports[0] == reports[1], reports
+    on = [m.float8_gemms is not None for m in model.values()]
+    assert on == [line.split(": ")[1].startswith("float8") for line in report[1:]], (on, report)
+
+
+def test_auto_choice_is_timed_and_agreed_over_ranks(dist_run):
+    dist_run(_auto_choice, 2, {}, timeout=240)
