@@ -72,8 +72,8 @@ def test_float8_checkpoint_resumes_bitwise(tmp_path):
     """Save at iteration 3 of a 6-step float8 run (through ``pretrain_gpt.py`` under
     torchrun, as tests/distributed/test_checkpoint_resume.py does), resume from it: steps
     4-6 equal the straight run's to the bit. Dynamic scaling keeps no float8 state (no amax
-    history, no scales), so the checkpoint is the bf16 run's, and resuming works with or
-    without ``--fp8-format``."""
+    history, no scales), so the checkpoint is the bf16 run's: resumed without
+    ``--fp8-format`` it continues within the band."""
     from tests.distributed.test_checkpoint_resume import _losses, _torchrun  # slow-test helpers
 
     ckpt = str(tmp_path / "ckpt")
@@ -89,3 +89,10 @@ def test_float8_checkpoint_resumes_bitwise(tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     for it in resumed:
         assert resumed[it] == straight[it], (it, resumed[it], straight[it])
+    _torchrun(MODEL + TRAINING + ["--train-iters", "6", "--load", ckpt, "--ckpt-step", "3",
+                                  "--metrics-file", str(tmp_path / "plain.jsonl")],
+              cwd=str(tmp_path))
+    plain = _losses(str(tmp_path / "plain.jsonl"))
+    assert sorted(plain) == [4, 5, 6]
+    for it in plain:
+        assert abs(plain[it] - straight[it]) / straight[it] <= BAND, (it, plain[it])
