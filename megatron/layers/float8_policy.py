@@ -179,7 +179,8 @@ def apply_float8(model_chunks, options: Float8Options, tokens: Mapping[str, int]
     gemms = Float8Gemms(options)
     for _, kind, module in layers:
         module.run_in_float8(gemms if chosen[_shape_of(kind, module, tokens)] else None)
-    return report_lines(sorted(shapes, key=lambda ks: list(LINEAR_KINDS.values()).index(ks[0])),
+    order = list(LINEAR_KINDS.values())
+    return report_lines(sorted(shapes, key=lambda ks: (order.index(ks[0]), ks[1])),
                         chosen, timings, options)
 
 

@@ -210,3 +210,39 @@ def test_weight_gradient_accumulates_in_float32():
         assert not torch.equal(single, single.to(torch.bfloat16).float())
     assert weight.main_grad.dtype == torch.float32
     assert sqnr_db(weight.main_grad, total) > SQNR_FLOOR_DB
+
+
+def test_without_wgrad_fusion_the_weight_gradient_is_returned():
+    """``--no-gradient-accumulation-fusion``: the float8 weight gradient comes back as the
+    weight's ``.grad`` (its dtype) and ``main_grad`` is left to DDP's hook."""
+    gemms = Float8Gemms(_emulated("hybrid", "tensorwise"))
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(32, 64, generator=gen, requires_grad=True)
+    weight = _param(torch.randn(48, 64, generator=gen) * 0.05)
+    dy = torch.randn(32, 48, generator=gen)
+    linear_wgrad.linear(x, weight, None, False, False, None, fuse_wgrad=False,
+                        gemms=gemms).backward(dy)
+    assert not weight.grad_added_to_main_grad and not weight.main_grad.any()
+    _assert_sqnr([("weight grad", weight.grad, dy.double().t() @ x.detach().double())],
+                 "unfused")
+
+
+def test_layer_spec_gives_the_four_linears_our_classes_for_float8():
+    """``float8_linears`` without ``fuse_wgrad``: QKV, projection, FC1 and FC2 are this
+    project's linear classes (which can run in float8), their gradients returned."""
+    from megatron.layers.fused_linears import _WgradIntoMainGrad  # megatron-core on first use
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_layer_spec,
+    )
+
+    for lean in (False, True):
+        layer = get_usp_gpt_layer_spec(LayerSpecOptions(
+            float8_linears=True, lean_norms=lean, lean_swiglu=lean)).submodules
+        attn, mlp = layer.self_attention.submodules, layer.mlp.submodules
+        for slot in (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2):
+            assert issubclass(slot.module, _WgradIntoMainGrad), slot
+            assert slot.params["fuse_wgrad"] is False, slot
+    qkv = get_usp_gpt_layer_spec(LayerSpecOptions()).submodules.self_attention.submodules \
+        .linear_qkv          # without float8 or fusion: megatron-core's own class
+    assert not issubclass(getattr(qkv, "module", qkv), _WgradIntoMainGrad), qkv
