@@ -11,7 +11,10 @@ below 60 dB (float8 really ran). Both recipes (tensorwise hybrid, rowwise e4m3).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from megatron.layers.float8_gemms import Float8Gemms
+from megatron.layers.float8_options import Float8Options
 from megatron.training.cpu_shims import apply_cpu_shims
 from megatron.usp.parallel_dims import ParallelDims
 from tests.helpers import swiglu_mlp_config
@@ -79,8 +82,6 @@ def _run_layer(layer, x, probe):
 
 
 def _run(rank, world_size, fmt, recipe):
-    from megatron.layers.float8_gemms import Float8Gemms  # torchao on first use
-    from megatron.layers.float8_options import Float8Options
     from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
 
     apply_cpu_shims()
@@ -116,9 +117,6 @@ def test_float8_linears_under_tp_rowwise_e4m3(dist_run):
 def _auto_choice(rank, world_size, out):
     """``--fp8-linears auto`` on 2 ranks: every shape timed (both ways), the timings
     averaged over the world, so both ranks make the same choice and print the same report."""
-    import torch.distributed as dist
-
-    from megatron.layers.float8_options import Float8Options
     from megatron.layers.float8_policy import apply_float8  # megatron-core on first use
     from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
 

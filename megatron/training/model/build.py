@@ -9,6 +9,10 @@ included, so the DP baseline runs the same kernels) and the process groups of
 its Ulysses and Ring groups in ``pg_collection.hcp``), then wraps it in megatron-core's
 ``DistributedDataParallel``, which reduces gradients over the DP x CP group.
 
+Float8 (``--fp8-format``): the layer spec gives QKV, the projection, FC1 and FC2 this project's
+linear classes, and :func:`configure_float8`, called once the model is built, chooses which of
+them run in float8 (:mod:`megatron.layers.float8_policy`).
+
 Megatron sequence parallelism (``--sequence-parallel``, TP > 1): outside attention and the MLP
 a rank holds ``[s/(CP*TP), b, h]``, its 1/TP of its CP rank's tokens (megatron-core's
 embedding scatters, its column- / row-parallel linears all-gather / reduce-scatter over TP);
@@ -37,6 +41,7 @@ from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataPa
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.layers.float8_policy import apply_float8
 from megatron.memory.activation_offload import ActivationOffloader, install_recompute_offload
 from megatron.memory.kept_attention import RecomputeKeep
 from megatron.training.cli.arguments import SPEC_RECOMPUTE_MODULES
@@ -347,8 +352,6 @@ def configure_float8(config: RunConfig, model_chunks, device: torch.device,
     return the start-up report; nothing without ``--fp8-format``."""
     if config.fp8 is None:
         return []
-    from megatron.layers.float8_policy import apply_float8  # torchao only with --fp8-format
-
     return apply_float8(model_chunks, config.fp8, float8_tokens(config), device,
                         params_dtype(config), group)
 
