@@ -84,12 +84,10 @@ def device_problem(device: str, capability: Optional[Tuple[int, int]], emulate: 
                    torchao_ok: bool) -> Optional[str]:
     """Why float8 cannot run on ``device`` (``cuda`` with ``capability``, or ``cpu``), or None.
 
-    torchao must be importable; without ``emulate`` the device must be a CUDA GPU of compute
-    capability >= 8.9 (Ada, Hopper and later: ``torch._scaled_mm``)."""
-    if not torchao_ok:
-        return f"--fp8-format needs torchao's float8 training: {TORCHAO_INSTALL}"
+    Without ``emulate`` the device must be a CUDA GPU of compute capability >= 8.9 (Ada,
+    Hopper and later: ``torch._scaled_mm``); then torchao must be importable."""
     if emulate:
-        return None
+        return None if torchao_ok else f"--fp8-format needs torchao: {TORCHAO_INSTALL}"
     if device != "cuda":
         return (f"--fp8-format needs a CUDA GPU of compute capability >= 8.9 (Ada/Hopper); "
                 f"this run is on the {device} (tests and debugging: add --fp8-emulate)")
@@ -97,7 +95,7 @@ def device_problem(device: str, capability: Optional[Tuple[int, int]], emulate: 
         have = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
         return (f"--fp8-format needs a GPU of compute capability >= 8.9 (Ada/Hopper); this "
                 f"one has {have}; drop --fp8-format to train in bf16")
-    return None
+    return None if torchao_ok else f"--fp8-format needs torchao: {TORCHAO_INSTALL}"
 
 
 __all__ = ["FP8_FORMATS", "FP8_RECIPES", "TE_ONLY_RECIPES", "FP8_LINEAR_CHOICES",

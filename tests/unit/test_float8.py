@@ -63,6 +63,7 @@ def test_rowwise_needs_e4m3_and_the_supported_pairs_pass():
 
 def test_device_problems_name_the_cause():
     assert "pip install torchao" in device_problem("cuda", (9, 0), False, torchao_ok=False)
+    assert "pip install torchao" in device_problem("cpu", None, True, torchao_ok=False)
     assert "--fp8-emulate" in device_problem("cpu", None, False, torchao_ok=True)
     assert "8.0" in device_problem("cuda", (8, 0), False, torchao_ok=True)
     assert device_problem("cuda", (8, 9), False, torchao_ok=True) is None
