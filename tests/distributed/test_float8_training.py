@@ -18,6 +18,7 @@ import math
 import pytest
 
 from megatron.training.cli.arguments import parse_args
+from tests.distributed.test_checkpoint_resume import _losses, _torchrun
 from tests.helpers import tiny_gpt_flags
 
 pytestmark = pytest.mark.slow   # CPU training runs
@@ -74,8 +75,6 @@ def test_float8_checkpoint_resumes_bitwise(tmp_path):
     4-6 equal the straight run's to the bit. Dynamic scaling keeps no float8 state (no amax
     history, no scales), so the checkpoint is the bf16 run's: resumed without
     ``--fp8-format`` it continues within the band."""
-    from tests.distributed.test_checkpoint_resume import _losses, _torchrun  # slow-test helpers
-
     ckpt = str(tmp_path / "ckpt")
     run = MODEL + TRAINING + FP8["hybrid"] + ["--train-iters", "6"]
     _torchrun(run + ["--save", ckpt, "--save-interval", "3",
