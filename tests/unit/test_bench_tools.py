@@ -3,6 +3,7 @@
 Nothing here asserts a timing; ``tests/distributed/test_bench_smoke.py`` runs the tools.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -255,6 +256,26 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     assert args.recompute_modules == (["mlp"] if recompute == "selective" else None)
     # the chunked output-layer loss (no full-sequence logits), for throughput and max length
     assert args.fused_linear_cross_entropy and run.loss_chunk_tokens == 8192
+
+
+def test_extra_args_carry_the_fp8_flags_to_pretrain_gpt(monkeypatch):
+    """``bench_e2e --extra-args '--fp8-format hybrid ...'`` reaches pretrain_gpt.py's parser
+    and validation as given (an H200's compute capability stands in for the GPU)."""
+    arguments = pytest.importorskip("megatron.training.cli.arguments")
+    pytest.importorskip("torchao")
+    monkeypatch.setattr(arguments, "_cuda_capability", lambda args, device: (9, 0))
+    ns = e2e_cli.build_parser().parse_args([
+        "--seq-lens", "8k", "--splits", "1x1", "--nproc-per-node", "1",
+        "--extra-args", "--fp8-format hybrid --fp8-recipe tensorwise --fp8-linears auto"])
+    cfg = e2e_cli.config_from_args(ns)
+    spec = config.RunSpec(8192, 1, 1, "none", 5)
+    argv = command.pretrain_args(dataclasses.replace(cfg, device="cuda"), spec, "m.jsonl")
+    assert argv[-6:] == ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                         "--fp8-linears", "auto"]
+    run = arguments.validate_args(arguments.parse_args(argv), world_size=1,
+                                  cuda_available=True)
+    assert (run.fp8.format, run.fp8.recipe, run.fp8.linears, run.fp8.emulate) == (
+        "hybrid", "tensorwise", "auto", False)
 
 
 def test_only_presets_that_ask_use_the_fused_loss():

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+from megatron.layers.float8_options import Float8Options
 from megatron.shapes import ModelShape, RopeScaling
 from megatron.usp.parallel_dims import ParallelDims
 
@@ -55,6 +56,8 @@ class RunConfig:
             defaults under ``--optimizer-cpu-offload`` / ``--use-megatron-fsdp``.
         padded_vocab_size: the tokenizer's vocabulary padded (:meth:`with_padded_vocab`,
             once the tokenizer is known); None before.
+        fp8: the float8 flags (:class:`~megatron.layers.float8_options.Float8Options`);
+            None without ``--fp8-format``.
     """
 
     args: argparse.Namespace
@@ -82,6 +85,7 @@ class RunConfig:
     optimizer_offload_fraction: Optional[float]
     data_parallel_sharding_strategy: Optional[str]
     padded_vocab_size: Optional[int] = None
+    fp8: Optional[Float8Options] = None
 
     @property
     def params_dtype(self) -> str:

@@ -107,17 +107,24 @@ _WGRAD_FUSED = {ColumnParallelLinear: USPColumnParallelLinear,
                 RowParallelLinear: USPRowParallelLinear}
 
 
-def with_wgrad_fusion(linear) -> ModuleSpec:
-    """The spec of a linear-layer slot (a class or a ``ModuleSpec``) with the weight gradient
-    added into ``main_grad`` by the GEMM (``fuse_wgrad``, :mod:`megatron.layers.linear_wgrad`):
-    megatron-core's parallel linears become this project's subclasses of them."""
+def with_usp_linear(linear, fuse_wgrad: bool) -> ModuleSpec:
+    """The spec of a linear-layer slot (a class or a ``ModuleSpec``) as this project's
+    subclass of megatron-core's parallel linear layer, which can add the weight gradient into
+    ``main_grad`` by the GEMM (``fuse_wgrad``, :mod:`megatron.layers.linear_wgrad`) and run
+    its GEMMs in float8 (:mod:`megatron.layers.float8_policy`)."""
     module, params = ((linear.module, dict(linear.params or {}))
                       if isinstance(linear, ModuleSpec) else (linear, {}))
     module = _WGRAD_FUSED.get(module, module)
     if not (isinstance(module, type) and issubclass(module, tuple(_WGRAD_FUSED.values()))):
-        raise TypeError(f"--gradient-accumulation-fusion: the linear layer {module!r} of the "
-                        f"layer spec is not one of megatron-core's parallel linear layers")
-    return ModuleSpec(module=module, params={**params, "fuse_wgrad": True})
+        raise TypeError(f"--gradient-accumulation-fusion / --fp8-format: the linear layer "
+                        f"{module!r} of the layer spec is not one of megatron-core's parallel "
+                        f"linear layers")
+    return ModuleSpec(module=module, params={**params, "fuse_wgrad": fuse_wgrad})
+
+
+def with_wgrad_fusion(linear) -> ModuleSpec:
+    """:func:`with_usp_linear` with the weight gradient added into ``main_grad``."""
+    return with_usp_linear(linear, fuse_wgrad=True)
 
 
 def norm_spec(normalization: str, fused_kernels: str = "torch") -> ModuleSpec:
@@ -148,6 +155,9 @@ class LayerSpecOptions:
         fuse_wgrad: ``--gradient-accumulation-fusion``: QKV, the projection, FC1 and FC2 add
             their weight gradients into ``main_grad`` (:func:`with_wgrad_fusion`).
         document_costs_group: as for :func:`usp_core_attention_spec`.
+        float8_linears: ``--fp8-format``: those four are this project's linear layers (with
+            or without ``fuse_wgrad``), which can run in float8 once the model is built
+            (:func:`megatron.layers.float8_policy.apply_float8`).
     """
 
     attention_backend: str = "auto"
@@ -161,6 +171,7 @@ class LayerSpecOptions:
     document_kernel: str = "auto"
     fuse_wgrad: bool = False
     document_costs_group: Any = None
+    float8_linears: bool = False
 
 
 def get_usp_gpt_layer_spec(
@@ -226,13 +237,16 @@ def get_usp_gpt_layer_spec(
     else:
         spec.submodules = dataclasses.replace(layer, input_layernorm=norm,
                                               pre_mlp_layernorm=norm)
-    if o.fuse_wgrad:
+    if o.fuse_wgrad or o.float8_linears:
+        def ours(linear):
+            return with_usp_linear(linear, o.fuse_wgrad)
+
         attn.submodules = dataclasses.replace(
-            attn.submodules, linear_qkv=with_wgrad_fusion(attn.submodules.linear_qkv),
-            linear_proj=with_wgrad_fusion(attn.submodules.linear_proj))
+            attn.submodules, linear_qkv=ours(attn.submodules.linear_qkv),
+            linear_proj=ours(attn.submodules.linear_proj))
         mlp.submodules = dataclasses.replace(
-            mlp.submodules, linear_fc1=with_wgrad_fusion(mlp.submodules.linear_fc1),
-            linear_fc2=with_wgrad_fusion(mlp.submodules.linear_fc2))
+            mlp.submodules, linear_fc1=ours(mlp.submodules.linear_fc1),
+            linear_fc2=ours(mlp.submodules.linear_fc2))
     if o.mlp_tile_tokens is not None:
         mlp = spec.submodules.mlp
         spec.submodules.mlp = dataclasses.replace(
