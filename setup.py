@@ -36,9 +36,14 @@ setup(
                  "safetensors>=0.4", "gguf>=0.10", "accelerate>=1.0",
                  # megatron.layers.qkv_rope's Triton kernels, run by the CPU tests in Triton's
                  # interpreter
-                 "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+                 "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'",
+                 # --fp8-format's tests run torchao's float8 emulation on the CPU
+                 "torchao>=0.18"],
         "flash-attn": ["flash-attn>=2.6"],
         "te": ["transformer-engine[pytorch]>=2.0"],
+        # --fp8-format: float8 linear layers through torchao's float8 training (the
+        # Float8TrainingTensor API of 0.18; megatron/layers/float8_gemms.py)
+        "fp8": ["torchao>=0.18"],
         "hf": ["transformers>=4.40"],
         # tools/bench_e2e.py --peers hf,hf-liger, and --fused-kernels liger (CUDA)
         "liger": ["liger-kernel>=0.8.5"],

@@ -10,8 +10,8 @@
 # (runs/extend_context; replaced) FACTOR (4) SEQ_LENGTH (FACTOR x max_position_embeddings)
 # ROPE_FLAGS (the RoPE of the longer context, one string: default raises --rotary-base by the
 # NTK rule base x FACTOR^(d/(d-2)), d the head dimension; or e.g. position interpolation,
-# "--rotary-seq-len-interpolation-factor 4"; YaRN's --position-embedding-type yarn is refused
-# by --load of a rope checkpoint, which records the position embedding as part of the shape)
+# "--rotary-seq-len-interpolation-factor 4"; or YaRN, "--position-embedding-type yarn
+# --yarn-rotary-scaling-factor 4 --yarn-original-max-position-embeddings ORIG_LEN")
 # DATA_JSONL (training documents; default the built-in corpus) EVAL_DATA (perplexity
 # documents; default DATA_JSONL) DEVICE (cpu: gloo, fp32; cuda: bf16 training, evaluation of
 # the Hugging Face directories on one GPU) GPUS_PER_NODE (4) ULYSSES_DEGREE (2) RING_DEGREE (2)

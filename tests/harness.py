@@ -39,6 +39,30 @@ def run_under_triton_interpreter(code: str, timeout: float = 300.0) -> str:
     return out.stdout
 
 
+JOIN_WAIT_S = 30.0
+
+
+def _joined(dist, world_size, wait):
+    """Count this rank as past ``init_process_group``, or (``wait``) wait until every rank is.
+
+    Rank 0 hosts the TCP store that gloo's connection set-up reads peers' addresses from, and
+    ``init_process_group`` returns on one rank while others may still be connecting; a rank 0
+    whose ``fn`` needs no collective would otherwise exit (closing the store) under them:
+    "Connection closed by peer" in their ``connectFullMesh``. The wait is bounded, for runs
+    in which a rank never got that far.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if not wait:
+            store.add("harness/joined", 1)
+            return
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while store.add("harness/joined", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - no process group, or the store is gone already
+        pass
+
+
 def _worker(fn, rank, world_size, port, queue, args, kwargs):
     import torch  # torch-free module
     import torch.distributed as dist  # torch-free module
@@ -52,10 +76,13 @@ def _worker(fn, rank, world_size, port, queue, args, kwargs):
             rank=rank,
             world_size=world_size,
         )
+        _joined(dist, world_size, wait=False)
         fn(rank, world_size, *args, **kwargs)
     except BaseException:  # noqa: BLE001 - report everything, including assertion errors
         status = ("error", rank, traceback.format_exc())
     finally:
+        if rank == 0:
+            _joined(dist, world_size, wait=True)
         try:
             from megatron.usp.parallel_state import (
                 destroy_usp_parallel,  # megatron-core on first use

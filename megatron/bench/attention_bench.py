@@ -107,6 +107,7 @@ class AttentionBenchConfig:
     profile_dir: Optional[str] = None
     docs: List[str] = field(default_factory=list)
     doc_kernels: List[str] = field(default_factory=list)
+    doc_kernels_split: Tuple[int, int] = (1, 1)
     document_kernel: str = "auto"
     chunk_assignment: str = "auto"
     balance_report: bool = False
@@ -228,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-kernels", default="",
                    help="with --docs, one process: compare single-GPU document kernels, e.g. "
                         "dense,tiles,tiles-copy,varlen,per-document,auto (flex: reference only)")
+    p.add_argument("--doc-kernels-split", default="1x1",
+                   help="with --doc-kernels: time the kernels on the blocks ring rank 0 of this "
+                        "U x R split computes (its heads, its local block and every K/V block "
+                        "it needs), e.g. 2x2; 1x1 (default): the whole sequence")
     p.add_argument("--document-attention-kernel", default="auto",
                    help="with --docs: the document kernel USP uses (auto, tiles, varlen, math)")
     p.add_argument("--chunk-assignment", "--document-layout", dest="chunk_assignment",
@@ -259,8 +264,16 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
         out=ns.out, markdown=ns.markdown, overlap_chunks=parse_overlap_chunks(ns.overlap_chunks),
         profile_dir=ns.profile_dir, docs=_doc_mixes(ns.docs),
         doc_kernels=[k.strip() for k in ns.doc_kernels.split(",") if k.strip()],
+        doc_kernels_split=_one_split(ns.doc_kernels_split),
         document_kernel=ns.document_attention_kernel, chunk_assignment=ns.chunk_assignment,
         balance_report=ns.balance_report, balance_samples=ns.balance_samples)
+
+
+def _one_split(text: str) -> Tuple[int, int]:
+    splits = parse_splits(text, "--doc-kernels-split")
+    if len(splits) != 1:
+        raise BenchConfigError(f"--doc-kernels-split {text!r}: give one U x R split, e.g. 2x2")
+    return splits[0]
 
 
 def _doc_mixes(text: str) -> List[str]:

@@ -17,11 +17,17 @@ documents back to back, the last one cut at the sample end as megatron-core's da
   FLOPs), ``tiles`` (batched cuDNN calls on strided views), ``tiles-copy`` (the same with
   contiguous copies), ``varlen`` (PyTorch's flash varlen op), ``per-document`` (one kernel call
   per document on contiguous slices: the anchor table's column), ``auto`` (the block kernels'
-  choice, what ring ranks use; the record says what it chose), ``packed`` (what one GPU runs:
-  the documents read in place on megatron's ``[s, b, h, d]`` tensors by measured-cost segments,
-  :mod:`megatron.usp.packed_documents`; the record says how many documents each kind took)
-  and, when asked for, ``flex`` (``flex_attention`` with a compiled BlockMask, reference only). Each kernel's output is compared with ``tiles``'s
+  choice by measured cost, what ring ranks use, :mod:`megatron.usp.document_choice`),
+  ``packed`` (what one GPU runs: the documents read in place on megatron's ``[s, b, h, d]``
+  tensors by measured-cost segments, :mod:`megatron.usp.packed_documents`; the record says how
+  many documents each kind took) and, when asked for, ``flex`` (``flex_attention`` with a
+  compiled BlockMask, reference only). Every record carries ``auto_choice``, what ``auto``
+  runs there (``packed``'s: its documents per kind), printed beside each kernel, so the choice
+  can be read against the fastest kernel. Each kernel's output is compared with ``tiles``'s
   (relative L2, recorded, never asserted: correctness is tests/gpu's job).
+  ``--doc-kernels-split UxR`` times the block kernels on what ring rank 0 of that split
+  computes instead: its heads (``heads/U``), its local block and every K/V block it needs, in
+  turn, under the USP mode's assignment; ``auto_choice`` lists the choice per block.
 
 * **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
   of zigzag and of the balanced assignment for every mix, length and ``--splits`` U x R (any
@@ -54,8 +60,8 @@ from megatron.training.data.corpus import ensure_default_corpus
 from megatron.training.data.indexed_files import inspect_indexed_dataset
 from megatron.usp import load_balance as lb
 from megatron.usp.attention import usp_attention
+from megatron.usp.document_choice import AutoDocumentKernel
 from megatron.usp.document_kernels import (
-    AutoDocumentKernel,
     TileDocumentKernel,
     VarlenDocumentKernel,
     build_document_block,
@@ -221,10 +227,13 @@ def results_markdown(meta: dict, cfg, results: Sequence[DocCaseResult]) -> str:
 
 
 # --------------------------------------------------------------------------- inputs
-def _inputs(cfg, seq_len: int, device) -> Dict[str, Tensor]:
+def _inputs(cfg, seq_len: int, device, ulysses: int = 1) -> Dict[str, Tensor]:
+    """q, k, v, dout [b, h, seq_len, d]: the heads one of ``ulysses`` ranks holds (K/V heads
+    replicated up to ``ulysses`` first, as USP does)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(cfg.seed * 1_000_003 + seq_len)
-    heads = {"q": cfg.heads, "k": cfg.kv_heads, "v": cfg.kv_heads, "dout": cfg.heads}
+    hq, hk = cfg.heads // ulysses, max(cfg.kv_heads, ulysses) // ulysses
+    heads = {"q": hq, "k": hk, "v": hk, "dout": hq}
     return {n: torch.randn(cfg.batch, h, seq_len, cfg.head_dim, generator=gen, device=device,
                            dtype=cfg.torch_dtype) for n, h in heads.items()}
 
@@ -361,15 +370,42 @@ def _flex(block, x, scale):
     return run
 
 
+WHOLE_SEQUENCE_ONLY = ("per-document", "packed", "flex")
+
+
+def _block_calls(kern, block):
+    """(forward, backward) of a document kernel on one block, in :func:`_per_document`'s form."""
+    def fwd(q, k, v, scale):
+        return kern.forward(q, k, v, block, scale)
+
+    def bwd(dout, q, k, v, out, lse, scale):
+        return kern.backward(dout, q, k, v, out, lse, block, scale)
+    return fwd, bwd
+
+
+def auto_choice(auto: AutoDocumentKernel, q: Tensor, k: Tensor, blocks: Sequence) -> str:
+    """What ``auto`` runs on each block, e.g. ``tiles`` or ``tiles,varlen`` (one per block)."""
+    return ",".join(auto.choose(q, k, blk).name for blk in blocks)
+
+
 def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
-                reference: Optional[Tensor]) -> DocCaseResult:
+                reference: Optional[Tensor], ring_blocks: Optional[Sequence] = None
+                ) -> DocCaseResult:
+    """One kernel on the whole sequence's ``block``, or with ``ring_blocks`` (a ring rank's
+    blocks, ``x`` its tokens and heads) on each of those in turn."""
     res = DocCaseResult(seq_len, mix, "kernel", name, 1, kernel=name)
     res.documents = int(seg[0].max() + 1)
-    res.useful_pairs = useful_pairs(seg)
-    res.tile_calls = len(block.groups)
+    blocks = list(ring_blocks) if ring_blocks is not None else [block]
+    res.useful_pairs = (useful_pairs(seg) if ring_blocks is None
+                        else sum(b.pairs for b in blocks))
+    res.tile_calls = sum(len(b.groups) for b in blocks)
     local = get_kernel(cfg.backend)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+    heads = q.shape[1]
+    if ring_blocks is not None and name in WHOLE_SEQUENCE_ONLY:
+        res.status, res.note = "skipped", "whole sequence only (--doc-kernels-split 1x1)"
+        return res
     if name == "dense":
         def fwd():
             return local.forward(q, k, v, True, scale)
@@ -377,7 +413,7 @@ def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
         def fwd_bwd():
             out, lse = fwd()
             return local.backward(dout, q, k, v, out, lse, True, scale)
-        flops = attention_fwd_flops(cfg.batch, cfg.heads, seq_len, cfg.head_dim, True)
+        flops = attention_fwd_flops(cfg.batch, heads, q.shape[2], cfg.head_dim, True)
     elif name == "flex":
         run = _flex(block, x, scale)
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -387,35 +423,33 @@ def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
 
         def fwd_bwd():
             return torch.autograd.grad(fwd(), (qg, kg, vg), dout)
-        flops = 4.0 * cfg.heads * cfg.head_dim * res.useful_pairs
+        flops = 4.0 * heads * cfg.head_dim * res.useful_pairs
     elif name == "packed":
         fwd, fwd_bwd, res.auto_choice = _packed(local, block, x, scale)
-        flops = 4.0 * cfg.heads * cfg.head_dim * res.useful_pairs
+        flops = 4.0 * heads * cfg.head_dim * res.useful_pairs
     else:
         if name == "per-document":
-            f, b = _per_document(local, block)
+            steps = [_per_document(local, block)]
         else:
             kern = {"tiles": lambda: TileDocumentKernel(local),
                     "tiles-copy": lambda: TileDocumentKernel(local, views=False),
                     "varlen": VarlenDocumentKernel, "auto": lambda: AutoDocumentKernel(local)}[
                 name]()
             if name == "auto":
-                chosen = kern.choose(q, block)
-                res.auto_choice = chosen.name
+                res.auto_choice = auto_choice(kern, q, k, blocks)
+            steps = [_block_calls(kern, blk) for blk in blocks]
 
-            def f(q_, k_, v_, s_, kern=kern):
-                return kern.forward(q_, k_, v_, block, s_)
-
-            def b(do, q_, k_, v_, o, lse, s_, kern=kern):
-                return kern.backward(do, q_, k_, v_, o, lse, block, s_)
-
-        def fwd():
-            return f(q, k, v, scale)
+        def fwd():                                 # a ring rank's blocks in turn
+            outs = [f(q, k, v, scale) for f, _ in steps]
+            return outs[0]
 
         def fwd_bwd():
-            out, lse = fwd()
-            return b(dout, q, k, v, out, lse, scale)
-        flops = 4.0 * cfg.heads * cfg.head_dim * res.useful_pairs
+            grads = []
+            for f, b in steps:
+                out, lse = f(q, k, v, scale)
+                grads.append(b(dout, q, k, v, out, lse, scale))
+            return grads[0]
+        flops = 4.0 * heads * cfg.head_dim * res.useful_pairs
     timing.reset_peak_memory(sweep.device)
     res.fwd_times_ms = timing.time_iterations(fwd, warmup=cfg.warmup, iters=cfg.iters,
                                               device=sweep.device, distributed=False)
@@ -490,6 +524,16 @@ def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write
     return results
 
 
+def ring_rank_blocks(cfg, seg: np.ndarray, ulysses: int, ring: int, device) -> List:
+    """The blocks ring rank 0 of a ``ulysses`` x ``ring`` split computes for segment ids
+    ``seg`` [b, S], under the assignment USP mode uses (balanced, or zigzag)."""
+    choice = lb.balance_chunks(lb.token_work(seg), ulysses, ring)
+    zigzag = choice.is_zigzag or getattr(cfg, "chunk_assignment", "auto") == "zigzag"
+    plan = build_document_ring_plan(seg, 0, ring, None if zigzag else choice.assignment, True,
+                                    device)
+    return [b for b in plan.blocks if b is not None]
+
+
 def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
                   ) -> List[DocCaseResult]:
     out: List[DocCaseResult] = []
@@ -499,7 +543,14 @@ def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
                               note="the embedded corpus is not built here")]
     pos = np.arange(seq_len)[None].repeat(cfg.batch, 0)
     block = build_document_block(pos, seg, pos, seg, True, sweep.device)
-    x = _inputs(cfg, seq_len, sweep.device)
+    u, r = getattr(cfg, "doc_kernels_split", (1, 1))
+    ring_blocks = None if u * r == 1 else ring_rank_blocks(cfg, seg, u, r, sweep.device)
+    x = _inputs(cfg, seq_len // r, sweep.device, u)
+    try:
+        chosen = auto_choice(AutoDocumentKernel(get_kernel(cfg.backend)), x["q"], x["k"],
+                             ring_blocks or [block])
+    except Exception as exc:  # noqa: BLE001 - a table that cannot be timed here is a result
+        chosen = f"none ({type(exc).__name__})"
     reference = None
     for name in kernels:
         if name == "dense" and dense_rate is not None:
@@ -510,8 +561,13 @@ def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
             continue
         fallback = DocCaseResult(seq_len, mix, "kernel", name, 1, kernel=name)
         res = _guarded(lambda n=name, ref=reference: kernel_case(
-            sweep, cfg, seq_len, mix, n, x, seg, block, ref), fallback)
-        if name == "tiles" and res.status == "ok":
+            sweep, cfg, seq_len, mix, n, x, seg, block, ref, ring_blocks), fallback)
+        res.ulysses, res.ring = u, r
+        if ring_blocks is not None:
+            res.label = f"{name} U{u}xR{r} rank 0"
+        if res.auto_choice is None:
+            res.auto_choice = chosen          # printed beside every kernel
+        if name == "tiles" and res.status == "ok" and ring_blocks is None:
             with torch.no_grad():
                 reference, _ = TileDocumentKernel(get_kernel(cfg.backend)).forward(
                     x["q"], x["k"], x["v"], block, 1.0 / math.sqrt(cfg.head_dim))
@@ -584,6 +640,15 @@ def check_document_config(cfg, world: int) -> None:
         if world != 1:
             raise BenchConfigError("--doc-kernels compares single-GPU kernels: run one "
                                    "process (python tools/bench_attention.py ...)")
+        u, r = getattr(cfg, "doc_kernels_split", (1, 1))
+        bad = [s for s in cfg.seq_lens if s % (2 * u * r)]
+        if cfg.heads % u or bad:
+            raise BenchConfigError(
+                f"--doc-kernels-split {u}x{r}: U must divide --heads ({cfg.heads}) and 2*U*R "
+                f"every --seq-lens (not {bad}); try --doc-kernels-split 1x2")
+    elif getattr(cfg, "doc_kernels_split", (1, 1)) != (1, 1):
+        raise BenchConfigError("--doc-kernels-split needs --doc-kernels, e.g. --doc-kernels "
+                               "tiles,varlen,auto --doc-kernels-split 2x2")
     if not cfg.causal:
         raise BenchConfigError("--docs measures causal attention within documents; drop "
                                "--no-causal")

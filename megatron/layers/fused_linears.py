@@ -73,21 +73,30 @@ class _WgradIntoMainGrad:
     """``_forward_impl`` of megatron-core's parallel linear layers (the method through which
     they run their autograd function) replaced by :func:`megatron.layers.linear_wgrad.linear`
     when ``fuse_wgrad`` (``--gradient-accumulation-fusion``, a constructor argument) is set:
-    the weight gradient is added into ``main_grad`` by the GEMM. Frozen weights and a
-    deferred embedding weight gradient (``grad_output_buffer``) keep megatron-core's path."""
+    the weight gradient is added into ``main_grad`` by the GEMM; or when the layer runs in
+    float8 (:meth:`run_in_float8`, decided after the model is built:
+    :mod:`megatron.layers.float8_policy`). Frozen weights and a deferred embedding weight
+    gradient (``grad_output_buffer``) keep megatron-core's path."""
 
     def __init__(self, *args, fuse_wgrad: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.fuse_wgrad = fuse_wgrad
+        self.float8_gemms = None
+
+    def run_in_float8(self, gemms) -> None:
+        """Run this layer's GEMMs through ``gemms``
+        (:class:`~megatron.layers.float8_gemms.Float8Gemms`); None: in the weight's dtype."""
+        self.float8_gemms = gemms
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if (not self.fuse_wgrad or args or not weight.requires_grad
-                or kwargs.get("grad_output_buffer") is not None):
+        if ((not self.fuse_wgrad and self.float8_gemms is None) or args
+                or not weight.requires_grad or kwargs.get("grad_output_buffer") is not None):
             return super()._forward_impl(input, weight, *args, **kwargs)
         return linear_wgrad.linear(input, weight, kwargs.get("bias"),
                                    kwargs.get("allreduce_dgrad", False),
                                    kwargs.get("sequence_parallel", False),
-                                   kwargs.get("tp_group"))
+                                   kwargs.get("tp_group"), fuse_wgrad=self.fuse_wgrad,
+                                   gemms=self.float8_gemms)
 
 
 class USPColumnParallelLinear(_WgradIntoMainGrad, ColumnParallelLinear):
@@ -188,7 +197,8 @@ class SwiGLURowParallelLinear(USPRowParallelLinear):
         if self.swiglu_impl != "usp" or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
         # Row-parallel: no communication inside (megatron-core passes no bias either).
-        return linear_wgrad.swiglu_linear(input, weight, fuse_wgrad=self.fuse_wgrad)
+        return linear_wgrad.swiglu_linear(input, weight, fuse_wgrad=self.fuse_wgrad,
+                                          gemms=self.float8_gemms)
 
     def forward(self, input_: Tensor):
         if self.swiglu_impl == "usp" and self.weight.requires_grad:

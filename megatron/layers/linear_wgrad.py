@@ -31,6 +31,10 @@ read FC1's output once more: ``4 * F`` bytes per token and layer in bf16.
 
 On the CPU (the test suite) the same functions run: a bf16 product into a float32 buffer is
 computed in float32 from the upcast operands (exact products, float32 sums, as the GEMM).
+
+Float8 (``--fp8-format``): given ``gemms`` (a :class:`megatron.layers.float8_gemms.Float8Gemms`),
+the same functions run their three GEMMs through it and nothing else changes; the weight
+gradient comes out of the float8 GEMM in ``main_grad``'s dtype and is added there.
 """
 
 from __future__ import annotations
@@ -66,15 +70,23 @@ def accumulate_wgrad(main_grad: Tensor, grad_output: Tensor, total_input: Tensor
         main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))
 
 
-def weight_grad(param: Optional[Tensor], grad_output: Tensor, total_input: Tensor) -> Tensor:
+def weight_grad(param: Optional[Tensor], grad_output: Tensor, total_input: Tensor,
+                gemms=None) -> Tensor:
     """What a linear layer's backward returns for its weight (``grad_output [n, out]``,
     ``total_input [n, in]``). ``param``: the weight parameter itself when its gradient goes
     into its ``main_grad`` (:func:`_fused_param`); the gradient is added there and an
     uninitialised stand-in returned for DDP's hook (zeros where megatron-core asks for
-    them, ``zero_out_wgrad``). ``None``: the gradient is returned."""
+    them, ``zero_out_wgrad``). ``None``: the gradient is returned. ``gemms``: the float8
+    GEMMs (module docstring), None for the input dtype's."""
     if param is None:
+        if gemms is not None:
+            return gemms.grad_weight(grad_output, total_input, total_input.dtype)
         return grad_output.t().matmul(total_input)
-    accumulate_wgrad(param.main_grad, grad_output, total_input)
+    if gemms is not None:
+        param.main_grad.add_(gemms.grad_weight(grad_output, total_input,
+                                               param.main_grad.dtype))
+    else:
+        accumulate_wgrad(param.main_grad, grad_output, total_input)
     param.grad_added_to_main_grad = True
     make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
     return make(param.shape, dtype=total_input.dtype, device=total_input.device)
@@ -106,33 +118,50 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _forward_gemm(x: Tensor, weight: Tensor, gemms) -> Tensor:
+    """``x [..., in] @ weight [out, in].T -> [..., out]`` (float8 through ``gemms``)."""
+    if gemms is None:
+        return torch.matmul(x, weight.t())
+    return gemms.output(_rows(x), weight).view(*x.shape[:-1], weight.shape[0])
+
+
+def _grad_input_gemm(grad: Tensor, weight: Tensor, gemms) -> Tensor:
+    """``grad [..., out] @ weight [out, in] -> [..., in]``."""
+    if gemms is None:
+        return grad.matmul(weight)
+    return gemms.grad_input(_rows(grad), weight).view(*grad.shape[:-1], weight.shape[1])
+
+
 class _Linear(torch.autograd.Function):
     """``input [s, b, in] -> [s, b, out]`` (``[s/tp, ...]`` in with sequence parallelism)."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
+    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group,
+                fuse_wgrad, gemms):
         ctx.save_for_backward(input_, weight)
-        ctx.param = _fused_param(weight)
+        ctx.param = _fused_param(weight, fuse_wgrad)
+        ctx.gemms = gemms
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel = allreduce_dgrad, sequence_parallel
         ctx.tp_group = tp_group
         total_input = _gather_sequence(input_, tp_group) if sequence_parallel else input_
-        output = torch.matmul(total_input, weight.t())
+        output = _forward_gemm(total_input, weight, gemms)
         return output + bias if bias is not None else output
 
     @staticmethod
     def backward(ctx, grad_output):
         input_, weight = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
         tp_group = ctx.tp_group
         handle = None
         if ctx.sequence_parallel:   # re-gather the input while the input gradient is computed
             total_input, handle = _gather_sequence(input_, tp_group, async_op=True)
         else:
             total_input = input_
-        grad_input = grad_output.matmul(weight)
+        grad_input = _grad_input_gemm(grad_output, weight, ctx.gemms)
         if handle is not None:
             handle.wait()
-        grad_rows, input_rows = _rows(grad_output.contiguous()), _rows(total_input)
+        grad_rows, input_rows = _rows(grad_output), _rows(total_input)
         # The input gradient's reduction runs while the weight gradient is computed.
         if ctx.sequence_parallel:
             sub_grad_input = torch.empty(input_.shape, dtype=input_.dtype, device=input_.device)
@@ -140,56 +169,62 @@ class _Linear(torch.autograd.Function):
                                                 async_op=True)
         elif ctx.allreduce_dgrad:
             handle = dist.all_reduce(grad_input, group=tp_group, async_op=True)
-        grad_weight = weight_grad(ctx.param, grad_rows, input_rows)
+        grad_weight = weight_grad(ctx.param, grad_rows, input_rows, ctx.gemms)
         grad_bias = grad_rows.sum(dim=0) if ctx.use_bias else None
         if handle is not None:
             handle.wait()
         if ctx.sequence_parallel:
             grad_input = sub_grad_input
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 class _SwiGLULinear(torch.autograd.Function):
     """``x [s, b, 2F] -> SwiGLU(x) @ weight.T [s, b, out]``, keeping ``x`` only."""
 
     @staticmethod
-    def forward(ctx, x, weight, fuse_wgrad):
+    def forward(ctx, x, weight, fuse_wgrad, gemms):
         x = x.contiguous()
         act = lean_kernels.swiglu(x)                       # [s, b, F], freed on return
         ctx.save_for_backward(x, weight)
         ctx.param = _fused_param(weight, fuse_wgrad)
-        return torch.matmul(act, weight.t())
+        ctx.gemms = gemms
+        return _forward_gemm(act, weight, gemms)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_rows = _rows(grad_output.contiguous())               # [n, out]
-        grad_act = grad_rows.matmul(weight)                       # [n, F]
+        grad_act = _grad_input_gemm(grad_rows, weight, ctx.gemms)   # [n, F]
         # dx from grad_act, and grad_act's storage rewritten with SwiGLU(x), in one pass
         grad_x = lean_kernels.swiglu_backward_refill(grad_act, _rows(x))
-        grad_weight = weight_grad(ctx.param, grad_rows, grad_act)
-        return grad_x.view(x.shape), grad_weight, None
+        grad_weight = weight_grad(ctx.param, grad_rows, grad_act, ctx.gemms)
+        return grad_x.view(x.shape), grad_weight, None, None
 
 
 def linear(input_: Tensor, weight: Tensor, bias: Optional[Tensor], allreduce_dgrad: bool,
-           sequence_parallel: bool, tp_group) -> Tensor:
+           sequence_parallel: bool, tp_group, fuse_wgrad: bool = True,
+           gemms=None) -> Tensor:
     """megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` (no deferred
     embedding weight gradient) with the weight gradient added into ``weight.main_grad``
-    where DDP keeps one. ``allreduce_dgrad``: all-reduce the input gradient over
-    ``tp_group``; ``sequence_parallel``: all-gather the input along the sequence (forward
-    and backward) and reduce-scatter its gradient; at most one of the two."""
+    where DDP keeps one (``fuse_wgrad``; else returned). ``allreduce_dgrad``: all-reduce the
+    input gradient over ``tp_group``; ``sequence_parallel``: all-gather the input along the
+    sequence (forward and backward) and reduce-scatter its gradient; at most one of the two.
+    ``gemms``: a :class:`~megatron.layers.float8_gemms.Float8Gemms` running the three
+    GEMMs in float8 (the communication is unchanged), or None."""
     if allreduce_dgrad and sequence_parallel:
         raise ValueError("allreduce_dgrad and sequence_parallel exclude each other")
-    return _Linear.apply(input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group)
+    return _Linear.apply(input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group,
+                         fuse_wgrad, gemms)
 
 
-def swiglu_linear(x: Tensor, weight: Tensor, fuse_wgrad: bool = True) -> Tensor:
+def swiglu_linear(x: Tensor, weight: Tensor, fuse_wgrad: bool = True, gemms=None) -> Tensor:
     """``SwiGLU(x) @ weight.T`` for FC1's output ``x [..., 2F]`` (gate then up, megatron's
     order) and this rank's FC2 weight ``[out, F]``; no communication (the row-parallel
     layer reduces the output). The SwiGLU output is not kept: the backward rebuilds it in
     the SwiGLU's backward pass. With ``fuse_wgrad`` the weight gradient goes into
-    ``main_grad`` as for :func:`linear`; without, it is returned."""
+    ``main_grad`` as for :func:`linear`; without, it is returned. ``gemms``: float8 GEMMs as
+    for :func:`linear`."""
     if x.shape[-1] != 2 * weight.shape[-1]:
         raise ValueError(f"SwiGLU + linear: input {tuple(x.shape)} does not fit weight "
                          f"{tuple(weight.shape)} (need [..., {2 * weight.shape[-1]}])")
-    return _SwiGLULinear.apply(x, weight, fuse_wgrad)
+    return _SwiGLULinear.apply(x, weight, fuse_wgrad, gemms)

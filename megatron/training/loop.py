@@ -76,7 +76,12 @@ from megatron.training.data.loader import (
 )
 from megatron.training.exit_paths import keep_own_exit_status
 from megatron.training.initialize import Runtime, initialize, launch_env, shutdown
-from megatron.training.model.build import build_model, count_parameters, reserve_offload_buffers
+from megatron.training.model.build import (
+    build_model,
+    configure_float8,
+    count_parameters,
+    reserve_offload_buffers,
+)
 from megatron.training.observe.memory_snapshot import MemoryHistory
 from megatron.training.observe.metrics import (
     MetricsWriter,
@@ -755,6 +760,8 @@ def _pretrain(args: argparse.Namespace, forward_step_func: Optional[Callable],
             start_writer_manager()
         model = build_model(config, rt.groups)
         _wire_grad_sync(model)
+        for line in configure_float8(config, model, rt.device, dist.group.WORLD):
+            print_rank_0(rt, line)
         # Where memory goes before the first step (long sequences: the model, the
         # optimizer's state and its start-up copies, then the pinned offload buffers).
         print_rank_0(rt, f"memory after building the model: {memory_report(rt.device)}")

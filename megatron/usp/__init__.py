@@ -16,6 +16,7 @@ run here, torch-free).
 
 Packed documents: :mod:`.document_mask` (boundaries), :mod:`.document_kernels` (masked local
 blocks), :mod:`.document_ring` (the ring that moves only shared blocks),
-:mod:`.load_balance` (work over the ring ranks) and :mod:`.packed_documents` (a rank that
-holds whole documents in order).
+:mod:`.load_balance` (work over the ring ranks), :mod:`.packed_documents` (a rank that
+holds whole documents in order, and the measured cost table) and :mod:`.document_choice`
+(``auto``: the cheapest kernel per block by that table).
 """

@@ -81,7 +81,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron.usp.document_kernels import DocumentKernel, get_document_kernel
+from megatron.usp.document_choice import get_document_kernel
+from megatron.usp.document_kernels import DocumentKernel
 from megatron.usp.document_ring import (
     DocumentRingPlan,
     document_ring_backward,
@@ -490,7 +491,8 @@ def _packed_plan(q: Tensor, k: Tensor, sched: USPSchedule) -> Optional[PackedPla
     in place (:mod:`megatron.usp.packed_documents`); other kernels keep the block path."""
     if sched.document_kernel is None or sched.document_kernel.name != "auto":
         return None
-    return packed_plan_for(sched.documents.blocks[0], sched.kernel, q, k)
+    return packed_plan_for(sched.documents.blocks[0], sched.kernel, q, k,
+                           getattr(sched.document_kernel, "costs_group", None))
 
 
 def _check_documents(plan: DocumentRingPlan, q: Tensor, ulysses: int, ring: int,

@@ -23,7 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron.usp.attention import make_schedule, resolve_overlap_chunks, usp_attention
-from megatron.usp.document_kernels import get_document_kernel
+from megatron.usp.document_choice import get_document_kernel
 from megatron.usp.document_ring import DocumentRingPlan
 from megatron.usp.kernels import get_kernel
 from megatron.usp.ulysses import group_size
@@ -55,8 +55,9 @@ class USPAttention(MegatronModule):
     Drop-in for ``DotProductAttention`` / ``TEDotProductAttention`` in the
     ``core_attention`` slot of ``SelfAttentionSubmodules``; constructed with the keyword
     arguments megatron-core 0.16.1's ``Attention`` passes, plus ``attention_backend``,
-    ``overlap_chunks`` and ``document_kernel`` (from the ModuleSpec params; see
-    :func:`usp_attention`).
+    ``overlap_chunks``, ``document_kernel`` (from the ModuleSpec params; see
+    :func:`usp_attention`) and ``document_costs_group`` (the gloo group over which ``auto``'s
+    cost table is agreed, :class:`~megatron.usp.document_choice.AutoDocumentKernel`).
     ``overlap_chunks`` is resolved and checked against the heads per TP rank here, at
     model construction, so a bad value fails at start-up.
 
@@ -105,6 +106,7 @@ class USPAttention(MegatronModule):
         overlap_chunks: Optional[int] = None,
         recompute_keep=None,
         document_kernel: str = "auto",
+        document_costs_group=None,
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -119,7 +121,8 @@ class USPAttention(MegatronModule):
                              f"window_size = (left, 0)); drop --window-size for {attn_mask_type}")
         self.ulysses_group, self.ring_group = _groups_from(pg_collection)
         self.kernel = get_kernel(attention_backend)
-        self.document_kernel = get_document_kernel(document_kernel, self.kernel)
+        self.document_kernel = get_document_kernel(document_kernel, self.kernel,
+                                                   document_costs_group)
         self.overlap_chunks = _overlap_chunks_for(config, pg_collection, self.ulysses_group,
                                                   self.ring_group, overlap_chunks)
         # The keeper comes from the object the spec passes (activation memory sits above

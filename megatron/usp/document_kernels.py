@@ -28,12 +28,8 @@ Kernels (``--document-attention-kernel``):
   ``[tokens, h, d]`` copies. CUDA fp16/bf16 only.
 * ``math``: the dense ``[sq, sk]`` mask of the block in float32 (float64 for float64 inputs).
   Exact; O(sq*sk) memory: tiny shapes (the CPU tests).
-* ``auto``: on CUDA the small table :data:`AUTO_TABLE` below (measured,
-  ``docs/performance.md``): ``tiles`` unless the block's groups are many small calls and the
-  varlen op is available. On the CPU ``math`` for blocks of up to
-  :data:`AUTO_CPU_MATH_ELEMENTS` (query, key) pairs, else ``tiles``: PyTorch's CPU attention op
-  costs ~30 ms per call even for a handful of tokens (torch 2.13, 2 cores), so many small tile
-  groups are slower than one dense masked product.
+* ``auto``: the cheapest of these per block by measured cost
+  (:mod:`megatron.usp.document_choice`).
 
 No kernel here communicates.
 """
@@ -60,18 +56,8 @@ from megatron.usp.window_kernel import window_backward, window_forward
 Tensor = torch.Tensor
 
 from megatron.usp.backend_names import (  # noqa: E402  (torch-free, for --help)
-    DOCUMENT_KERNEL_NAMES,
     document_kernel_name_problem,
 )
-
-# auto on CUDA: use ``tiles`` when the block's useful pairs per kernel call reach this many
-# (one cuDNN call per tile group); below it the calls are too small and ``varlen`` (one call
-# for all tiles) wins. On an H200 (32 q / 8 KV heads of 128, bf16) one cuDNN call per 2K
-# document (2.1M pairs) is slower than varlen, one per 8K document (33.6M pairs) faster, and
-# lognormal documents (median 2K, long tail) still favour the tiles; the threshold sits
-# between (figures in docs/performance.md, "Packed documents").
-AUTO_TABLE = {"min_pairs_per_tile_call": 8 * 1024 * 1024}
-AUTO_CPU_MATH_ELEMENTS = 1 << 22
 
 
 # --------------------------------------------------------------------------- host -> device
@@ -665,50 +651,8 @@ class VarlenDocumentKernel(DocumentKernel):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# --------------------------------------------------------------------------- auto / registry
-class AutoDocumentKernel(DocumentKernel):
-    """``tiles`` or ``varlen`` per block, by :data:`AUTO_TABLE` (module docstring)."""
-
-    name = "auto"
-
-    def __init__(self, kernel: AttentionKernel) -> None:
-        self.tiles = TileDocumentKernel(kernel)
-        self.varlen = VarlenDocumentKernel()
-        self.math = MathDocumentKernel()
-
-    def choose(self, q: Tensor, block: DocumentBlock) -> DocumentKernel:
-        if not q.is_cuda:
-            small = block.batch * block.sq * block.sk <= AUTO_CPU_MATH_ELEMENTS
-            return self.math if small else self.tiles
-        if block.window is not None or not (q.dtype in (torch.float16, torch.bfloat16)
-                                            and varlen_available()):
-            return self.tiles
-        per_call = block.pairs / max(1, len(block.groups))
-        return self.tiles if per_call >= AUTO_TABLE["min_pairs_per_tile_call"] else self.varlen
-
-    def forward(self, q, k, v, block, scale):
-        return self.choose(q, block).forward(q, k, v, block, scale)
-
-    def backward(self, dout, q, k, v, out, lse, block, scale):
-        return self.choose(q, block).backward(dout, q, k, v, out, lse, block, scale)
-
-
+# --------------------------------------------------------------------------- names
 def document_kernel_problem(name: str, device: str, dtype: torch.dtype) -> Optional[str]:
     """Why ``--document-attention-kernel name`` cannot run on ``device``/``dtype``, or None
     (:func:`megatron.usp.backend_names.document_kernel_name_problem`)."""
     return document_kernel_name_problem(name, device, dtype in (torch.float16, torch.bfloat16))
-
-
-def get_document_kernel(name: str, kernel: AttentionKernel) -> DocumentKernel:
-    """The document kernel for ``--document-attention-kernel name`` over local ``kernel``."""
-    if isinstance(name, DocumentKernel):
-        return name
-    if name not in DOCUMENT_KERNEL_NAMES:
-        raise ValueError(document_kernel_problem(name, "cpu", torch.float32))
-    if name == "math":
-        return MathDocumentKernel()
-    if name == "varlen":
-        return VarlenDocumentKernel()
-    if name == "tiles":
-        return TileDocumentKernel(kernel)
-    return AutoDocumentKernel(kernel)

@@ -30,7 +30,8 @@ length runs as a call of its length rounded up to one of a few shapes
 (:func:`padded_length`), reading the tokens after it as extra rows whose results are dropped
 (its own rows never see later keys) and whose output gradients are zero (so they add nothing
 to its keys' gradients). Packed documents of random lengths thus reach cuDNN's rate after a
-few steps, with no plan built per step.
+few steps, with no plan built per step. The same cost table prices the document ring's
+blocks (:mod:`megatron.usp.document_choice`); with a group, one rank measures it for all.
 
 The plan (:class:`PackedPlan`: segments and the varlen calls' cumulative lengths, copied to the
 device from pinned memory without blocking) is built once per micro-batch and reused by every
@@ -46,6 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron.usp.document_kernels import (
     DocumentBlock,
@@ -59,6 +61,9 @@ from megatron.usp.kernels import AttentionKernel
 Tensor = torch.Tensor
 
 BATCHED, VARLEN = "batched", "varlen"
+# The dense masked product keeps float32 scores of every (query, key) element of a block, with
+# its temporaries about 16 bytes per element and head: beyond this many it is not a candidate.
+MAX_MASKED_ELEMENTS = 1 << 22
 
 
 # --------------------------------------------------------------------------- the plan
@@ -233,12 +238,22 @@ class KernelCosts:
     long runs) moves to the batched kind, a length seen once stays in the varlen call.
     ``padding``: a causal document may run batched at its :func:`padded_length`, a shape
     that recurs whatever the lengths (on CUDA, where plans are built per shape).
+
+    ``masked_call_s`` + ``masked_element_s`` per (query, key) element: the dense masked product
+    of a block (:class:`~megatron.usp.document_kernels.MathDocumentKernel`), which holds
+    float32 scores of every element, so it is refused (infinite cost) past
+    ``max_masked_elements``; unmeasured it is infinite.
+
+    The same table prices the blocks of the document ring (:mod:`megatron.usp.document_choice`):
+    a tile group is a batched call (:meth:`tile_call`), each tile a document of the varlen call.
     """
 
     def __init__(self, lengths: Sequence[int], batched_one: Sequence[float],
                  batched_many: Sequence[float], varlen_per_doc: Sequence[float],
                  has_varlen: bool, max_varlen_tokens: float = math.inf, build_s: float = 0.0,
-                 reuse_before_build: int = 3, padding: bool = False) -> None:
+                 reuse_before_build: int = 3, padding: bool = False,
+                 masked_call_s: float = 0.0, masked_element_s: float = math.inf,
+                 max_masked_elements: float = MAX_MASKED_ELEMENTS) -> None:
         self.lengths = [float(n) for n in lengths]
         self._one = list(batched_one)
         self._many = list(batched_many)
@@ -248,17 +263,21 @@ class KernelCosts:
         self.build_s = build_s
         self.reuse_before_build = reuse_before_build
         self.padding = padding
-        self._sightings: Dict[Tuple[int, int], int] = {}
+        self.masked_call_s = masked_call_s
+        self.masked_element_s = masked_element_s
+        self.max_masked_elements = max_masked_elements
+        self._sightings: Dict[tuple, int] = {}
 
     def padded_length(self, n: int) -> int:
         """The call shape a padded document of ``n`` tokens runs at."""
         return padded_length(n)
 
-    def sighted(self, n: int, count: int, built: bool) -> None:
-        """Record a run of ``count`` documents of ``n`` tokens (``built``: it ran batched, so
-        its plan exists from now on)."""
-        seen = self._sightings.get((n, count), 0) + 1
-        self._sightings[(n, count)] = max(seen, self.reuse_before_build) if built else seen
+    def sighted(self, n: int, count: int, built: bool, shape: Optional[tuple] = None) -> None:
+        """Record a run of ``count`` documents of ``n`` tokens, or a call of another ``shape``
+        (:meth:`tile_call`); ``built``: it ran batched, so its plan exists from now on."""
+        key = (n, count) if shape is None else shape
+        seen = self._sightings.get(key, 0) + 1
+        self._sightings[key] = max(seen, self.reuse_before_build) if built else seen
 
     def _at(self, table: Sequence[float], n: int) -> float:
         xs = self.lengths
@@ -270,19 +289,47 @@ class KernelCosts:
         t = (math.log(n) - math.log(xs[j])) / (math.log(xs[j + 1]) - math.log(xs[j]))
         return math.exp((1 - t) * math.log(table[j]) + t * math.log(table[j + 1]))
 
-    def batched(self, n: int, count: int) -> float:
-        """Seconds for ``count`` documents of ``n`` tokens in one batched call."""
+    def batched(self, n: int, count: int, shape: Optional[tuple] = None) -> float:
+        """Seconds for ``count`` documents of ``n`` tokens in one batched call (the build of
+        its plan included until the call's ``shape``, by default ``(n, count)``, recurs)."""
         if count == 1:
             cost = self._at(self._one, n)
         else:
             cost = min(self._at(self._one, n) * count, self._at(self._many, n) * count)
-        if self._sightings.get((n, count), 0) < self.reuse_before_build:
+        if self._sightings.get((n, count) if shape is None else shape,
+                               0) < self.reuse_before_build:
             cost += self.build_s
         return cost
+
+    def tile_call(self, q_len: int, k_len: int, causal: bool, count: int) -> float:
+        """Seconds for one batched call of ``count`` tiles of ``q_len`` x ``k_len`` tokens: a
+        causal square is a document (:meth:`batched`); a rectangle is priced as the causal
+        document of as many visible pairs (:func:`equivalent_length`)."""
+        if causal and q_len == k_len:
+            return self.batched(q_len, count)
+        return self.batched(equivalent_length(q_len * k_len), count,
+                            tile_shape(q_len, k_len, causal, count))
+
+    def masked(self, elements: int) -> float:
+        """Seconds for the dense masked product of ``elements`` (query, key) elements."""
+        if elements > self.max_masked_elements:
+            return math.inf
+        return self.masked_call_s + self.masked_element_s * elements
 
     def varlen(self, n: int) -> float:
         """Seconds per document of ``n`` tokens inside a varlen call."""
         return self._at(self._var, n)
+
+
+def equivalent_length(pairs: int) -> int:
+    """The length of the causal document with ``pairs`` visible pairs (``L(L+1)/2``), at least
+    1: how a rectangle of visible pairs is priced from tables timed on causal documents."""
+    return max(1, int(round((math.sqrt(8 * pairs + 1) - 1) / 2)))
+
+
+def tile_shape(q_len: int, k_len: int, causal: bool, count: int) -> tuple:
+    """The plan key of a batched call of tiles (a causal square's is the document's)."""
+    return (q_len, count) if causal and q_len == k_len else (q_len, k_len, causal, count)
 
 
 # On the CPU the batched kind is PyTorch's CPU attention op, a few milliseconds a call at the
@@ -294,6 +341,9 @@ _CPU_CALL_S = 4e-3
 _CPU_PAIR_S = 1e-9
 _CPU_MASKED_TOKEN_S = 3e-4
 CPU_MAX_MASKED_TOKENS = 512
+# A block's dense masked product is one call of float32 products and a softmax over all its
+# elements, forward and backward (a few heads of the tests' sizes).
+_CPU_MASKED_ELEMENT_S = 1e-7
 
 
 def cpu_costs() -> KernelCosts:
@@ -301,7 +351,8 @@ def cpu_costs() -> KernelCosts:
     one = [_CPU_CALL_S + _CPU_PAIR_S * n * n for n in lengths]
     var = [_CPU_MASKED_TOKEN_S * n for n in lengths]
     return KernelCosts(lengths, one, one, var, has_varlen=True,
-                       max_varlen_tokens=CPU_MAX_MASKED_TOKENS)
+                       max_varlen_tokens=CPU_MAX_MASKED_TOKENS, masked_call_s=_CPU_CALL_S,
+                       masked_element_s=_CPU_MASKED_ELEMENT_S)
 
 
 _COSTS: Dict[tuple, KernelCosts] = {}
@@ -309,16 +360,73 @@ CALIBRATION_LENGTHS = tuple(2 ** k for k in range(6, 15))     # 64 .. 16K tokens
 CALIBRATION_TOKENS = 16384
 
 
-def costs_for(kernel: AttentionKernel, q: Tensor, k: Tensor, causal: bool) -> KernelCosts:
-    """The costs for q [.., h, d] / k [.., hk, d] of this dtype and device, measured once per
-    process (cached); fixed costs on the CPU."""
-    if q.device.type != "cuda":
-        return cpu_costs()
-    key = (q.device.index, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], causal, kernel.name)
+def costs_for(kernel: AttentionKernel, q: Tensor, k: Tensor, causal: bool,
+              group: Optional[dist.ProcessGroup] = None) -> KernelCosts:
+    """The costs for q [.., h, d] / k [.., hk, d] (:func:`costs_for_shape`)."""
+    return costs_for_shape(kernel, q.device, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1],
+                           causal, group)
+
+
+def costs_for_shape(kernel: AttentionKernel, device, dtype: torch.dtype, hq: int, hk: int,
+                    d: int, causal: bool, group: Optional[dist.ProcessGroup] = None
+                    ) -> KernelCosts:
+    """The costs of ``hq`` query / ``hk`` KV heads of ``d`` in ``dtype`` on ``device``, once
+    per process and shape (cached): measured on CUDA, fixed on the CPU. With ``group`` (a gloo
+    group of the ranks that read the same micro-batch; every rank of it asks for the same
+    shapes in the same order) the table comes from the group's first rank
+    (:func:`agreed_costs`), on the CPU as on CUDA."""
+    device = torch.device(device)
+    key = (device.type, device.index, dtype, hq, hk, d, causal, kernel.name)
     if key not in _COSTS:
-        _COSTS[key] = measure_costs(kernel, q.device, q.dtype, q.shape[-2], k.shape[-2],
-                                    q.shape[-1], causal)
+        if device.type == "cuda":
+            def measure() -> KernelCosts:
+                return measure_costs(kernel, device, dtype, hq, hk, d, causal)
+        else:
+            measure = cpu_costs
+        _COSTS[key] = agreed_costs(measure, group)
     return _COSTS[key]
+
+
+def costs_state(costs: KernelCosts) -> List[float]:
+    """The table as numbers (what :func:`agreed_costs` sends); sightings are not part of it."""
+    return ([float(len(costs.lengths))] + list(costs.lengths) + [float(x) for x in costs._one]
+            + [float(x) for x in costs._many] + [float(x) for x in costs._var]
+            + [float(costs.has_varlen), float(costs.max_varlen_tokens), float(costs.build_s),
+               float(costs.reuse_before_build), float(costs.padding),
+               float(costs.masked_call_s), float(costs.masked_element_s),
+               float(costs.max_masked_elements)])
+
+
+def costs_from_state(state: Sequence[float]) -> KernelCosts:
+    """The inverse of :func:`costs_state` (a fresh table, no sightings)."""
+    n = int(state[0])
+    tables = [list(state[1 + i * n:1 + (i + 1) * n]) for i in range(4)]
+    (has_varlen, max_varlen, build_s, reuse, padding, masked_call, masked_element,
+     max_masked) = state[1 + 4 * n:]
+    return KernelCosts(tables[0], tables[1], tables[2], tables[3], bool(has_varlen),
+                       max_varlen, build_s, int(reuse), bool(padding), masked_call,
+                       masked_element, max_masked)
+
+
+def agreed_costs(measure: Callable[[], KernelCosts], group: Optional[dist.ProcessGroup]
+                 ) -> KernelCosts:
+    """One cost table for every rank of ``group``: ``measure()`` runs on its first rank only
+    and the table is broadcast over ``group`` (gloo, host tensors: two messages, the length
+    then ``8 * len(costs_state)`` bytes). Timings are noisy; ranks that computed the same block
+    with tables measured apart could choose different kernels (and round differently), so
+    one measurement decides for all. Every rank, the first included, returns the received
+    copy. ``group`` None or of one rank: ``measure()`` here."""
+    if group is None or dist.get_world_size(group) == 1:
+        return measure()
+    src = dist.get_global_rank(group, 0)
+    mine = dist.get_rank() == src
+    state = costs_state(measure()) if mine else []
+    size = torch.tensor([len(state)], dtype=torch.int64)
+    dist.broadcast(size, src, group=group)
+    payload = (torch.tensor(state, dtype=torch.float64) if mine
+               else torch.empty(int(size), dtype=torch.float64))
+    dist.broadcast(payload, src, group=group)
+    return costs_from_state(payload.tolist())
 
 
 def _time_s(fn: Callable[[], None], reps: int = 3) -> float:
@@ -354,7 +462,30 @@ def measure_costs(kernel: AttentionKernel, device, dtype, hq: int, hk: int, d: i
         del x
     return KernelCosts(CALIBRATION_LENGTHS, one, many, var, has_varlen,
                        build_s=_build_cost_s(kernel, device, dtype, hq, hk, d, causal, scale),
-                       padding=causal)
+                       padding=causal,
+                       masked_element_s=_masked_element_s(device, dtype, hq, hk, d, causal,
+                                                          scale))
+
+
+MASKED_CALIBRATION_TOKENS = 1024
+
+
+def _masked_element_s(device, dtype, hq, hk, d, causal, scale) -> float:
+    """Seconds per (query, key) element of the dense masked product, forward + backward, on a
+    block of :data:`MASKED_CALIBRATION_TOKENS` tokens (four documents)."""
+    n = MASKED_CALIBRATION_TOKENS
+    pos = np.arange(n)[None]
+    seg = pos // (n // 4)
+    block = build_document_block(pos, seg, pos, seg, causal, device)
+
+    def r(h):
+        return torch.randn(1, h, n, d, device=device, dtype=dtype)
+    q, k, v, dout = r(hq), r(hk), r(hk), r(hq)
+
+    def run() -> None:
+        out, lse = _MATH.forward(q, k, v, block, scale)
+        _MATH.backward(dout, q, k, v, out, lse, block, scale)
+    return _time_s(run) / (n * n)
 
 
 def _build_cost_s(kernel, device, dtype, hq, hk, d, causal, scale) -> float:
@@ -540,16 +671,17 @@ class PackedDocumentAttention(torch.autograd.Function):
 
 
 def packed_plan_for(block: Optional[DocumentBlock], kernel: AttentionKernel, q: Tensor,
-                    k: Tensor) -> Optional[PackedPlan]:
+                    k: Tensor, group: Optional[dist.ProcessGroup] = None
+                    ) -> Optional[PackedPlan]:
     """The block's :class:`PackedPlan` when its documents are whole and in order (built once
-    per block and head shape, cached on the block), else None."""
+    per block and head shape, cached on the block), else None. ``group``: the ranks that
+    share one cost table (:func:`costs_for_shape`)."""
     if block is None or block.window is not None:     # a window is not a whole document
         return None
     key = ("packed", q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], kernel.name)
     if key not in block._cache:
         lengths = documents_in_order(block)
         block._cache[key] = (None if lengths is None else
-                             build_packed_plan(lengths, block.causal,
-                                               costs_for(kernel, q, k, block.causal),
-                                               q.device))
+                             build_packed_plan(lengths, block.causal, costs_for(
+                                 kernel, q, k, block.causal, group), q.device))
     return block._cache[key]  # type: ignore[return-value]

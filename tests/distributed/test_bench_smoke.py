@@ -274,6 +274,22 @@ def test_bench_attention_document_kernels_and_balance_report(tmp_path):
     for name in ("tiles-copy", "per-document", "auto"):
         assert by_kernel[name]["rel_err_vs_tiles"] < 1e-5, by_kernel[name]
     assert by_kernel["auto"]["auto_choice"] == "math" and by_kernel["tiles"]["tile_calls"] == 1
+    assert {r["auto_choice"] for r in results if r["status"] == "ok"} == {"math"}
+    assert "auto -> math" in proc.stderr + proc.stdout
+    ring_out = tmp_path / "ring.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--seq-lens", "256",
+         *TINY, "--warmup", "0", "--docs", "lognormal", "--doc-kernels",
+         "dense,tiles,per-document,auto", "--doc-kernels-split", "2x2", "--out",
+         str(ring_out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ring = {r["kernel"]: r for r in json.loads(ring_out.read_text())["results"]}
+    assert ring["per-document"]["status"] == "skipped"
+    choices = ring["auto"]["auto_choice"].split(",")
+    assert 1 <= len(choices) <= 2 and set(choices) <= {"tiles", "math"}
+    assert ring["tiles"]["auto_choice"] == ring["auto"]["auto_choice"]
+    assert ring["tiles"]["label"] == "tiles U2xR2 rank 0" and ring["tiles"]["ring"] == 2
+    assert f"auto -> {ring['auto']['auto_choice']}" in proc.stderr + proc.stdout
     report_json = tmp_path / "balance.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--docs", "lognormal",
@@ -285,3 +301,28 @@ def test_bench_attention_document_kernels_and_balance_report(tmp_path):
     assert [(r["ulysses"], r["ring"]) for r in rows] == [(1, 2), (2, 2)]
     for r in rows:
         assert r["spread_max"] <= 0.05 and r["spread_max"] <= r["zigzag_spread_max"]
+
+
+# --------------------------------------------------------------------------- imported model
+def test_imported_model_recipe_on_the_cpu(tmp_path):
+    """benchmarks/imported_model.sh with a tiny model on 4 gloo ranks (U2 x R2): builds the
+    Hugging Face model, imports it, trains it from the checkpoint and from scratch with the
+    same flags, and writes both runs' figures and their ratios."""
+    out = tmp_path / "imported"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SHAPE="tiny", SEQ_LEN="256", DEVICE="cpu", NPROC="4", ULYSSES_DEGREE="2",
+               RING_DEGREE="2", ITERS="3", WARMUP="1", OUT_DIR=str(out),
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "imported_model.sh")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    result = json.loads((out / "imported_model.json").read_text())
+    for name in ("imported", "scratch"):
+        run = result[name]
+        assert run["layout"] == "TP1 U2 R2 DP1 PP1" and run["iterations"] == 2
+        assert run["args"]["seq_length"] == 256 and run["tokens_per_s"] > 0
+    assert result["imported"]["args"]["load"] == str(out / "imported")
+    assert result["scratch"]["args"]["load"] is None
+    assert result["tokens_per_s_ratio"] > 0 and "imported / scratch" in proc.stdout
+    assert result["metadata"]["command"]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.usp.document_choice import AutoDocumentKernel
 from megatron.usp.document_kernels import (
-    AutoDocumentKernel,
     MathDocumentKernel,
     TileDocumentKernel,
     VarlenDocumentKernel,

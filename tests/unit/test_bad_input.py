@@ -77,6 +77,12 @@ BAD = [
     (["--split", "100,0,0"], 4, "--eval-iters 0"),
     # A kernel package that is missing is found before any process group.
     (["--attention-backend", "flash-attn"], 4, "--attention-backend flash-attn needs a CUDA"),
+    # Float8: TransformerEngine's recipes, rowwise with e5m2 gradients, float8 on the CPU.
+    (["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], 4,
+     "--fp8-recipe delayed is TransformerEngine's recipe"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], 4, "pass --fp8-format e4m3"),
+    (["--fp8-format", "hybrid"], 4, "add --fp8-emulate"),
+    (["--fp8-emulate"], 4, "--fp8-emulate needs --fp8-format"),
 ]
 
 
@@ -103,6 +109,15 @@ def test_missing_backend_package_on_gpu_names_the_install(monkeypatch):
         with pytest.raises(ArgumentsError, match=f"--attention-backend {name}: .*{hint}"):
             validate_args(parse_args(BASE + ["--attention-backend", name]), 4,
                           cuda_available=True)
+
+
+def test_missing_torchao_names_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ArgumentsError, match="--fp8-format .*pip install torchao"):
+        validate_args(parse_args(BASE + ["--fp8-format", "hybrid", "--fp8-emulate"]), 4,
+                      cuda_available=False)
 
 
 def test_output_paths_are_checked(tmp_path):

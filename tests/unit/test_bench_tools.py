@@ -3,6 +3,7 @@
 Nothing here asserts a timing; ``tests/distributed/test_bench_smoke.py`` runs the tools.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -255,6 +256,26 @@ def test_pretrain_args_are_valid_pretrain_gpt_flags(device, split, recompute):
     assert args.recompute_modules == (["mlp"] if recompute == "selective" else None)
     # the chunked output-layer loss (no full-sequence logits), for throughput and max length
     assert args.fused_linear_cross_entropy and run.loss_chunk_tokens == 8192
+
+
+def test_extra_args_carry_the_fp8_flags_to_pretrain_gpt(monkeypatch):
+    """``bench_e2e --extra-args '--fp8-format hybrid ...'`` reaches pretrain_gpt.py's parser
+    and validation as given (an H200's compute capability stands in for the GPU)."""
+    arguments = pytest.importorskip("megatron.training.cli.arguments")
+    pytest.importorskip("torchao")
+    monkeypatch.setattr(arguments, "_cuda_capability", lambda args, device: (9, 0))
+    ns = e2e_cli.build_parser().parse_args([
+        "--seq-lens", "8k", "--splits", "1x1", "--nproc-per-node", "1",
+        "--extra-args", "--fp8-format hybrid --fp8-recipe tensorwise --fp8-linears auto"])
+    cfg = e2e_cli.config_from_args(ns)
+    spec = config.RunSpec(8192, 1, 1, "none", 5)
+    argv = command.pretrain_args(dataclasses.replace(cfg, device="cuda"), spec, "m.jsonl")
+    assert argv[-6:] == ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                         "--fp8-linears", "auto"]
+    run = arguments.validate_args(arguments.parse_args(argv), world_size=1,
+                                  cuda_available=True)
+    assert (run.fp8.format, run.fp8.recipe, run.fp8.linears, run.fp8.emulate) == (
+        "hybrid", "tensorwise", "auto", False)
 
 
 def test_only_presets_that_ask_use_the_fused_loss():
@@ -646,3 +667,24 @@ def test_a_failed_run_is_explained_by_its_cause_not_torchruns_summary():
               "[rank0]: TypeError: '>=' not supported between instances of 'NoneType' and "
               "'Version'\n") + torchrun_tail
     assert failure_cause(ranked).startswith("TypeError: '>=' not supported")
+
+
+def test_imported_model_compare_reads_two_metrics_files(tmp_path):
+    from megatron.bench.imported import compare, markdown
+
+    def write(name, tokens, mem):
+        rows = [{"kind": "run", "layout": "TP1 U1 R1 DP1 PP1", "args": {"seq_length": 8}}]
+        rows += [{"kind": "train", "iteration": i + 1, "tokens_per_s": t, "step_time_s": 8 / t,
+                  "mem_gib": m} for i, (t, m) in enumerate(zip(tokens, mem))]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    a = write("a", [1.0, 90.0, 100.0, 110.0], [9.0, 2.0, 2.0, 2.0])
+    b = write("b", [1.0, 200.0, 200.0, 200.0], [1.0, 1.0, 1.0, 1.0])
+    result = compare(a, b, warmup=1)   # the first iteration (compilation) is left out
+    assert result["imported"]["tokens_per_s"] == 100.0 and result["imported"]["mem_gib"] == 2.0
+    assert result["tokens_per_s_ratio"] == 0.5 and result["mem_ratio"] == 2.0
+    assert "tokens/s 0.500x, memory 2.000x" in markdown(result)
+    with pytest.raises(SystemExit, match="no training iteration after the first 4"):
+        compare(a, b, warmup=4)

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.usp.document_choice import AutoDocumentKernel, get_document_kernel
 from megatron.usp.document_kernels import (
-    AutoDocumentKernel,
     MathDocumentKernel,
     TileDocumentKernel,
     _as_block,
     build_document_block,
     document_kernel_problem,
-    get_document_kernel,
 )
 from megatron.usp.kernels import get_kernel
 
@@ -119,13 +118,17 @@ def test_equal_documents_are_one_strided_call():
     assert len(build_document_block(pos, lognormal, pos, lognormal, True).groups) == 5
 
 
-def test_auto_on_cpu_uses_math_for_small_blocks_and_tiles_for_large():
+def test_auto_on_cpu_masks_many_tiny_documents_and_tiles_a_large_one():
+    """The CPU's fixed costs: one masked product beats many small attention calls; a block
+    past the masked product's memory bound is tiled."""
     kernel = get_document_kernel("auto", get_kernel("torch"))
     assert isinstance(kernel, AutoDocumentKernel)
-    for s, want in ((16, MathDocumentKernel), (4096, TileDocumentKernel)):
-        pos = np.arange(s)[None]
-        block = build_document_block(pos, np.zeros_like(pos), pos, np.zeros_like(pos), True)
-        assert isinstance(kernel.choose(torch.zeros(1, 1, s, 8), block), want)
+    for seg, want in ((np.repeat(np.arange(16), 4), MathDocumentKernel),
+                      (np.zeros(4096, dtype=np.int64), TileDocumentKernel)):
+        pos = np.arange(seg.size)[None]
+        block = build_document_block(pos, seg[None], pos, seg[None], True)
+        x = torch.zeros(1, 2, seg.size, 8)
+        assert isinstance(kernel.choose(x, x, block), want)
 
 
 def test_kernel_names_and_problems():

@@ -302,3 +302,22 @@ def test_resume_with_other_rope_flags_is_refused_but_finetune_may_change_them():
     check_model_matches(now, dict(now), "/ck/iter_0000005")
     old = {k: v for k, v in saved.items() if "rope" not in k and "yarn" not in k}
     check_model_matches(old, saved, "/ck/iter_0000005")   # before the flags: unscaled
+
+
+def test_yarn_extends_a_rope_checkpoint_on_finetune_only():
+    # YaRN rescales the rotation of the same weights: a rope checkpoint is the usual start of
+    # a YaRN extension (weights-only, --finetune); a resume must keep the rotation it had.
+    from megatron.training.checkpoint.save_load import CheckpointError, check_model_matches
+
+    rope = _validate(["--position-embedding-type", "rope"]).flag_values()
+    yarn = _validate(YARN_FLAGS).flag_values()
+    check_model_matches(rope, yarn, "/ck/iter_0000005", finetune=True)
+    with pytest.raises(CheckpointError, match="RoPE --rotary-base 10000 \\(this run: "
+                                              "--rotary-base 10000 --position-embedding-type "
+                                              "yarn"):
+        check_model_matches(rope, yarn, "/ck/iter_0000005")
+    learned = _validate(["--position-embedding-type", "learned_absolute"]).flag_values()
+    for finetune in (False, True):
+        with pytest.raises(CheckpointError, match="--position-embedding-type learned_absolute "
+                                                  "\\(this run: --position-embedding-type yarn"):
+            check_model_matches(learned, yarn, "/ck/iter_0000005", finetune=finetune)

@@ -23,7 +23,8 @@ NOT_USAGE = {"NonFiniteLossError", "WriterDiedError", "PeerLostError", "RingTime
 EXPECTED = {"ArgumentsError", "DataConfigError", "TokenizerError", "PreprocessError",
             "ChecksumMismatch", "CheckpointError", "CheckpointSaveError", "PlannerError",
             "USPConfigError", "AttentionBackendUnavailable", "FusedKernelsUnavailable",
-            "BenchConfigError", "DriftError", "BrokenRunError", "InputError"}
+            "BenchConfigError", "DriftError", "BrokenRunError", "InputError",
+            "Float8Unavailable"}
 
 
 def _load_path(name: str, path: Path):

@@ -508,6 +508,14 @@ def _shape_value(values: Dict[str, Any], key: str):
     return values.get(key)
 
 
+def _shape_class(key: str, value):
+    """What of a flag's value the tensors depend on: rope and yarn rotate the same weights
+    (YaRN only rescales the rotation, which :func:`rope_mismatches` compares on a resume)."""
+    if key == "position_embedding_type" and value in ("rope", "yarn"):
+        return "rotary"
+    return value
+
+
 def _flag_text(key: str, value) -> str:
     if key == "kv_heads":
         return f"--group-query-attention --num-query-groups {value}"
@@ -527,7 +535,7 @@ def model_mismatches(saved_args: Mapping[str, Any], now: Mapping[str, Any]) -> L
         if key != "kv_heads" and key not in saved_args:
             continue
         saved, current = _shape_value(saved_args, key), _shape_value(now, key)
-        if saved is not None and saved != current:
+        if saved is not None and _shape_class(key, saved) != _shape_class(key, current):
             out.append(f"{_flag_text(key, saved)} (this run: {_flag_text(key, current)})")
     if (saved_args.get("position_embedding_type") == "learned_absolute"
             and saved_args.get("max_position_embeddings") not in (
@@ -539,6 +547,8 @@ def model_mismatches(saved_args: Mapping[str, Any], now: Mapping[str, Any]) -> L
 
 def _rope_text(values: Mapping[str, Any]) -> str:
     flags = RopeScaling.from_flag_values(values).flags()
+    if values.get("position_embedding_type") == "yarn":
+        flags = ["--position-embedding-type yarn", *flags]
     return f"--rotary-base {values.get('rotary_base')}" + "".join(" " + f for f in flags)
 
 

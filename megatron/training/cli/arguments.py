@@ -30,6 +30,7 @@ from megatron.shapes import ModelShape, default_ffn_hidden_size, padded_vocab_si
 from megatron.training.cli.config import RunConfig
 from megatron.training.cli.document_args import add_document_args, document_flags_problem
 from megatron.training.cli.errors import ArgumentsError
+from megatron.training.cli.fp8_args import add_fp8_args, fp8_options
 from megatron.training.cli.memory_args import add_memory_args, validate_memory_args
 from megatron.training.cli.pretrained_args import add_pretrained_args
 from megatron.training.cli.rope_args import add_rope_args, rope_scaling_from_args
@@ -238,6 +239,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (required)")
     g.add_argument("--bf16", action="store_true",
                    help="bfloat16 with float32 main params (GPU only; CPU runs float32)")
+    add_fp8_args(g)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="float32 gradient buffers (accumulation over micro-batches) and "
                         "DP x CP reduction with --bf16: the default, as in Megatron-LM; "
@@ -789,7 +791,17 @@ def _device_fields(args, cuda_available: bool) -> Dict[str, Any]:
         raise ArgumentsError(problem)
     return {"device": device, "distributed_backend": backend,
             "use_cpu_initialization": bool(args.use_cpu_initialization) or device == "cpu",
-            "fused_kernels_impl": impl}
+            "fused_kernels_impl": impl,
+            "fp8": fp8_options(args, device, _cuda_capability(args, device))}
+
+
+def _cuda_capability(args, device: str) -> Optional[Tuple[int, int]]:
+    """The CUDA device's compute capability when ``--fp8-format`` needs it, else None."""
+    if device != "cuda" or args.fp8_format is None or args.fp8_emulate:
+        return None
+    import torch  # torch-free --help
+
+    return tuple(torch.cuda.get_device_capability())
 
 
 def _grad_reduce_in_fp32(args) -> bool:

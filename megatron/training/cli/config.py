@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from megatron.layers.float8_options import Float8Options
 from megatron.shapes import ModelShape, RopeScaling
 from megatron.usp.parallel_dims import ParallelDims
 
@@ -57,6 +58,8 @@ class RunConfig:
             once the tokenizer is known); None before.
         window_size / window_attn_skip_freq: megatron-core's sliding-window fields from
             ``--window-size`` / ``--window-attn-skip-freq`` (None: full attention).
+        fp8: the float8 flags (:class:`~megatron.layers.float8_options.Float8Options`);
+            None without ``--fp8-format``.
     """
 
     args: argparse.Namespace
@@ -86,6 +89,7 @@ class RunConfig:
     padded_vocab_size: Optional[int] = None
     window_size: Optional[Tuple[int, int]] = None
     window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    fp8: Optional[Float8Options] = None
 
     @property
     def params_dtype(self) -> str:

@@ -9,6 +9,10 @@ included, so the DP baseline runs the same kernels) and the process groups of
 its Ulysses and Ring groups in ``pg_collection.hcp``), then wraps it in megatron-core's
 ``DistributedDataParallel``, which reduces gradients over the DP x CP group.
 
+Float8 (``--fp8-format``): the layer spec gives QKV, the projection, FC1 and FC2 this project's
+linear classes, and :func:`configure_float8`, called once the model is built, chooses which of
+them run in float8 (:mod:`megatron.layers.float8_policy`).
+
 Megatron sequence parallelism (``--sequence-parallel``, TP > 1): outside attention and the MLP
 a rank holds ``[s/(CP*TP), b, h]``, its 1/TP of its CP rank's tokens (megatron-core's
 embedding scatters, its column- / row-parallel linears all-gather / reduce-scatter over TP);
@@ -37,6 +41,7 @@ from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataPa
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.layers.float8_policy import apply_float8
 from megatron.memory.activation_offload import ActivationOffloader, install_recompute_offload
 from megatron.memory.kept_attention import RecomputeKeep
 from megatron.training.cli.arguments import SPEC_RECOMPUTE_MODULES
@@ -159,7 +164,8 @@ def layer_spec_options(config: RunConfig, groups: USPGroups, recompute_keep=None
         lean_swiglu=lean_swiglu, mlp_tile_tokens=args.mlp_tile_tokens,
         recompute_keep=recompute_keep, mlp_tp_group=groups.tp,
         document_kernel=args.document_attention_kernel,
-        fuse_wgrad=args.gradient_accumulation_fusion)
+        fuse_wgrad=args.gradient_accumulation_fusion, document_costs_group=groups.same_batch,
+        float8_linears=config.fp8 is not None)
 
 
 def build_gpt_model(config: RunConfig, transformer_config, groups: USPGroups):
@@ -329,6 +335,27 @@ def build_model(config: RunConfig, groups: USPGroups) -> List[torch.nn.Module]:
     ddp = wrapper(transformer_config, ddp_config_from_args(config), module,
                   pg_collection=groups.pg_collection)
     return [ddp]
+
+
+def float8_tokens(config: RunConfig) -> dict:
+    """GEMM rows per micro-batch of each float8 candidate (QKV, proj, FC1, FC2): this rank's
+    ``s/CP * b`` tokens (sequence parallelism gathers them before QKV and FC1; the
+    projection and FC2 take them whole), FC1 and FC2 over tiles of ``--mlp-tile-tokens``."""
+    args = config.args
+    tokens = args.seq_length // config.dims.cp * args.micro_batch_size
+    mlp = min(tokens, args.mlp_tile_tokens) if args.mlp_tile_tokens else tokens
+    return {"QKV": tokens, "proj": tokens, "FC1": mlp, "FC2": mlp}
+
+
+def configure_float8(config: RunConfig, model_chunks, device: torch.device,
+                     group) -> List[str]:
+    """Choose which linear layers of ``model_chunks`` run in float8 (``--fp8-format``;
+    :func:`megatron.layers.float8_policy.apply_float8`, timings agreed over ``group``) and
+    return the start-up report; nothing without ``--fp8-format``."""
+    if config.fp8 is None:
+        return []
+    return apply_float8(model_chunks, config.fp8, float8_tokens(config), device,
+                        params_dtype(config), group)
 
 
 def unwrap(model_chunk) -> torch.nn.Module:

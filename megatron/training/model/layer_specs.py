@@ -73,7 +73,8 @@ from megatron.usp.kernels import BACKEND_NAMES
 def usp_core_attention_spec(attention_backend: str = "auto",
                             overlap_chunks: Optional[int] = None,
                             recompute_keep: Optional[RecomputeKeep] = None,
-                            document_kernel: str = "auto") -> ModuleSpec:
+                            document_kernel: str = "auto",
+                            document_costs_group: Any = None) -> ModuleSpec:
     """``ModuleSpec`` of :class:`megatron.usp.core_attention.USPAttention` with the given backend.
 
     ``overlap_chunks`` (``--usp-overlap-chunks``): head chunks of the all-to-all/attention
@@ -81,7 +82,9 @@ def usp_core_attention_spec(attention_backend: str = "auto",
     the layer is built, so a bad value fails at start-up. ``recompute_keep``
     (``--recompute-keep-core-attn``): see :mod:`megatron.memory.kept_attention`.
     ``document_kernel`` (``--document-attention-kernel``): the document-masked kernel used with
-    packed documents.
+    packed documents; ``document_costs_group``: the gloo group of the ranks that read the same
+    micro-batch, over which ``auto``'s cost table is agreed
+    (:class:`~megatron.usp.document_choice.AutoDocumentKernel`).
     """
     if attention_backend not in BACKEND_NAMES:
         raise ValueError(
@@ -91,6 +94,8 @@ def usp_core_attention_spec(attention_backend: str = "auto",
     params = {"attention_backend": attention_backend}
     if document_kernel != "auto":
         params["document_kernel"] = document_kernel
+    if document_costs_group is not None:
+        params["document_costs_group"] = document_costs_group
     if overlap_chunks is not None:
         params["overlap_chunks"] = overlap_chunks
     if recompute_keep is not None:
@@ -102,17 +107,24 @@ _WGRAD_FUSED = {ColumnParallelLinear: USPColumnParallelLinear,
                 RowParallelLinear: USPRowParallelLinear}
 
 
-def with_wgrad_fusion(linear) -> ModuleSpec:
-    """The spec of a linear-layer slot (a class or a ``ModuleSpec``) with the weight gradient
-    added into ``main_grad`` by the GEMM (``fuse_wgrad``, :mod:`megatron.layers.linear_wgrad`):
-    megatron-core's parallel linears become this project's subclasses of them."""
+def with_usp_linear(linear, fuse_wgrad: bool) -> ModuleSpec:
+    """The spec of a linear-layer slot (a class or a ``ModuleSpec``) as this project's
+    subclass of megatron-core's parallel linear layer, which can add the weight gradient into
+    ``main_grad`` by the GEMM (``fuse_wgrad``, :mod:`megatron.layers.linear_wgrad`) and run
+    its GEMMs in float8 (:mod:`megatron.layers.float8_policy`)."""
     module, params = ((linear.module, dict(linear.params or {}))
                       if isinstance(linear, ModuleSpec) else (linear, {}))
     module = _WGRAD_FUSED.get(module, module)
     if not (isinstance(module, type) and issubclass(module, tuple(_WGRAD_FUSED.values()))):
-        raise TypeError(f"--gradient-accumulation-fusion: the linear layer {module!r} of the "
-                        f"layer spec is not one of megatron-core's parallel linear layers")
-    return ModuleSpec(module=module, params={**params, "fuse_wgrad": True})
+        raise TypeError(f"--gradient-accumulation-fusion / --fp8-format: the linear layer "
+                        f"{module!r} of the layer spec is not one of megatron-core's parallel "
+                        f"linear layers")
+    return ModuleSpec(module=module, params={**params, "fuse_wgrad": fuse_wgrad})
+
+
+def with_wgrad_fusion(linear) -> ModuleSpec:
+    """:func:`with_usp_linear` with the weight gradient added into ``main_grad``."""
+    return with_usp_linear(linear, fuse_wgrad=True)
 
 
 def norm_spec(normalization: str, fused_kernels: str = "torch") -> ModuleSpec:
@@ -142,6 +154,10 @@ class LayerSpecOptions:
             "Unknown MLP type ... default kwargs"), so the tiled MLP gets it from its spec.
         fuse_wgrad: ``--gradient-accumulation-fusion``: QKV, the projection, FC1 and FC2 add
             their weight gradients into ``main_grad`` (:func:`with_wgrad_fusion`).
+        document_costs_group: as for :func:`usp_core_attention_spec`.
+        float8_linears: ``--fp8-format``: those four are this project's linear layers (with
+            or without ``fuse_wgrad``), which can run in float8 once the model is built
+            (:func:`megatron.layers.float8_policy.apply_float8`).
     """
 
     attention_backend: str = "auto"
@@ -154,6 +170,8 @@ class LayerSpecOptions:
     mlp_tp_group: Any = None
     document_kernel: str = "auto"
     fuse_wgrad: bool = False
+    document_costs_group: Any = None
+    float8_linears: bool = False
 
 
 def get_usp_gpt_layer_spec(
@@ -193,7 +211,8 @@ def get_usp_gpt_layer_spec(
     attn_norms = dict(q_layernorm=norm, k_layernorm=norm) if qk_layernorm else {}
     attn.submodules = dataclasses.replace(
         attn.submodules, core_attention=usp_core_attention_spec(
-            o.attention_backend, o.overlap_chunks, o.recompute_keep, o.document_kernel),
+            o.attention_backend, o.overlap_chunks, o.recompute_keep, o.document_kernel,
+            o.document_costs_group),
         **attn_norms
     )
     attn.module = USPSelfAttention
@@ -218,13 +237,16 @@ def get_usp_gpt_layer_spec(
     else:
         spec.submodules = dataclasses.replace(layer, input_layernorm=norm,
                                               pre_mlp_layernorm=norm)
-    if o.fuse_wgrad:
+    if o.fuse_wgrad or o.float8_linears:
+        def ours(linear):
+            return with_usp_linear(linear, o.fuse_wgrad)
+
         attn.submodules = dataclasses.replace(
-            attn.submodules, linear_qkv=with_wgrad_fusion(attn.submodules.linear_qkv),
-            linear_proj=with_wgrad_fusion(attn.submodules.linear_proj))
+            attn.submodules, linear_qkv=ours(attn.submodules.linear_qkv),
+            linear_proj=ours(attn.submodules.linear_proj))
         mlp.submodules = dataclasses.replace(
-            mlp.submodules, linear_fc1=with_wgrad_fusion(mlp.submodules.linear_fc1),
-            linear_fc2=with_wgrad_fusion(mlp.submodules.linear_fc2))
+            mlp.submodules, linear_fc1=ours(mlp.submodules.linear_fc1),
+            linear_fc2=ours(mlp.submodules.linear_fc2))
     if o.mlp_tile_tokens is not None:
         mlp = spec.submodules.mlp
         spec.submodules.mlp = dataclasses.replace(

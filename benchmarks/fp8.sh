@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Float8 linear layers (torchao, --fp8-format) against bf16 on one GPU of compute capability
+# >= 8.9, Hugging Face + Liger (bf16) beside them: the 0.85B model and a Llama-3-8B-shaped
+# slice of 8 layers, at 8K and 32K tokens. Per model, one bf16 run with the peer, then one
+# float8 run; tokens/s of each in its JSON and markdown table (the float8 run's start-up log
+# lists which linears the timing kept in float8). Needs pip install -e .[fp8,peers].
+#   bash benchmarks/fp8.sh
+#   SEQ_LENS=32k FP8_LINEARS=all bash benchmarks/fp8.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SEQ_LENS=${SEQ_LENS:-8k,32k}
+ROUNDS=${ROUNDS:-2}
+ITERS=${ITERS:-6}
+WARMUP=${WARMUP:-2}
+FP8_FORMAT=${FP8_FORMAT:-hybrid}
+FP8_RECIPE=${FP8_RECIPE:-tensorwise}
+FP8_LINEARS=${FP8_LINEARS:-auto}
+OUT_DIR=${OUT_DIR:-benchmarks/out}
+mkdir -p "$OUT_DIR"
+for spec in "llama-0.85b:16:0p85b" "llama3-8b:8:llama3_8b_8l"; do
+    IFS=: read -r MODEL LAYERS NAME <<< "$spec"
+    python tools/bench_e2e.py --model "$MODEL" --num-layers "$LAYERS" --nproc-per-node 1 \
+        --splits 1x1 --seq-lens "$SEQ_LENS" --rounds "$ROUNDS" --iters "$ITERS" \
+        --warmup "$WARMUP" --recompute lean --peers hf-liger \
+        --out "$OUT_DIR/fp8_${NAME}_bf16.json" --markdown "$OUT_DIR/fp8_${NAME}_bf16.md" "$@"
+    python tools/bench_e2e.py --model "$MODEL" --num-layers "$LAYERS" --nproc-per-node 1 \
+        --splits 1x1 --seq-lens "$SEQ_LENS" --rounds "$ROUNDS" --iters "$ITERS" \
+        --warmup "$WARMUP" --recompute lean --peers none \
+        --extra-args="--fp8-format $FP8_FORMAT --fp8-recipe $FP8_RECIPE --fp8-linears $FP8_LINEARS" \
+        --out "$OUT_DIR/fp8_${NAME}_fp8.json" --markdown "$OUT_DIR/fp8_${NAME}_fp8.md" "$@"
+done

@@ -1,0 +1,249 @@
+"""Float8 linear layers (torchao emulation on the CPU): the flags' checks, the recipe's dtypes,
+the per-shape choice from injected timings, and the SQNR of every linear kind's output, input
+gradient and weight gradient (into ``main_grad``) against float64.
+
+SQNR floor 20 dB: one e4m3 rounding (3 mantissa bits) of both operands gives about 28 dB on
+Gaussian data and e5m2 gradients (2 bits) about 24 dB; a GEMM that left float8 out gives
+> 60 dB, which the tests also refuse, so they fail if float8 is silently skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron.layers import linear_wgrad
+from megatron.layers.float8_gemms import Float8Gemms, float8_linear_config
+from megatron.layers.float8_options import (
+    Float8Options,
+    device_problem,
+    recipe_problem,
+)
+from megatron.layers.float8_policy import (
+    LinearShape,
+    Timing,
+    choose_float8,
+    float8_eligible,
+    report_lines,
+)
+from megatron.training.cli.errors import ArgumentsError
+from megatron.training.cli.fp8_args import fp8_options
+
+pytest.importorskip("torchao")
+
+SQNR_FLOOR_DB = 20.0
+SQNR_CEILING_DB = 60.0   # above this the GEMM was not rounded to float8
+RECIPES = [("hybrid", "tensorwise"), ("e4m3", "tensorwise"), ("e4m3", "rowwise")]
+
+
+def sqnr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.double()
+    noise = (got.double() - want).pow(2).sum()
+    return float(10 * torch.log10(want.pow(2).sum() / noise))
+
+
+def _emulated(fmt: str, recipe: str) -> Float8Options:
+    return Float8Options(format=fmt, recipe=recipe, linears="all", emulate=True)
+
+
+# --------------------------------------------------------------------------- flags
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8", "blockwise"])
+def test_transformer_engine_recipes_are_refused_naming_the_valid_ones(recipe):
+    msg = recipe_problem("hybrid", recipe)
+    assert msg.startswith(f"--fp8-recipe {recipe}") and "tensorwise or rowwise" in msg
+
+
+def test_rowwise_needs_e4m3_and_the_supported_pairs_pass():
+    assert "--fp8-format e4m3" in recipe_problem("hybrid", "rowwise")
+    for fmt, recipe in RECIPES:
+        assert recipe_problem(fmt, recipe) is None
+
+
+def test_device_problems_name_the_cause():
+    assert "pip install torchao" in device_problem("cuda", (9, 0), False, torchao_ok=False)
+    assert "pip install torchao" in device_problem("cpu", None, True, torchao_ok=False)
+    assert "--fp8-emulate" in device_problem("cpu", None, False, torchao_ok=True)
+    assert "8.0" in device_problem("cuda", (8, 0), False, torchao_ok=True)
+    assert device_problem("cuda", (8, 9), False, torchao_ok=True) is None
+    assert device_problem("cuda", (9, 0), False, torchao_ok=True) is None
+    assert device_problem("cpu", None, True, torchao_ok=True) is None
+
+
+def _flags(**kw):
+    base = dict(fp8_format=None, fp8_recipe=None, fp8_linears=None, fp8_emulate=False,
+                use_megatron_fsdp=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_fp8_options_from_flags():
+    assert fp8_options(_flags(), "cpu", None) is None
+    got = fp8_options(_flags(fp8_format="hybrid", fp8_emulate=True), "cpu", None)
+    assert got == Float8Options("hybrid", "tensorwise", "auto", True)
+    got = fp8_options(_flags(fp8_format="e4m3", fp8_recipe="rowwise", fp8_linears="all"),
+                      "cuda", (9, 0))
+    assert (got.recipe, got.linears, got.emulate) == ("rowwise", "all", False)
+    with pytest.raises(ArgumentsError, match="--fp8-linears needs --fp8-format"):
+        fp8_options(_flags(fp8_linears="all"), "cpu", None)
+    with pytest.raises(ArgumentsError, match="--fp8-recipe delayed"):
+        fp8_options(_flags(fp8_format="hybrid", fp8_recipe="delayed"), "cuda", (9, 0))
+    with pytest.raises(ArgumentsError, match="compute capability"):
+        fp8_options(_flags(fp8_format="hybrid"), "cuda", (8, 6))
+
+
+def test_recipe_dtypes():
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    hybrid = float8_linear_config(_emulated("hybrid", "tensorwise"))
+    assert (hybrid.cast_config_input.target_dtype, hybrid.cast_config_weight.target_dtype,
+            hybrid.cast_config_grad_output.target_dtype,
+            hybrid.cast_config_grad_output_for_grad_weight.target_dtype) == (e4m3, e4m3, e5m2,
+                                                                             e5m2)
+    assert hybrid.emulate
+    plain = float8_linear_config(_emulated("e4m3", "tensorwise"))
+    assert plain.cast_config_grad_output.target_dtype == e4m3
+    assert plain.cast_config_grad_output_for_grad_weight.target_dtype == e4m3
+    rowwise = float8_linear_config(_emulated("e4m3", "rowwise"))
+    assert rowwise.cast_config_input.scaling_granularity.value == "axiswise"
+
+
+# --------------------------------------------------------------------------- choice
+def test_choice_keeps_float8_only_where_faster_by_the_margin():
+    opts = Float8Options("hybrid", "tensorwise", "auto", emulate=False, margin=0.05)
+    wins, marginal, loses = (LinearShape(4096, 1024, 3072), LinearShape(4096, 1024, 1024),
+                             LinearShape(512, 256, 256))
+    odd = LinearShape(4095, 1024, 1024)
+    timings = {wins: Timing(1.0, 0.6), marginal: Timing(1.0, 0.97), loses: Timing(1.0, 1.3)}
+    got = choose_float8([wins, marginal, loses, odd], opts, timings)
+    assert got == {wins: True, marginal: False, loses: False, odd: False}
+    forced = choose_float8([wins, loses, odd], Float8Options(linears="all"))
+    assert forced == {wins: True, loses: True, odd: False}
+    assert float8_eligible(odd, emulate=True)
+
+
+def test_report_names_each_kind_and_its_timing():
+    opts = Float8Options(linears="auto")
+    qkv, fc2 = LinearShape(4096, 1024, 3072), LinearShape(4096, 2816, 1024)
+    lines = report_lines([("QKV", qkv), ("FC2", fc2)], {qkv: True, fc2: False},
+                         {qkv: Timing(1e-3, 6e-4), fc2: Timing(1e-3, 2e-3)}, opts)
+    assert lines[0].startswith("fp8 (tensorwise hybrid, --fp8-linears auto): 1 of 2")
+    assert "QKV" in lines[1] and "float8 (high 1.000 ms, float8 0.600 ms)" in lines[1]
+    assert "FC2" in lines[2] and "high precision" in lines[2]
+
+
+# --------------------------------------------------------------------------- numerics
+def _reference_grads(x, weight, dy):
+    xd, wd, dyd = x.double(), weight.double(), dy.double()
+    return xd @ wd.t(), dyd @ wd, dyd.reshape(-1, dyd.shape[-1]).t() @ xd.reshape(
+        -1, xd.shape[-1])
+
+
+def _param(t):
+    p = torch.nn.Parameter(t)
+    p.main_grad = torch.zeros(t.shape, dtype=torch.float32)
+    p.grad_added_to_main_grad = False
+    return p
+
+
+def _assert_sqnr(pairs, what):
+    for name, got, want in pairs:
+        db = sqnr_db(got, want)
+        assert SQNR_FLOOR_DB < db < SQNR_CEILING_DB, f"{what} {name}: {db:.1f} dB"
+
+
+# (kind, in, out): this project's QKV, projection, FC1 and FC2 shapes of a small layer
+KINDS = [("QKV", 64, 96), ("proj", 64, 64), ("FC1", 64, 256), ("FC2", 128, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,recipe", RECIPES)
+def test_every_linear_kind_in_float8_within_20_db(fmt, recipe, dtype):
+    gemms = Float8Gemms(_emulated(fmt, recipe))
+    gen = torch.Generator().manual_seed(3)
+    for kind, n_in, n_out in KINDS:
+        x = torch.randn(16, 2, n_in, generator=gen).to(dtype).requires_grad_(True)
+        weight = _param((torch.randn(n_out, n_in, generator=gen) * 0.05).to(dtype))
+        dy = torch.randn(16, 2, n_out, generator=gen).to(dtype)
+        y = linear_wgrad.linear(x, weight, None, False, False, None, gemms=gemms)
+        y.backward(dy)
+        assert weight.grad_added_to_main_grad and y.dtype == dtype
+        want = _reference_grads(x.detach(), weight.detach(), dy)
+        _assert_sqnr([("output", y, want[0]), ("input grad", x.grad, want[1]),
+                      ("weight grad", weight.main_grad, want[2])], f"{kind} {fmt} {recipe}")
+
+
+@pytest.mark.parametrize("fmt,recipe", RECIPES)
+def test_fc2_with_swiglu_inside_in_float8_within_20_db(fmt, recipe):
+    gemms = Float8Gemms(_emulated(fmt, recipe))
+    gen = torch.Generator().manual_seed(5)
+    ffn, hidden = 64, 48
+    x = torch.randn(16, 2, 2 * ffn, generator=gen, requires_grad=True)
+    weight = _param(torch.randn(hidden, ffn, generator=gen) * 0.05)
+    dy = torch.randn(16, 2, hidden, generator=gen)
+    y = linear_wgrad.swiglu_linear(x, weight, fuse_wgrad=True, gemms=gemms)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_(True)
+    gate, up = x64.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    want = act @ weight.detach().double().t()
+    want.backward(dy.double())
+    wgrad = dy.double().reshape(-1, hidden).t() @ act.detach().reshape(-1, ffn)
+    _assert_sqnr([("output", y, want), ("input grad", x.grad, x64.grad),
+                  ("weight grad", weight.main_grad, wgrad)], f"FC2+SwiGLU {fmt} {recipe}")
+
+
+def test_weight_gradient_accumulates_in_float32():
+    """Two micro-batches add into one float32 main_grad; the float8 GEMM's float32 output is
+    added, never rounded to bf16 on the way (bf16 operands)."""
+    gemms = Float8Gemms(_emulated("hybrid", "tensorwise"))
+    gen = torch.Generator().manual_seed(9)
+    weight = _param((torch.randn(32, 64, generator=gen) * 0.05).to(torch.bfloat16))
+    total = torch.zeros(32, 64, dtype=torch.float64)
+    for _ in range(2):
+        x = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+        dy = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
+        linear_wgrad.linear(x, weight, None, False, False, None, gemms=gemms).backward(dy)
+        total += dy.double().t() @ x.double()
+        single = gemms.grad_weight(dy, x, torch.float32)
+        assert single.dtype == torch.float32
+        # not a bf16 value: the float32 output keeps bits bf16 would drop
+        assert not torch.equal(single, single.to(torch.bfloat16).float())
+    assert weight.main_grad.dtype == torch.float32
+    assert sqnr_db(weight.main_grad, total) > SQNR_FLOOR_DB
+
+
+def test_without_wgrad_fusion_the_weight_gradient_is_returned():
+    """``--no-gradient-accumulation-fusion``: the float8 weight gradient comes back as the
+    weight's ``.grad`` (its dtype) and ``main_grad`` is left to DDP's hook."""
+    gemms = Float8Gemms(_emulated("hybrid", "tensorwise"))
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(32, 64, generator=gen, requires_grad=True)
+    weight = _param(torch.randn(48, 64, generator=gen) * 0.05)
+    dy = torch.randn(32, 48, generator=gen)
+    linear_wgrad.linear(x, weight, None, False, False, None, fuse_wgrad=False,
+                        gemms=gemms).backward(dy)
+    assert not weight.grad_added_to_main_grad and not weight.main_grad.any()
+    _assert_sqnr([("weight grad", weight.grad, dy.double().t() @ x.detach().double())],
+                 "unfused")
+
+
+def test_layer_spec_gives_the_four_linears_our_classes_for_float8():
+    """``float8_linears`` without ``fuse_wgrad``: QKV, projection, FC1 and FC2 are this
+    project's linear classes (which can run in float8), their gradients returned."""
+    from megatron.layers.fused_linears import _WgradIntoMainGrad  # megatron-core on first use
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_layer_spec,
+    )
+
+    for lean in (False, True):
+        layer = get_usp_gpt_layer_spec(LayerSpecOptions(
+            float8_linears=True, lean_norms=lean, lean_swiglu=lean)).submodules
+        attn, mlp = layer.self_attention.submodules, layer.mlp.submodules
+        for slot in (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2):
+            assert issubclass(slot.module, _WgradIntoMainGrad), slot
+            assert slot.params["fuse_wgrad"] is False, slot
+    qkv = get_usp_gpt_layer_spec(LayerSpecOptions()).submodules.self_attention.submodules \
+        .linear_qkv          # without float8 or fusion: megatron-core's own class
+    assert not issubclass(getattr(qkv, "module", qkv), _WgradIntoMainGrad), qkv
