@@ -16,7 +16,7 @@ The ring's bytes are counted (``RingComm.bytes_sent``) against the plan: each ra
 one forward and backward, the K/V halo its successors need twice and the dK/dV shares of the
 halos it received, and nothing else; on U1xR2 the bytes measured double from W = 64 to 128,
 stay the same from S = 1024 to 2048, and are zero when documents keep every window inside a
-ring rank.
+ring rank. One case per layout where whole KV heads allow it pipelines two head chunks.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def run_case(groups, case, seq_len):
         plan = build_document_ring_plan(seg, groups.ring_rank, R, assignment)
     q_l, k_l, v_l = (mine(t).clone().requires_grad_() for t in (q, k, v))
     sched = make_schedule(q_l, k_l, ulysses_group=groups.ulysses, ring_group=groups.ring,
-                          causal=True, softmax_scale=None, backend="torch", overlap_chunks=None,
+                          causal=True, softmax_scale=None, backend="torch",
+                          overlap_chunks=case.get("chunks"),
                           documents=plan, document_kernel=case["kernel"], window=window)
     out_l = usp_attention_with_schedule(q_l, k_l, v_l, sched)
     out_l.backward(mine(dout))
@@ -121,10 +122,15 @@ def cases_for(ulysses, ring, seq_len):
         windows.append(128)
     docs = [None, None, "zigzag", None, "balanced", None, "zigzag"]
     kernels = ["tiles", "math", "tiles", "auto", "math", "tiles", "tiles"]
-    return [dict(window=max(1, w), kv_heads=kv_choices[i % len(kv_choices)],
-                 docs=docs[i] if ring * ulysses > 1 else None, kernel=kernels[i],
-                 seed=1000 * ulysses + 100 * ring + i)
-            for i, w in enumerate(windows)]
+    cases = [dict(window=max(1, w), kv_heads=kv_choices[i % len(kv_choices)],
+                  docs=docs[i] if ring * ulysses > 1 else None, kernel=kernels[i],
+                  seed=1000 * ulysses + 100 * ring + i)
+             for i, w in enumerate(windows)]
+    for case in cases:       # two head chunks pipelined where whole KV heads allow it
+        if (case["kv_heads"] // ulysses) % 2 == 0 and case["kv_heads"] >= ulysses:
+            case["chunks"] = 2
+            break
+    return cases
 
 
 def _all_layouts(rank, world_size, layouts):
@@ -172,8 +178,9 @@ def test_case_matrix_covers_the_windows():
                 hk = case["kv_heads"]
                 seen.add("mha" if hk == NUM_HEADS else "mqa" if hk == 1 else "gqa")
                 seen.add(case["docs"])
+                seen.add(("chunks", case.get("chunks", 1)))
     assert {"one", "chunk", "several", "full", "128", "mha", "gqa", "mqa", "zigzag",
-            "balanced", None} <= seen
+            "balanced", None, ("chunks", 2)} <= seen
 
 
 # --------------------------------------------------------------------------- bytes on the wire
