@@ -8,6 +8,7 @@ The attention path reads one way, top to bottom:
 * :mod:`.ring_attention`  load-balanced (zigzag) ring attention over the Ring group.
 * :mod:`.ring_comm`       the point-to-point ring communicator.
 * :mod:`.kernels`         local attention kernels and the out/lse merge.
+* :mod:`.window_kernel`   sliding-window local attention (flash's own window, or a mask).
 
 The layout and its groups: :mod:`.parallel_dims` (:class:`ParallelDims`, degrees and rank
 arithmetic, torch-free), :mod:`.parallel_state` (the live process groups), :mod:`.token_order`
@@ -18,5 +19,6 @@ Packed documents: :mod:`.document_mask` (boundaries), :mod:`.document_kernels` (
 blocks), :mod:`.document_ring` (the ring that moves only shared blocks),
 :mod:`.load_balance` (work over the ring ranks), :mod:`.packed_documents` (a rank that
 holds whole documents in order, and the measured cost table) and :mod:`.document_choice`
-(``auto``: the cheapest kernel per block by that table).
+(``auto``: the cheapest kernel per block by that table). Sliding windows ride on the document
+ring: its plan takes the window and sends only the halo of keys the window reaches.
 """
