@@ -23,7 +23,9 @@ def test_window_size_spellings(spelling):
     assert config.window_size == (16, 0) and config.window_attn_skip_freq is None
 
 
-@pytest.mark.parametrize("freq,want", [("2", 2), ("[1,1,0,1]", [1, 1, 0, 1])])
+@pytest.mark.parametrize("freq,want", [("2", 2), ("[1,1,0,1]", [1, 1, 0, 1]),
+                                       ("([1]*3+[0]*1)", [1, 1, 1, 0]),
+                                       ("[1,0]*2", [1, 0, 1, 0])])
 def test_skip_frequency_int_or_list(freq, want):
     config = _valid(["--window-size", "16", "--window-attn-skip-freq", freq])
     assert config.window_attn_skip_freq == want
@@ -43,6 +45,8 @@ def test_no_window_is_full_attention():
     (["--window-size", "16", "--window-attn-skip-freq", "0"], "must be >= 1"),
     (["--window-size", "16", "--window-attn-skip-freq", "[1,0]"], "a list of 4 zeros and ones"),
     (["--window-size", "16", "--window-attn-skip-freq", "[1,2,0,1]"], "e.g. "),
+    (["--window-size", "16", "--window-attn-skip-freq", "__import__('os')"], "e.g. "),
+    (["--window-size", "16", "--window-attn-skip-freq", "[1]*5"], "a list of 4 zeros and ones"),
 ])
 def test_bad_window_flags_are_refused_in_one_line(extra, needle):
     with pytest.raises(ArgumentsError) as err:

@@ -4,7 +4,7 @@
 ``window_size = (W, 0)``: a query at position i attends to keys i - W .. i.
 ``--window-attn-skip-freq`` sets its ``window_attn_skip_freq``: an int N makes every N-th layer
 a full-attention layer (layers with ``layer_number % N != 0`` are windowed), a list such as
-``[1,1,0,1]`` marks each layer (1: window). Without it every layer is windowed. megatron-core's
+``[1,1,0,1]`` (or Megatron-LM's ``([1]*3+[0]*1)``) marks each layer (1: window). Without it every layer is windowed. megatron-core's
 ``is_layer_window_attention`` decides per layer (:func:`megatron.usp.core_attention.layer_window`).
 """
 
@@ -26,8 +26,9 @@ def add_window_args(group) -> None:
                             "before it; W or Megatron-LM's \"(W,0)\"")
     group.add_argument("--window-attn-skip-freq", default=None,
                        help="with --window-size: N makes every N-th layer full attention "
-                            "(layer %% N != 0 is windowed), or a list such as [1,1,0,1] "
-                            "(1: window layer); default every layer windowed")
+                            "(layer %% N != 0 is windowed), or one 0/1 per layer (1: window "
+                            "layer) as [1,1,0,1] or Megatron-LM's ([1]*3+[0]*1); default "
+                            "every layer windowed")
 
 
 def parse_window_size(text: str) -> Tuple[int, int]:
@@ -46,11 +47,28 @@ def parse_window_size(text: str) -> Tuple[int, int]:
     return left, 0
 
 
+def _list_expression(node):
+    """The value of an int, a list of ints, or ``+`` / ``*`` of them (Megatron-LM's
+    ``([1]*3+[0]*1)*3``); ValueError for anything else (nothing is executed)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_list_expression(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expression(node.left), _list_expression(node.right)
+        if isinstance(node.op, ast.Add) and type(left) is type(right):
+            return left + right
+        if isinstance(node.op, ast.Mult) and isinstance(right, int) and not isinstance(left, int):
+            return left * right
+    raise ValueError("not an int or a list expression")
+
+
 def parse_skip_freq(text: str, num_layers: int) -> SkipFreq:
-    """``"2"`` -> 2; ``"[1,1,0,1]"`` -> [1, 1, 0, 1] (one entry per layer, 0 or 1)."""
+    """``"2"`` -> 2; ``"[1,1,0,1]"`` or Megatron-LM's ``"([1]*3+[0]*1)"`` -> a list of one
+    0 / 1 per layer."""
     try:
-        value = ast.literal_eval(str(text).strip())
-    except (ValueError, SyntaxError):
+        value = _list_expression(ast.parse(str(text).strip(), mode="eval").body)
+    except (ValueError, SyntaxError, RecursionError):
         value = None
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 1:
