@@ -1,4 +1,4 @@
-"""Scaled RoPE (llama3, YaRN) under U2, R2 and U2xR2: the imported models of
+"""Scaled RoPE (llama3, YaRN, linear) under U2, R2, U2xR2 and R4: the imported models of
 ``tests/unit/test_convert_hf_rope.py`` loaded on 2 (4) gloo ranks still compute what
 transformers computes (one process, the whole sequence).
 
@@ -7,7 +7,7 @@ original context, so the scaled frequencies matter), and of packed documents (po
 restarting, the balanced chunk assignment, this ring rank's document plan); the logits
 gathered over CP are compared with transformers' (KL <= 1e-9, max |dlogit| <= 1e-4). U2
 and U2xR2 run ``--fused-kernels usp`` (the fused QKV split + RoPE path and YaRN's factor on
-cos and sin; its plain PyTorch form on the CPU), R2 megatron-core's own RoPE.
+cos and sin; its plain PyTorch form on the CPU), R2 and R4 megatron-core's own RoPE.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from tests.unit.test_convert_hf_rope import SCALED, imported  # noqa: F401  (fix
 LAYOUTS = {"u2_fused": ["--ulysses-degree", "2", "--fused-kernels", "usp"],
            "r2": ["--ring-degree", "2", "--fused-kernels", "torch"],
            "u2r2_fused": ["--ulysses-degree", "2", "--ring-degree", "2", "--fused-kernels",
-                          "usp"]}
+                          "usp"],
+           "r4": ["--ring-degree", "4", "--fused-kernels", "torch"]}
 
 
 def _gather(x: torch.Tensor, group) -> list:
@@ -92,5 +93,5 @@ def test_scaled_rope_matches_transformers_under_u2_and_r2(dist_run, imported):  
 
 
 @pytest.mark.slow
-def test_scaled_rope_matches_transformers_under_u2xr2(dist_run, imported):  # noqa: F811
-    dist_run(_check_layouts, 4, imported, ["u2r2_fused"], timeout=600)
+def test_scaled_rope_matches_transformers_under_u2xr2_and_r4(dist_run, imported):  # noqa: F811
+    dist_run(_check_layouts, 4, imported, ["u2r2_fused", "r4"], timeout=600)
