@@ -301,7 +301,9 @@ def vocab_divisor(vocab_size: int) -> int:
 
 def model_flags(model: PretrainedConfig, vocab_divisible_by: Optional[int] = None) -> List[str]:
     """The ``pretrain_gpt.py`` flags that build ``model`` (data, layout and training flags
-    are the run's own). ``vocab_divisible_by`` defaults to :func:`vocab_divisor`."""
+    are the run's own). ``vocab_divisible_by`` defaults to :func:`vocab_divisor`.
+    ``--vocab-size`` is the checkpoint's own row count, so the model keeps it with a
+    tokenizer of fewer ids."""
     divisor = vocab_divisible_by or vocab_divisor(model.vocab_size)
     flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
              "--ffn-hidden-size", str(model.ffn_hidden_size),
@@ -315,7 +317,8 @@ def model_flags(model: PretrainedConfig, vocab_divisible_by: Optional[int] = Non
     flags += model.rope_scaling.flags()
     flags += ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon",
               repr(model.norm_epsilon), "--disable-bias-linear",
-              "--make-vocab-size-divisible-by", str(divisor)]
+              "--make-vocab-size-divisible-by", str(divisor),
+              "--vocab-size", str(model.vocab_size)]
     flags += ["--add-qkv-bias"] * model.qkv_bias + ["--qk-layernorm"] * model.qk_layernorm
     if model.window_size is not None:
         flags += ["--window-size", str(model.window_size)]

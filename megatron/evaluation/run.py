@@ -68,6 +68,11 @@ def model_logits(config: EvalConfig, vocab: int) -> Iterator[Tuple[LogitsFn, Dic
     from megatron.convert.checkpoint_io import loaded_checkpoint  # megatron-core on first use
 
     with loaded_checkpoint(config.load, config.ckpt_step, config.layout) as built:
+        rows = built.config.padded_vocab_size
+        if vocab > rows:   # ids past the embedding: refuse before the first forward
+            raise EvalConfigError(
+                f"--tokenizer-model {config.tokenizer_model} has {vocab} tokens, more than the "
+                f"{rows} rows of --load {config.load}; pass the model's own tokenizer")
         dims = built.groups.dims
         yield checkpoint_logits(built.model, built.groups, vocab), {
             "backend": "megatron-usp", "source": config.load,

@@ -44,7 +44,7 @@ from megatron.training.cli.output_paths import check_output_paths
 from megatron.training.cpu_shims import apply_cpu_shims
 from megatron.training.data.config import DataConfig, validate_data_config
 from megatron.training.data.corpus import ensure_default_corpus
-from megatron.training.data.tokenizer import build_tokenizer
+from megatron.training.data.tokenizer import build_tokenizer, model_vocab_size
 from megatron.usp.parallel_state import USPGroups, destroy_usp_parallel, initialize_usp_parallel
 
 if TYPE_CHECKING:
@@ -183,12 +183,12 @@ def initialize(args) -> Runtime:
     check_optional_packages(args)
     rt.data_source = resolve_data_source(args)
     rt.tokenizer = build_tokenizer_for(config, rt.data_source)
+    vocab = model_vocab_size(config.tokenizer_type, rt.data_source.tokenizer_model,
+                             rt.tokenizer.vocab_size, args.vocab_size)
     if config.dims is None:   # --ulysses-degree auto
-        config, rt.plan_reasons = resolve_auto_layout(config, rt.tokenizer.vocab_size,
-                                                      rt.device_name)
+        config, rt.plan_reasons = resolve_auto_layout(config, vocab, rt.device_name)
     rt.config = config = config.with_padded_vocab(padded_vocab_size(
-        rt.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-        args.tensor_model_parallel_size))
+        vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size))
     check_save_room(config, device)
     rt.data_config = data_config_from_args(config, rt.data_source)
     validate_data_config(rt.data_config, rt.tokenizer, config.dims.cp)

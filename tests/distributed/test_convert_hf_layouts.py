@@ -33,7 +33,7 @@ from tests.unit.test_convert_hf import (  # noqa: F401  (imported: the module fi
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "u2r2": ["--ulysses-degree", "2", "--ring-degree", "2"],
            "r4": ["--ring-degree", "4"]}
-FAMILIES = ("llama_tied", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "llama_tied", "qwen2", "qwen3", "mistral")
 
 
 def _gather(x: torch.Tensor, group) -> list:

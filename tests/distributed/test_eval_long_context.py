@@ -1,7 +1,7 @@
 """The evaluation's view of a checkpoint: on 4 gloo ranks under U2xR2 and TP2xR2, the logits
 of a sequence of any length (padded to the layout, sharded, gathered) equal transformers'
 logits of the same imported model (KL <= 1e-9, |dlogit| <= 1e-4), so the per-bucket losses
-agree to 1e-5."""
+agree to 1e-5. A tokenizer with more ids than the checkpoint has rows is refused."""
 
 from __future__ import annotations
 
@@ -54,3 +54,22 @@ def _check(rank, world_size, hf_dir, ckpt):
 @pytest.mark.slow
 def test_checkpoint_logits_match_transformers_on_every_layout(dist_run, tiny):
     dist_run(_check, 4, *tiny, timeout=600)
+
+
+def _refuse_a_larger_tokenizer(rank, world_size, hf_dir, ckpt):
+    from megatron.evaluation.config import EvalConfigError, parse
+    from megatron.evaluation.run import model_logits
+    from megatron.training.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    config = parse(["--load", ckpt, "--tokenizer-model", hf_dir, "--ppl-length", "16"])
+    with pytest.raises(EvalConfigError, match=rf"^--tokenizer-model {hf_dir} has 257 tokens, "
+                                              rf"more than the 256 rows of --load {ckpt};"):
+        with model_logits(config, 257):
+            pass
+    with model_logits(config, 256) as (_, about):
+        assert about["layout"] == "TP1 U1 R1"
+
+
+def test_a_tokenizer_with_more_ids_than_rows_is_refused(dist_run, tiny):
+    dist_run(_refuse_a_larger_tokenizer, 1, *tiny, timeout=300)

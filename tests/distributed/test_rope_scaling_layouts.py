@@ -1,54 +1,30 @@
-"""Scaled RoPE (llama3, YaRN) under U2, R2 and U2xR2: the imported models of
+"""Scaled RoPE (llama3, YaRN, linear) under U2, R2, TP2, U2xR2 and R4: the imported models of
 ``tests/unit/test_convert_hf_rope.py`` loaded on 2 (4) gloo ranks still compute what
 transformers computes (one process, the whole sequence).
 
 Each CP rank gets its shard of the tokens and of their positions (spread up to 4x the
 original context, so the scaled frequencies matter), and of packed documents (positions
 restarting, the balanced chunk assignment, this ring rank's document plan); the logits
-gathered over CP are compared with transformers' (KL <= 1e-9, max |dlogit| <= 1e-4). U2
+gathered over TP and CP are compared with transformers' (KL <= 1e-9, max |dlogit| <= 1e-4). U2
 and U2xR2 run ``--fused-kernels usp`` (the fused QKV split + RoPE path and YaRN's factor on
-cos and sin; its plain PyTorch form on the CPU), R2 megatron-core's own RoPE.
+cos and sin; its plain PyTorch form on the CPU), R2, TP2 and R4 megatron-core's own RoPE.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.unit.test_convert_hf import (
-    SEQ,
-    assert_logits_match,
-    document_params,
-    documents_batch,
-    hf_logits,
-)
+from tests.distributed.test_convert_hf_layouts import _run
+from tests.unit.test_convert_hf import SEQ, assert_logits_match, documents_batch, hf_logits
 from tests.unit.test_convert_hf_rope import SCALED, imported  # noqa: F401  (fixture)
 
 LAYOUTS = {"u2_fused": ["--ulysses-degree", "2", "--fused-kernels", "usp"],
            "r2": ["--ring-degree", "2", "--fused-kernels", "torch"],
            "u2r2_fused": ["--ulysses-degree", "2", "--ring-degree", "2", "--fused-kernels",
-                          "usp"]}
-
-
-def _gather(x: torch.Tensor, group) -> list:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return parts
-
-
-def _run(model, groups, tokens, positions, segments=None, assignment=None):
-    """Full-sequence logits ``[b, s, V]`` of the model fed this CP rank's tokens (TP 1)."""
-    from megatron.usp.token_order import shard_for_cp_rank, unshard_from_cp_ranks
-
-    def shard(x):
-        return shard_for_cp_rank(x, 1, groups.cp_rank, groups.dims.cp, assignment)
-
-    packed = None if segments is None else document_params(
-        segments, groups.ring_rank, groups.ring_size, assignment)
-    with torch.no_grad():
-        logits = model(shard(tokens), shard(positions), None, packed_seq_params=packed)
-    return unshard_from_cp_ranks(_gather(logits, groups.cp), 1, assignment)
+                          "usp"],
+           "r4": ["--ring-degree", "4", "--fused-kernels", "torch"],
+           "tp2": ["--tensor-model-parallel-size", "2", "--fused-kernels", "torch"]}
 
 
 def _check(name, hf_dir, ckpt, layout):
@@ -69,8 +45,8 @@ def _check(name, hf_dir, ckpt, layout):
         assignment = batching([{"tokens": docs[0], "labels": docs[0],
                                 "loss_mask": torch.ones(SEQ), "position_ids": doc_positions[0]}
                                ])["chunk_assignment"]
-        logits = _run(built.model, groups, tokens, positions)
-        doc_logits = _run(built.model, groups, docs, doc_positions, segments=segments,
+        logits, _ = _run(built.model, groups, tokens, positions)
+        doc_logits, _ = _run(built.model, groups, docs, doc_positions, segments=segments,
                              assignment=assignment)
     with torch.no_grad():
         ref = hf(tokens, position_ids=positions).logits.double()
@@ -87,10 +63,10 @@ def _check_layouts(rank, world_size, dirs, layouts):
             _check(name, hf_dir, ckpt, layout)
 
 
-def test_scaled_rope_matches_transformers_under_u2_and_r2(dist_run, imported):  # noqa: F811
-    dist_run(_check_layouts, 2, imported, ["u2_fused", "r2"], timeout=600)
+def test_scaled_rope_matches_transformers_under_u2_r2_and_tp2(dist_run, imported):  # noqa: F811
+    dist_run(_check_layouts, 2, imported, ["u2_fused", "r2", "tp2"], timeout=600)
 
 
 @pytest.mark.slow
-def test_scaled_rope_matches_transformers_under_u2xr2(dist_run, imported):  # noqa: F811
-    dist_run(_check_layouts, 4, imported, ["u2r2_fused"], timeout=600)
+def test_scaled_rope_matches_transformers_under_u2xr2_and_r4(dist_run, imported):  # noqa: F811
+    dist_run(_check_layouts, 4, imported, ["u2r2_fused", "r4"], timeout=600)

@@ -137,14 +137,78 @@ def hf_logits(model, tokens, segments=None) -> torch.Tensor:
         return torch.cat(parts, dim=1).double()
 
 
+def _rope_tables(config, positions: torch.Tensor, d: int):
+    """cos, sin [b, 1, s, d] of unscaled RoPE as transformers and megatron-core both define
+    them: inverse frequencies, angles and cos / sin in float32 (then widened)."""
+    theta = (config.rope_parameters or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    angles = positions[..., None].float() * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos().double(), angles.sin().double()
+
+
+def float64_reference_logits(state, config, tokens, positions, segments) -> torch.Tensor:
+    """Logits [b, s, V] of a Llama-family decoder (Q/K/V biases and q/k norms when ``state``
+    has them) computed here in float64 from an HF state dict, independent of both models:
+    causal attention within each document (``segments`` [b, s]), RoPE at ``positions``.
+    transformers' own float64 run is not one: its RMSNorm computes in float32."""
+    sd = {k: v.double() for k, v in state.items()}
+    heads, groups = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    cos, sin = _rope_tables(config, positions, d)
+    b, s = tokens.shape
+    visible = torch.ones(s, s, dtype=torch.bool).tril() & (segments[:, :, None]
+                                                            == segments[:, None, :])
+
+    def norm(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+
+    def rope(x):                                                   # [b, heads, s, d]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def heads_of(x, p, name, n):                                   # [b, n, s, d]
+        out = x @ sd[f"{p}self_attn.{name}_proj.weight"].t()
+        out = out + sd.get(f"{p}self_attn.{name}_proj.bias", 0)
+        out = out.view(b, s, n, d).transpose(1, 2)
+        norm_w = sd.get(f"{p}self_attn.{name}_norm.weight")
+        return out if norm_w is None else norm(out, norm_w)
+
+    x = sd["model.embed_tokens.weight"][tokens]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        y = norm(x, sd[p + "input_layernorm.weight"])
+        q, k = rope(heads_of(y, p, "q", heads)), rope(heads_of(y, p, "k", groups))
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = heads_of(y, p, "v", groups).repeat_interleave(heads // groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / d ** 0.5
+        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+        x = x + (probs @ v).transpose(1, 2).reshape(b, s, heads * d) @ sd[
+            p + "self_attn.o_proj.weight"].t()
+        y = norm(x, sd[p + "post_attention_layernorm.weight"])
+        gate, up = y @ sd[p + "mlp.gate_proj.weight"].t(), y @ sd[p + "mlp.up_proj.weight"].t()
+        x = x + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].t()
+    x = norm(x, sd["model.norm.weight"])
+    return x @ sd.get("lm_head.weight", sd["model.embed_tokens.weight"]).t()
+
+
+def max_abs_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| over ``ref``'s (real) vocabulary, in float64."""
+    return (ours[..., :ref.shape[-1]].double() - ref.double()).abs().max().item()
+
+
 def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor, what: str,
                         logit_max: float = LOGIT_MAX) -> None:
     """KL(ref || ours) per token and max |dlogit| over the real vocabulary."""
-    ours = ours[..., :ref.shape[-1]].double()
-    log_p, log_q = ref.log_softmax(-1), ours.log_softmax(-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).max().item()
-    worst = (ours - ref).abs().max().item()
+    kl, worst = kl_max(ours, ref), max_abs_diff(ours, ref)
     assert kl <= KL_MAX and worst <= logit_max, f"{what}: KL {kl:.3g}, max |dlogit| {worst:.3g}"
+
+
+def kl_max(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest per-token KL(ref || ours) over ``ref``'s (real) vocabulary, in float64."""
+    log_p = ref.double().log_softmax(-1)
+    log_q = ours[..., :ref.shape[-1]].double().log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).max().item()
 
 
 def document_params(segments, ring_rank=0, ring_size=1, assignment=None):

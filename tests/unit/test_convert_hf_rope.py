@@ -1,4 +1,4 @@
-"""Hugging Face models with scaled RoPE (llama3, YaRN) import, compute what transformers
+"""Hugging Face models with scaled RoPE (llama3, YaRN, linear) import, compute what transformers
 computes, and export back.
 
 Tiny random Llamas (helpers of ``tests/unit/test_convert_hf.py``) imported with
@@ -35,6 +35,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 SCALED = {
     "llama3": (dict(rope_theta=500000.0, rope_scaling=LLAMA3), 8192),
     "yarn": (dict(rope_scaling=YARN), 32),
+    "linear": (dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), 32),
 }
 
 

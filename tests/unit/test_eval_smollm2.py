@@ -12,26 +12,12 @@ import json
 import pytest
 import torch
 
-from tests.unit.test_convert_hf import run_convert_tool
-from tests.unit.test_convert_smollm2 import GGUF, _save_dequantised, _smollm2_dir
+from tests.unit.test_convert_smollm2 import smollm2  # noqa: F401  (the module fixture)
 
 pytestmark = pytest.mark.slow
 # perplexity over the first 512 tokens of the built-in corpus's first long document
 PASSKEY = ["--passkey-lengths", "256,512", "--passkey-depths", "0,0.5,1",
            "--passkey-trials", "1", "--ppl-length", "512", "--ppl-documents", "1"]
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source, root = _smollm2_dir(), tmp_path_factory.mktemp("smollm2")
-    hf_dir, ckpt = str(root / "hf"), str(root / "ckpt")
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
-    _save_dequantised(model, hf_dir)
-    AutoTokenizer.from_pretrained(source, gguf_file=GGUF).save_pretrained(hf_dir)
-    run_convert_tool([["import", hf_dir, ckpt]])
-    return hf_dir, ckpt
 
 
 def _evaluate(rank, world_size, argv, out):
@@ -53,7 +39,8 @@ def _random_model_dir(hf_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-def test_smollm2_finds_the_passkey_and_random_weights_do_not(dist_run, smollm2, tmp_path):
+def test_smollm2_finds_the_passkey_and_random_weights_do_not(dist_run, smollm2,  # noqa: F811
+                                                             tmp_path):
     hf_dir, ckpt = smollm2
     ours, rand = str(tmp_path / "ours.json"), str(tmp_path / "random.json")
     dist_run(_evaluate, 1, ["--load", ckpt, "--tokenizer-model", hf_dir] + PASSKEY, ours,

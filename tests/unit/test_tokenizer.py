@@ -129,3 +129,15 @@ def test_huggingface_tokenizer_without_eos_is_refused(tmp_path):
 
 def test_transformers_is_imported_lazily():
     assert not any(name.startswith("transformers") or name == "AutoTokenizer" for name in dir(tk))
+
+
+def test_the_model_vocabulary_may_outnumber_the_tokenizer_but_not_the_reverse():
+    # an imported checkpoint's rows (--vocab-size) govern; the tokenizer may have fewer ids
+    assert tk.model_vocab_size("HuggingFaceTokenizer", "qwen2", 300, 384) == 384
+    assert tk.model_vocab_size("HuggingFaceTokenizer", "qwen2", 300, None) == 300
+    # NullTokenizer's ids come from --vocab-size (plus EOD): its own size is the model's
+    assert tk.model_vocab_size("NullTokenizer", None, 385, 384) == 385
+    with pytest.raises(tk.TokenizerError, match=r"^--tokenizer-model big has 400 tokens, more "
+                                                r"than the model's vocabulary of 384 "
+                                                r"\(--vocab-size\)[^\n]*$"):
+        tk.model_vocab_size("HuggingFaceTokenizer", "big", 400, 384)

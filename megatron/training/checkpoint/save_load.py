@@ -520,8 +520,8 @@ def _flag_text(key: str, value) -> str:
     if key == "kv_heads":
         return f"--group-query-attention --num-query-groups {value}"
     if key == "padded_vocab_size":
-        return (f"a padded vocabulary of {value} (the tokenizer's vocabulary rounded up to "
-                f"--make-vocab-size-divisible-by x TP)")
+        return (f"a padded vocabulary of {value} (--vocab-size, default the tokenizer's "
+                f"length, rounded up to --make-vocab-size-divisible-by x TP)")
     flag = "--" + key.replace("_", "-")
     return flag if value is True else f"no {flag}" if value is False else f"{flag} {value}"
 

@@ -128,7 +128,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times TP")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary of --tokenizer-type NullTokenizer (and --mock-data)")
+                   help="the model's vocabulary before padding: the ids of --tokenizer-type "
+                        "NullTokenizer (--mock-data); with --tokenizer-model, the embedding "
+                        "rows, at least the tokenizer's length (default: that length)")
     add_pretrained_args(g)
     add_rope_args(g)
     add_window_args(g)

@@ -271,6 +271,26 @@ def build_tokenizer(
     return HuggingFaceTokenizer(tokenizer_model)
 
 
+def model_vocab_size(tokenizer_type: str, tokenizer_model: Optional[str], tokenizer_size: int,
+                     vocab_size: Optional[int]) -> int:
+    """The model's vocabulary before padding: ``--vocab-size`` when a tokenizer model is given
+    with it (a pretrained model's embedding rows, which may outnumber its tokenizer's ids:
+    Qwen2 has 151936 rows for 151665 tokens), else the tokenizer's ``tokenizer_size``.
+    ``NullTokenizer`` makes its ids from ``--vocab-size``, so its size is the model's.
+
+    Raises:
+        TokenizerError: the tokenizer has more ids than the model has rows.
+    """
+    if tokenizer_type == "NullTokenizer" or vocab_size is None:
+        return tokenizer_size
+    if tokenizer_size > vocab_size:
+        raise TokenizerError(
+            f"--tokenizer-model {tokenizer_model} has {tokenizer_size} tokens, more than the "
+            f"model's vocabulary of {vocab_size} (--vocab-size); pass the model's own "
+            f"tokenizer, or --vocab-size {tokenizer_size} or more for a new model")
+    return int(vocab_size)
+
+
 # --------------------------------------------------------------------------- training
 def training_sentences(text: str) -> Iterator[str]:
     """The SentencePiece training sentences of one document: its non-blank lines."""
