@@ -16,6 +16,7 @@ from megatron.shapes.flops import (
     document_pairs,
     full_pairs,
     training_flops,
+    window_pairs,
 )
 from megatron.shapes.model import (
     ModelShape,
@@ -39,4 +40,5 @@ __all__ = [
     "get_preset",
     "padded_vocab_size",
     "training_flops",
+    "window_pairs",
 ]

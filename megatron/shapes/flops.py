@@ -16,7 +16,8 @@ and the output layer ``2*h*V``. Core attention is counted per (query, key) pair 
 computed: ``Q.K^T`` and ``P.V`` are ``2*a*d`` FLOPs each, so ``4*a*d`` per pair and layer.
 A dense causal sequence of ``S`` tokens has ``S^2/2`` pairs (:func:`causal_pairs`; the
 diagonal's ``S/2`` is left out, as Megatron-LM's convention halved), a full one ``S^2``
-(:func:`full_pairs`); packed documents have the sum of ``n^2/2`` over their documents.
+(:func:`full_pairs`); packed documents have the sum of ``n^2/2`` over their documents, and a
+sliding-window layer the pairs inside its window (:func:`window_pairs`).
 Backward costs twice the forward, so an iteration of ``T`` tokens and ``P`` pairs costs::
 
     3 * ( T * (L * (2hd(a+2g) + 2adh + 2hf*m) + 2hV)  +  L * 4ad * P )
@@ -52,6 +53,26 @@ def document_pairs(lengths) -> float:
     A document of ``S`` tokens counts as a dense causal sequence of ``S`` (:func:`causal_pairs`).
     """
     return float(sum(int(n) * int(n) for n in lengths)) / 2
+
+
+def window_pairs(lengths, window: int) -> float:
+    """Attention pairs of causal documents (or sequences) of the given token counts under a
+    sliding window: a query at position ``i`` sees keys ``max(0, i - window) .. i``.
+
+    Counted as :func:`document_pairs` counts a causal document (the exact count less ``n/2``),
+    so a window of ``n - 1`` or more gives ``n^2/2``: a document of ``n`` tokens has
+    ``n(n+1)/2`` visible pairs up to ``n <= window + 1``, and ``window + 1`` more per token
+    after that.
+    """
+    w = int(window)
+    if w < 0:
+        raise ValueError(f"window {window} must be >= 0")
+    total = 0.0
+    for n in map(int, lengths):
+        head = min(n, w + 1)                      # tokens before the window is full
+        exact = head * (head + 1) / 2 + (n - head) * (w + 1)
+        total += exact - n / 2
+    return total
 
 
 def dense_flops_per_token(shape: ModelShape) -> float:

@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -352,23 +352,41 @@ def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
     pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
     agreement = (batch_mod.BatchAgreement(g.same_batch, args.batch_agreement_interval)
                  if g.same_batch is not None and args.batch_agreement_interval > 0 else None)
+    window, share = layer_window(config)
     return batch_mod.BatchContext(cp_rank=g.cp_rank, cp_size=dist.get_world_size(g.cp),
                                   device=rt.device, first_stage=pp_rank == 0,
                                   last_stage=pp_rank == pp_size - 1, ring_rank=g.ring_rank,
                                   ring_size=g.ring_size,
                                   documents=documents_enabled(args.reset_attention_mask,
                                                               args.reset_position_ids),
-                                  agreement=agreement, window=_any_layer_window(config))
+                                  agreement=agreement, window=window,
+                                  window_share=share)
 
 
-def _any_layer_window(config: RunConfig) -> Optional[int]:
-    """The left window when some layer of the model is windowed (megatron-core's rule)."""
+def layer_window(config: RunConfig) -> Tuple[Optional[int], float]:
+    """The left window when some layer of the model is windowed (megatron-core's rule), and
+    the share of the layers that are; ``(None, 0.0)`` without one."""
     if config.window_size is None:
-        return None
+        return None, 0.0
     layers = range(1, config.args.num_layers + 1)
-    windowed = any(is_layer_window_attention(config.window_size, config.window_attn_skip_freq, n)
+    windowed = sum(bool(is_layer_window_attention(config.window_size,
+                                                  config.window_attn_skip_freq, n))
                    for n in layers)
-    return config.window_size[0] if windowed else None
+    if not windowed:
+        return None, 0.0
+    return config.window_size[0], windowed / len(layers)
+
+
+def flops_count_label(config: RunConfig) -> str:
+    """What the step's FLOP count counts (``flops_count`` of the metrics)."""
+    args = config.args
+    label = ("documents" if documents_enabled(args.reset_attention_mask, args.reset_position_ids)
+             else "dense causal")
+    window, share = layer_window(config)
+    if window is not None:
+        label += (f", window {window} on {round(share * args.num_layers)} of "
+                  f"{args.num_layers} layers")
+    return label
 
 
 # --------------------------------------------------------------------------- one step
@@ -713,7 +731,8 @@ def _make_writer(config: RunConfig, rt: Runtime) -> MetricsWriter:
     args = config.args
     peak = args.peak_tflops or peak_tflops_for_device(rt.device_name)
     throughput = Throughput(config.model_shape(), config.args.seq_length,
-                            config.global_batch_size, rt.world_size, peak)
+                            config.global_batch_size, rt.world_size, peak,
+                            count=flops_count_label(config))
     return MetricsWriter(rt.is_logging_rank, args.train_iters, args.log_interval, throughput,
                          metrics_file=config.metrics_file, tensorboard_dir=args.tensorboard_dir)
 

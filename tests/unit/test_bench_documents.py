@@ -151,6 +151,19 @@ def test_summarize_counts_the_measured_iterations_documents(tmp_path):
     assert dense.flops_count == "dense causal" and dense.docs is None
 
 
+def test_summarize_takes_the_loops_count_of_a_sliding_window(tmp_path):
+    # --extra-args "--window-size ...": the loop counts the window's pairs; the tool uses them
+    cfg = _cfg(tmp_path, None, warmup=1, peak_tflops=100.0)
+    spec = config.RunSpec(128, 1, 2, "none", 3)
+    label = "dense causal, window 16 on 1 of 2 layers"
+    records = [dict(r, tflops_per_gpu=tf, flops_count=label)
+               for r, tf in zip(_records([900.0, 100.0, 300.0]), [1.0, 3.0, 2.0])]
+    r = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, records, "l", []))
+    want = (3.0e12 * 0.1 + 2.0e12 * 0.3) * cfg.nproc_per_node / 2
+    assert r.flops_count == label and r.flops_per_iteration == pytest.approx(want)
+    assert r.tflops_per_gpu == pytest.approx(want / 0.2 / cfg.nproc_per_node / 1e12)
+
+
 META = {"device": None, "versions": {}, "world_size": 2, "date_utc": "d", "command": "c"}
 
 

@@ -199,3 +199,49 @@ def test_throughput_counts_the_pairs_it_is_given():
     assert dense["tflops_per_gpu"] == training_flops(shape, 2048, 1024 * 1024) / 1e12
     assert docs["tflops_per_gpu"] == training_flops(shape, 2048, 1000.0) / 1e12
     assert docs["mfu"] < dense["mfu"]
+
+
+def _visible_pairs_by_mask(n: int, window: int) -> int:
+    i = torch.arange(n)
+    return int(((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= window)).sum())
+
+
+@pytest.mark.parametrize("n, window", [(1, 0), (9, 0), (9, 3), (9, 8), (9, 20), (64, 7)])
+def test_window_pairs_count_the_window_like_causal_documents(n, window):
+    from megatron.shapes import document_pairs, window_pairs
+
+    # the exact count of a window mask, less the diagonal's n/2 as the causal count leaves it
+    assert window_pairs([n], window) == _visible_pairs_by_mask(n, window) - n / 2
+    if window >= n - 1:
+        assert window_pairs([n], window) == document_pairs([n])
+
+
+def test_attention_pairs_with_window_layers_average_over_layers():
+    from megatron.shapes import window_pairs
+
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2], [0] * 9], dtype=torch.int32)
+    full = {"tokens": torch.zeros(2, 9, dtype=torch.int64), "segment_ids": seg}
+    docs, windowed = (9 + 25 + 1) / 2 + 81 / 2, window_pairs([3, 5, 1], 2) + window_pairs([9], 2)
+    assert attention_pairs(full, True, window=2, window_share=1.0) == windowed
+    assert attention_pairs(full, True, window=2, window_share=0.5) == (docs + windowed) / 2
+    assert attention_pairs(full, True, window=2, window_share=0.0) == docs
+    assert attention_pairs(full, False, window=2, window_share=1.0) == 2 * window_pairs([9], 2)
+
+
+@pytest.mark.parametrize("extra, label", [
+    ([], "dense causal"),
+    (["--reset-attention-mask", "--reset-position-ids"], "documents"),
+    (["--window-size", "16", "--window-attn-skip-freq", "2"],
+     "dense causal, window 16 on 2 of 4 layers"),
+    (["--window-size", "16"], "dense causal, window 16 on 4 of 4 layers"),
+])
+def test_the_metrics_say_what_the_flop_count_counts(extra, label):
+    from megatron.training.loop import flops_count_label, layer_window
+
+    flags = tiny_gpt_flags(num_layers=4, train_iters=2, lr="1e-3", mock_data=True,
+                           vocab_size=100) + extra
+    config = validate_args(parse_args(flags), 1, cuda_available=False)
+    assert flops_count_label(config) == label
+    windowed = extra[:1] == ["--window-size"]
+    assert layer_window(config) == ((16, 0.5 if "2" in extra else 1.0) if windowed
+                                    else (None, 0.0))

@@ -84,6 +84,7 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     if cfg.docs is not None:
         if not _count_useful(cfg, spec, gbs, outcome, measured, res):
             return res
+    _count_window(cfg, measured, res)
     res.iter_ms = 1e3 * seconds
     res.iter_ms_each = [1e3 * t for t in times]
     res.tokens_per_s = gbs * spec.seq_len / seconds
@@ -92,6 +93,23 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     res.peak_tflops = cfg.peak_tflops or peak_tflops_of_run(steps)
     res.mfu = res.tflops_per_gpu / res.peak_tflops if res.peak_tflops else None
     return res
+
+
+def _count_window(cfg: E2EConfig, measured: List[dict], res: E2EResult) -> None:
+    """A sliding window from ``--extra-args`` (``--window-size``): the training loop counts the
+    pairs inside the window (``flops_count`` "..., window W on k of L layers"), which this tool
+    cannot rebuild; FLOPs per iteration are then the loop's own, the mean over the measured
+    iterations of its TFLOP/s x step time x GPUs."""
+    labels = {r.get("flops_count") for r in measured}
+    label = next((x for x in labels if x and "window" in x), None)
+    if label is None:
+        return
+    flops = [_number(r, "tflops_per_gpu") * 1e12 * _number(r, "step_time_s") * cfg.nproc_per_node
+             for r in measured if _number(r, "tflops_per_gpu") and _number(r, "step_time_s")]
+    if not flops:
+        return
+    res.flops_per_iteration = sum(flops) / len(flops)
+    res.flops_count = label
 
 
 def _count_useful(cfg: E2EConfig, spec: RunSpec, gbs: int, outcome: RunOutcome,

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from megatron.shapes import causal_pairs, document_pairs
+from megatron.shapes import document_pairs, window_pairs
 from megatron.training.data.config import DataConfigError
 from megatron.training.data.errors import BatchMismatchError
 from megatron.usp.document_kernels import pinned_to_device
@@ -144,6 +144,7 @@ class BatchContext:
     # --window-size's left window when some layer uses it: the micro-batch's windowed document
     # plan is built here with the batch, not by the first window layer's forward.
     window: Optional[int] = None
+    window_share: float = 0.0   # the share of the model's layers that use ``window``
 
 
 def _document_params(full: Dict, ctx: BatchContext):
@@ -178,20 +179,25 @@ def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tens
     out = {key: (pinned_to_device(local[key], device=ctx.device) if local.get(key) is not None
                  else None) for key in SEQUENCE_KEYS}
     out["packed_seq_params"] = _document_params(full, ctx)
-    out["attention_pairs"] = attention_pairs(full, ctx.documents)
+    out["attention_pairs"] = attention_pairs(full, ctx.documents, ctx.window, ctx.window_share)
     return out
 
 
-def attention_pairs(full: Dict[str, torch.Tensor], documents: bool) -> float:
-    """Causal (query, key) pairs of a full micro-batch [b, S]: ``n^2/2`` per document with
-    documents (``segment_ids``), else ``S^2/2`` per sequence (the FLOP count's convention,
-    :mod:`megatron.shapes.flops`)."""
+def attention_pairs(full: Dict[str, torch.Tensor], documents: bool,
+                    window: Optional[int] = None, window_share: float = 0.0) -> float:
+    """Causal (query, key) pairs of a full micro-batch [b, S], per layer on average: ``n^2/2``
+    per document with documents (``segment_ids``), else ``S^2/2`` per sequence (the FLOP
+    count's convention, :mod:`megatron.shapes.flops`); on the ``window_share`` of the layers
+    that use the left ``window``, the pairs inside it (:func:`~megatron.shapes.window_pairs`)."""
     b, s = full["tokens"].shape
     seg = full.get("segment_ids") if documents else None
-    if seg is None:
-        return causal_pairs(s, b)
-    return sum(document_pairs(torch.unique_consecutive(row, return_counts=True)[1].tolist())
-               for row in seg)
+    rows = ([[s]] * b if seg is None else
+            [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in seg])
+    pairs = sum(document_pairs(lengths) for lengths in rows)
+    if window is None or window_share <= 0:
+        return pairs
+    windowed = sum(window_pairs(lengths, window) for lengths in rows)
+    return (1.0 - window_share) * pairs + window_share * windowed
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor,

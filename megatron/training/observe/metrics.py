@@ -117,13 +117,16 @@ class Throughput:
     The FLOPs are :func:`megatron.shapes.training_flops` of the step's tokens and of the
     attention pairs its core attention computed: the pairs the batches reported (packed
     documents: the sum of ``n^2/2`` over their documents), else ``S^2/2`` per sequence of a
-    dense causal batch. ``count`` in every record says which: ``"documents"`` or
-    ``"dense causal"``.
+    dense causal batch. ``flops_count`` in every record says which: ``count`` (what the
+    batches count: ``"documents"``, ``"dense causal"``, and the sliding window if layers use
+    one) when pairs were reported, else ``"dense causal"``.
     """
 
     def __init__(self, shape: ModelShape, seq_length: int, global_batch_size: int,
-                 world_size: int, peak_tflops: Optional[float]) -> None:
+                 world_size: int, peak_tflops: Optional[float], count: str = "documents"
+                 ) -> None:
         self.shape = shape
+        self.count = count
         self.tokens_per_iter = global_batch_size * seq_length
         self.dense_pairs = causal_pairs(seq_length, global_batch_size)
         self.world_size = world_size
@@ -139,7 +142,7 @@ class Throughput:
         tokens_per_s = self.tokens_per_iter / t
         return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / self.world_size,
                 "tflops_per_gpu": tflops, "mfu": mfu,
-                "flops_count": "documents" if attention_pairs else "dense causal"}
+                "flops_count": self.count if attention_pairs else "dense causal"}
 
 
 def _fmt_mfu(mfu: Optional[float]) -> str:
