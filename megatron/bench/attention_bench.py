@@ -33,6 +33,13 @@ Packed documents (``--docs fixed:2k,fixed:8k,lognormal``): document-masked USP a
 split, or with ``--doc-kernels`` the single-GPU document kernels, in useful TFLOP/s with the
 per-rank work spread and the ring bytes skipped (:mod:`megatron.bench.document_bench`).
 
+Sliding window (``--window W``, causal only): the single-GPU case is the window kernel's own
+call on the whole sequence (:mod:`megatron.usp.window_kernel`: on CUDA bf16/fp16 PyTorch's
+flash op with ``window_size_left=W``, elsewhere its masked product), USP runs each split with
+``window=W``, and the FLOPs count the pairs inside the window (``4*b*h*d`` per pair forward,
+:func:`megatron.shapes.window_pairs`), so a USP case's efficiency is its share of the window
+kernel's rate. SDPA and native CP take no window: their cases say ``skipped``.
+
 Output: a progress line per case on rank 0, JSON (``--out``, rewritten after each sequence
 length so an interrupted sweep keeps what it measured) and a markdown table (``--markdown``).
 ``--check`` compares each distributed method's output at the first length with the
@@ -63,13 +70,20 @@ from megatron.bench.cli import (
     seq_label,
 )
 from megatron.bench.document_bench import parse_doc_mixes
-from megatron.bench.flops import attention_fwd_bwd_flops, attention_fwd_flops, tflops_per_gpu
+from megatron.bench.flops import (
+    attention_fwd_bwd_flops,
+    attention_fwd_flops,
+    tflops_per_gpu,
+    window_attention_fwd_bwd_flops,
+    window_attention_fwd_flops,
+)
 from megatron.shapes import attention_shape
 from megatron.training.observe import profiling
 from megatron.usp.attention import resolve_overlap_chunks, usp_attention
 from megatron.usp.kernels import AttentionBackendUnavailable, get_kernel
 from megatron.usp.parallel_dims import ParallelDims, USPConfigError
 from megatron.usp.token_order import check_seq_divisible, shard_for_cp_rank, unshard_from_cp_ranks
+from megatron.usp.window_kernel import flash_window_usable, window_backward, window_forward
 
 Tensor = torch.Tensor
 
@@ -112,6 +126,7 @@ class AttentionBenchConfig:
     chunk_assignment: str = "auto"
     balance_report: bool = False
     balance_samples: int = 16
+    window: Optional[int] = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -172,6 +187,8 @@ def validate_config(cfg: AttentionBenchConfig, world: int) -> None:
                 f"--splits {u}x{r} does not fit {world} processes with --heads {cfg.heads} "
                 f"--kv-heads {cfg.kv_heads}: {exc}; valid splits multiply to {world}, e.g. "
                 f"{world}x1,1x{world}") from None
+    if cfg.window is not None:
+        _check_window(cfg)
     unknown = [p for p in cfg.peers if p not in PEERS]
     if unknown:
         raise BenchConfigError(f"--peers {','.join(unknown)}: known peers are {list(PEERS)} "
@@ -180,6 +197,19 @@ def validate_config(cfg: AttentionBenchConfig, world: int) -> None:
     if bad or not cfg.native_cp_rotate:
         raise BenchConfigError(f"--native-cp-rotate {','.join(cfg.native_cp_rotate)}: choose "
                                f"from {list(native_cp.ROTATE_METHODS)}")
+
+
+def _check_window(cfg: AttentionBenchConfig) -> None:
+    """``--window W``: at least one key, causal attention, and no packed documents."""
+    if cfg.window < 1:
+        raise BenchConfigError(f"--window {cfg.window}: a sliding window is a number of keys "
+                               f">= 1; try --window 4096")
+    if not cfg.causal:
+        raise BenchConfigError(f"--window {cfg.window} needs causal attention (window_size = "
+                               f"(W, 0)); drop --no-causal")
+    if cfg.docs:
+        raise BenchConfigError(f"--window {cfg.window} is timed without documents; drop "
+                               f"--docs or --window")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="U x R splits, e.g. 2x1,1x2; pure Ulysses Nx1 and pure ring 1xN are "
                         "always added")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--window", type=int, default=None,
+                   help="sliding window of W keys (causal): USP with window=W against the "
+                        "window kernel's own call on the whole sequence; FLOPs count the "
+                        "pairs inside the window")
     p.add_argument("--iters", type=int, default=5, help="timed iterations (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument("--peers", default="native-cp",
@@ -266,7 +300,7 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
         doc_kernels=[k.strip() for k in ns.doc_kernels.split(",") if k.strip()],
         doc_kernels_split=_one_split(ns.doc_kernels_split),
         document_kernel=ns.document_attention_kernel, chunk_assignment=ns.chunk_assignment,
-        balance_report=ns.balance_report, balance_samples=ns.balance_samples)
+        balance_report=ns.balance_report, balance_samples=ns.balance_samples, window=ns.window)
 
 
 def _one_split(text: str) -> Tuple[int, int]:
@@ -311,14 +345,22 @@ class CaseResult:
     fwd_bwd_times_ms: List[float] = field(default_factory=list)
 
 
+def case_flops(cfg: AttentionBenchConfig, seq_len: int) -> Tuple[float, float]:
+    """(forward, forward+backward) FLOPs of one case at ``seq_len``: the pairs inside the
+    window with ``--window``, else causal or full attention (:mod:`megatron.bench.flops`)."""
+    if cfg.window is not None:
+        args = (cfg.batch, cfg.heads, seq_len, cfg.head_dim, cfg.window)
+        return window_attention_fwd_flops(*args), window_attention_fwd_bwd_flops(*args)
+    args = (cfg.batch, cfg.heads, seq_len, cfg.head_dim, cfg.causal)
+    return attention_fwd_flops(*args), attention_fwd_bwd_flops(*args)
+
+
 def _fill_rates(res: CaseResult, cfg: AttentionBenchConfig) -> None:
-    args = (cfg.batch, cfg.heads, res.seq_len, cfg.head_dim, cfg.causal)
+    fwd_flops, fwd_bwd_flops = case_flops(cfg, res.seq_len)
     res.fwd_ms = timing.median_ms(res.fwd_times_ms)
     res.fwd_bwd_ms = timing.median_ms(res.fwd_bwd_times_ms)
-    res.fwd_tflops_per_gpu = tflops_per_gpu(attention_fwd_flops(*args), res.fwd_ms / 1e3,
-                                            res.gpus)
-    res.fwd_bwd_tflops_per_gpu = tflops_per_gpu(attention_fwd_bwd_flops(*args),
-                                                res.fwd_bwd_ms / 1e3, res.gpus)
+    res.fwd_tflops_per_gpu = tflops_per_gpu(fwd_flops, res.fwd_ms / 1e3, res.gpus)
+    res.fwd_bwd_tflops_per_gpu = tflops_per_gpu(fwd_bwd_flops, res.fwd_bwd_ms / 1e3, res.gpus)
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -363,8 +405,11 @@ def progress_line(r: CaseResult) -> str:
 
 def results_markdown(meta: dict, cfg: AttentionBenchConfig, results: List[CaseResult]) -> str:
     kv = f", {cfg.kv_heads} KV heads" if cfg.kv_heads != cfg.heads else ""
+    mask = "causal" if cfg.causal else "full"
+    if cfg.window is not None:
+        mask = f"causal, window {cfg.window} (FLOPs of the pairs inside it)"
     title = (f"Attention, {cfg.dtype}, batch {cfg.batch}, {cfg.heads} heads{kv} of dim "
-             f"{cfg.head_dim}, {'causal' if cfg.causal else 'full'}; per-GPU TFLOP/s; "
+             f"{cfg.head_dim}, {mask}; per-GPU TFLOP/s; "
              f"median of {cfg.iters} after {cfg.warmup} warm-up\n\n")
     headers = ["S", "method", "GPUs", "fwd ms", "fwd TFLOP/s/GPU", "fwd+bwd ms",
                "fwd+bwd TFLOP/s/GPU", "efficiency", "peak GiB/GPU", "speed-up vs native CP",
@@ -475,6 +520,8 @@ class _Sweep:
 
     # ---- rank-0 cases
     def single_gpu_kernel(self, seq_len: int) -> CaseResult:
+        if self.cfg.window is not None:
+            return self.window_kernel(seq_len)
         kernel = get_kernel(self.cfg.backend)
         res = CaseResult(seq_len, "single-gpu-kernel", f"single GPU ({kernel.name} kernel)", 1,
                          variant=kernel.name)
@@ -494,10 +541,35 @@ class _Sweep:
 
         return self._on_rank0(res, run)
 
+    def window_kernel(self, seq_len: int) -> CaseResult:
+        """``--window``: the window kernel's own call on the whole sequence (the anchor)."""
+        probe = torch.empty(0, device=self.device, dtype=self.cfg.torch_dtype)
+        variant = "flash window" if flash_window_usable(probe) else "masked window"
+        res = CaseResult(seq_len, "single-gpu-kernel", f"single GPU ({variant} kernel)", 1,
+                         variant=variant)
+        scale, window = 1.0 / math.sqrt(self.cfg.head_dim), self.cfg.window
+
+        def run(x):
+            q, k, v = x["q"], x["k"], x["v"]
+
+            def fwd():
+                return window_forward(q, k, v, True, window, scale)
+
+            def fwd_bwd():
+                out, lse = fwd()
+                return window_backward(x["dout"], q, k, v, out, lse, True, window, scale)
+
+            self._timed(res, fwd, fwd_bwd, distributed=False)
+
+        return self._on_rank0(res, run)
+
     def sdpa(self, seq_len: int) -> CaseResult:
         on_cuda = self.device.type == "cuda"
         res = CaseResult(seq_len, "sdpa", "sdpa (cudnn)" if on_cuda else "sdpa (cpu default)",
                          1, variant="cudnn" if on_cuda else "default")
+        if self.cfg.window is not None:
+            res.status, res.note = "skipped", "SDPA takes no sliding window"
+            return res
         causal = self.cfg.causal
 
         def run(x):
@@ -536,9 +608,13 @@ class _Sweep:
         """--check: the single-GPU kernel's output on the whole sequence, kept on rank 0."""
         if self.rank == 0:
             x = global_inputs(self.cfg, seq_len, self.device)
+            scale = 1.0 / math.sqrt(self.cfg.head_dim)
             with torch.no_grad():
-                out, _ = get_kernel(self.cfg.backend).forward(
-                    x["q"], x["k"], x["v"], self.cfg.causal, 1.0 / math.sqrt(self.cfg.head_dim))
+                if self.cfg.window is not None:
+                    out, _ = window_forward(x["q"], x["k"], x["v"], True, self.cfg.window, scale)
+                else:
+                    out, _ = get_kernel(self.cfg.backend).forward(
+                        x["q"], x["k"], x["v"], self.cfg.causal, scale)
             self.reference = out
         self.checking = True
         timing.barrier(None, self.device)
@@ -571,7 +647,8 @@ class _Sweep:
         def fwd():
             return usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group,
                                  causal=self.cfg.causal, backend=self.cfg.backend,
-                                 overlap_chunks=res.overlap_chunks)
+                                 overlap_chunks=res.overlap_chunks, window=self.cfg.window,
+                                 document_kernel=self.cfg.document_kernel)
 
         def fwd_bwd():
             return torch.autograd.grad(fwd(), (q, k, v), loc["dout"])
@@ -588,7 +665,8 @@ class _Sweep:
     def native(self, seq_len: int, rotate: str) -> CaseResult:
         res = CaseResult(seq_len, "native-cp", f"native CP ring ({rotate})", self.world,
                          variant=rotate)
-        reason = native_cp.unavailable_reason(self.device)
+        reason = ("native CP takes no sliding window" if self.cfg.window is not None
+                  else native_cp.unavailable_reason(self.device))
         if reason:
             res.status, res.note = "skipped", reason
             return res
@@ -658,7 +736,8 @@ def run_sweep(cfg: AttentionBenchConfig, device: torch.device, argv: Sequence[st
                "metadata": meta, "config": config, "results": []}
     sweep.log(lambda: f"{PROGRESS_PREFIX} {sweep.world} ranks on {device.type}; lengths "
               f"{[seq_label(s) for s in cfg.seq_lens]}; splits "
-              f"{[f'{u}x{r}' for u, r in splits]}; peers {cfg.peers or 'none'}")
+              f"{[f'{u}x{r}' for u, r in splits]}; peers {cfg.peers or 'none'}"
+              + ("" if cfg.window is None else f"; window {cfg.window}"))
     if cfg.docs:
         return _run_documents(cfg, sweep, splits, meta, payload)
     all_results: List[CaseResult] = []
