@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from megatron.bench import attention_bench as ab
-from megatron.bench import cli, flops, hf_peer, models, native_cp, report, timing
+from megatron.bench import cli, flops, hf_peer, models, native_cp, report, timing, window_speedup
 from megatron.bench.e2e import cli as e2e_cli
 from megatron.bench.e2e import command, config, launch, output, pairing, peers, summary, sweep
 from megatron.bench.e2e.launch import failure_cause
 from megatron.usp.token_order import positions_for_cp_rank
+from megatron.usp.window_kernel import window_mask
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,6 +70,9 @@ def test_validate_accepts_a_good_config():
     (dict(seq_lens=[]), 2, "--seq-lens"),
     (dict(batch=0), 2, "--batch-size"),
     (dict(backend="cudnn-please"), 2, "--attention-backend"),
+    (dict(window=0), 2, "--window 0"),
+    (dict(window=8, causal=False), 2, "--no-causal"),
+    (dict(window=8, docs=["fixed:2k"]), 2, "--docs or --window"),
 ])
 def test_validate_names_the_flag(kw, world, flag):
     with pytest.raises(cli.BenchConfigError, match=flag.replace("-", r"\-")):
@@ -84,6 +88,8 @@ def test_command_line_round_trip():
     assert cfg.splits == [(2, 1)] and cfg.causal is False and cfg.peers == []
     assert cfg.native_cp_rotate == ["alltoall"] and cfg.torch_dtype == torch.bfloat16
     assert ab.config_from_args(ab.build_parser().parse_args([])).kv_heads == 32
+    assert cfg.window is None
+    assert ab.config_from_args(ab.build_parser().parse_args(["--window", "4096"])).window == 4096
 
 
 @pytest.mark.parametrize("flag", ["--chunk-assignment", "--document-layout"])
@@ -104,6 +110,33 @@ def test_attention_flops_convention():
     assert flops.tflops_per_gpu(2e12, 0.5, 2) == pytest.approx(2.0)
     with pytest.raises(ValueError):
         flops.tflops_per_gpu(1.0, 0.0, 1)
+
+
+@pytest.mark.parametrize("seq_len,window", [(64, 8), (64, 1), (96, 40), (32, 31), (32, 100)])
+def test_window_flops_count_the_visible_pairs(seq_len, window):
+    # 4*b*h*d per pair inside the window, counted as causal attention is (pairs less S/2, so
+    # that a window reaching the whole sequence gives 4*b*h*S^2*d/2); x3.5 with the backward
+    visible = int(window_mask(seq_len, seq_len, True, window).sum())
+    fwd = flops.window_attention_fwd_flops(2, 4, seq_len, 16, window)
+    assert fwd == 4 * 2 * 4 * 16 * (visible - seq_len / 2)
+    assert flops.window_attention_fwd_bwd_flops(2, 4, seq_len, 16, window) == 3.5 * fwd
+    if window >= seq_len - 1:
+        assert fwd == flops.attention_fwd_flops(2, 4, seq_len, 16, causal=True)
+
+
+def test_case_flops_follow_the_window():
+    causal = ab.case_flops(_cfg(heads=32, kv_heads=8, head_dim=128), 131072)
+    assert causal == (flops.attention_fwd_flops(1, 32, 131072, 128, True),
+                      flops.attention_fwd_bwd_flops(1, 32, 131072, 128, True))
+    windowed = ab.case_flops(_cfg(heads=32, kv_heads=8, head_dim=128, window=4096), 131072)
+    # 128K keys under a window of 4096: about (W + 1) / (S / 2) of the causal work
+    assert windowed[0] == pytest.approx(causal[0] * 4097 / 65536, rel=2e-2)
+    assert windowed[1] == 3.5 * windowed[0]
+    r = ab.CaseResult(131072, "usp", "usp", 1)
+    r.fwd_times_ms, r.fwd_bwd_times_ms = [10.0], [35.0]
+    ab._fill_rates(r, _cfg(heads=32, kv_heads=8, head_dim=128, window=4096))
+    assert r.fwd_tflops_per_gpu == pytest.approx(windowed[0] / 1e-2 / 1e12)
+    assert r.fwd_bwd_tflops_per_gpu == pytest.approx(windowed[1] / 3.5e-2 / 1e12)
 
 
 # --------------------------------------------------------------------------- comparisons
@@ -160,6 +193,8 @@ def test_progress_line_and_markdown():
     assert "90.9%" in md and "oom" in md
     assert "command: `tools/bench_attention.py --seq-lens 1k`" in md
     assert "torch " + torch.__version__ in md
+    windowed = ab.results_markdown(meta, _cfg(window=4096), [single, u2])
+    assert "causal, window 4096 (FLOPs of the pairs inside it)" in windowed
 
 
 # --------------------------------------------------------------------------- report / timing
@@ -688,3 +723,71 @@ def test_imported_model_compare_reads_two_metrics_files(tmp_path):
     assert "tokens/s 0.500x, memory 2.000x" in markdown(result)
     with pytest.raises(SystemExit, match="no training iteration after the first 4"):
         compare(a, b, warmup=4)
+
+
+# --------------------------------------------------------------------------- window speed-up
+def _e2e_row(iter_ms, flops_per_iteration, count="dense causal", seq_len=131072, **kw):
+    return dict(seq_len=seq_len, stack="megatron-usp", status="ok", iter_ms=iter_ms,
+                flops_per_iteration=flops_per_iteration, flops_count=count, **kw)
+
+
+WINDOW_COUNT = "dense causal, window 4096 on 8 of 16 layers"
+
+
+def test_window_speedup_against_the_flop_count():
+    full = [_e2e_row(100.0, 2e15), _e2e_row(110.0, 2e15)]
+    hybrid = [_e2e_row(80.0, 1.6e15, WINDOW_COUNT), _e2e_row(90.0, 1.6e15, WINDOW_COUNT)]
+    got = window_speedup.speedup(full, hybrid)
+    assert got["measured_speedup"] == pytest.approx(105 / 85)
+    assert got["predicted_speedup"] == pytest.approx(1.25)
+    assert got["share_of_predicted"] == pytest.approx(105 / 85 / 1.25)
+    assert got["within_tolerance"] is True
+    assert got["per_round"] == pytest.approx([100 / 80, 110 / 90])
+    assert got["full_runs"] == got["hybrid_runs"] == 2
+    assert "predicted 1.250x" in window_speedup.summary_line(got)
+    assert window_speedup.summary_line(got).endswith("holds")
+    # 1.10x measured against 1.25x predicted is 88 %: missed at 10 %, holds at 15 %
+    slow = [_e2e_row(100.0, 1.6e15, WINDOW_COUNT)]
+    missed = window_speedup.speedup([_e2e_row(110.0, 2e15)], slow)
+    assert missed["share_of_predicted"] == pytest.approx(0.88)
+    assert missed["within_tolerance"] is False
+    assert window_speedup.summary_line(missed).endswith("missed")
+    assert window_speedup.speedup([_e2e_row(110.0, 2e15)], slow, 0.15)["within_tolerance"]
+    with pytest.raises(ValueError):
+        window_speedup.speedup([], slow)
+
+
+def test_window_speedup_rows_come_from_the_right_side():
+    payload = {"results": [_e2e_row(100.0, 2e15), _e2e_row(5.0, 1e9, seq_len=1024),
+                           dict(_e2e_row(1.0, 1.0), stack="hf"),
+                           dict(_e2e_row(1.0, 1.0), status="oom")]}
+    rows = window_speedup.measured_rows(payload, 131072, "a.json", windowed=False)
+    assert [r["iter_ms"] for r in rows] == [100.0]
+    with pytest.raises(ValueError, match="a.json: .*check --hybrid"):
+        window_speedup.measured_rows(payload, 131072, "a.json", windowed=True)
+    with pytest.raises(ValueError, match="no run at --seq-len 65536"):
+        window_speedup.measured_rows(payload, 65536, "a.json", windowed=False)
+
+
+def test_window_speedup_command_writes_the_runs_metadata(tmp_path, capsys):
+    def write(name, row):
+        path = tmp_path / name
+        meta = {"device": {"type": "cuda", "name": "H200"}, "command": "tools/bench_e2e.py"}
+        path.write_text(json.dumps({"tool": "bench_e2e", "metadata": meta, "results": [row]}))
+        return str(path)
+
+    full = write("full.json", _e2e_row(100.0, 2e15))
+    hybrid = write("hybrid.json", _e2e_row(80.0, 1.6e15, WINDOW_COUNT))
+    out = tmp_path / "r.json"
+    assert window_speedup.main(["--full", full, "--hybrid", hybrid, "--seq-len", "128k",
+                                "--out", str(out)]) == 0
+    assert "measured 1.250x" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["within_tolerance"] is True and result["seq_len"] == 131072
+    meta = result["metadata"]
+    assert meta["device"] == {"type": "cuda", "name": "H200"}
+    assert meta["command"].startswith("python -m megatron.bench.window_speedup --full")
+    assert meta["versions"]["torch"] and "git_commit" in meta
+    with pytest.raises(SystemExit) as exc:          # the files on the wrong sides
+        window_speedup.main(["--full", hybrid, "--hybrid", full])
+    assert exc.value.code == 2
