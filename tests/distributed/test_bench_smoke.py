@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron.bench.attention_bench import main
+from megatron.bench.flops import window_attention_fwd_flops
 from megatron.shapes import PRESETS, training_flops
 from tests.helpers import free_port
 
@@ -91,6 +92,45 @@ def test_bench_attention_on_two_gloo_ranks(dist_run, tmp_path):
     full = _check_payload(json.loads((tmp_path / "full.json").read_text()), [64], False,
                           ["single-gpu-kernel", "usp", "usp", "native-cp", "native-cp"])
     assert all(r["check_rel_err"] < 1e-5 for r in full if r["method"] == "usp")
+
+
+def _window_sweeps(rank, world, out_dir):
+    # W = 8 against chunks of 64 / (2*2) = 16 tokens: on U1xR2 the halo crosses ring ranks
+    main(["--seq-lens", "64", *TINY, "--kv-heads", "2", "--warmup", "0", "--window", "8",
+          "--check", "--out", f"{out_dir}/window.json", "--markdown", f"{out_dir}/window.md"])
+    for bad in (["--window", "0"], ["--window", "8", "--no-causal"]):
+        try:
+            main(["--seq-lens", "64", *TINY, *bad])
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+
+def test_bench_attention_window_on_two_gloo_ranks(dist_run, tmp_path):
+    """--window: USP on U2xR1 and U1xR2 equals the window kernel on the whole sequence, and
+    the rates count the pairs inside the window."""
+    dist_run(_window_sweeps, 2, str(tmp_path), timeout=300)
+
+    payload = json.loads((tmp_path / "window.json").read_text())
+    assert payload["config"]["window"] == 8 and payload["metadata"]["versions"]["torch"]
+    assert payload["metadata"]["command"].startswith("tools/bench_attention.py --seq-lens 64")
+    results = payload["results"]
+    assert [(r["method"], r["status"]) for r in results] == [
+        ("single-gpu-kernel", "ok"), ("sdpa", "skipped"), ("usp", "ok"), ("usp", "ok"),
+        ("native-cp", "skipped"), ("native-cp", "skipped")]
+    assert results[0]["label"] == "single GPU (masked window kernel)"
+    assert results[1]["note"] == "SDPA takes no sliding window"
+    assert results[4]["note"] == "native CP takes no sliding window"
+    window_flops = window_attention_fwd_flops(1, 4, 64, 16, 8)
+    for r in results[:1] + results[2:4]:
+        _ok_numbers(r)
+        counted = r["fwd_tflops_per_gpu"] * 1e12 * r["fwd_ms"] / 1e3 * r["gpus"]
+        assert counted == pytest.approx(window_flops, rel=1e-9)
+    usp = results[2:4]
+    assert [(r["ulysses"], r["ring"]) for r in usp] == [(2, 1), (1, 2)]
+    assert all(r["efficiency"] > 0 and r["check_rel_err"] < 1e-5 for r in usp)
+    assert "causal, window 8" in (tmp_path / "window.md").read_text()
 
 
 def test_bench_attention_script_under_torchrun(tmp_path):
