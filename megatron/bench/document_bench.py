@@ -67,7 +67,12 @@ from megatron.usp.document_kernels import (
     build_document_block,
     varlen_available,
 )
-from megatron.usp.document_ring import build_document_ring_plan, needs_matrix, ring_positions
+from megatron.usp.document_ring import (
+    build_document_ring_plan,
+    halo_matrix,
+    needs_from_halo,
+    ring_positions,
+)
 from megatron.usp.kernels import get_kernel
 from megatron.usp.packed_documents import PackedDocumentAttention, packed_plan_for
 from megatron.usp.ring_attention import ring_accum_dtype
@@ -246,19 +251,19 @@ def _segments(cfg, mix: str, seq_len: int) -> Optional[np.ndarray]:
 
 
 def _ring_bytes(plan, kv_bytes: int, dtype: torch.dtype) -> Dict[str, int]:
-    """Ring traffic of one attention call (forward + backward, all ranks) against zigzag.
+    """Ring traffic of one attention call (forward + backward, all ranks) against zigzag;
+    ``kv_bytes``: one rank's whole K/V block.
 
     Zigzag: every rank sends R-1 K/V blocks forward and backward and R dK/dV hops (R-1 in the
-    accumulator dtype). Document ring: the plan's K/V messages forward and backward, and as many
-    dK/dV shares (kv's dtype).
+    accumulator dtype). Document ring: the plan's halo tokens forward and backward, and their
+    dK/dV shares back (kv's dtype).
     """
     R = plan.ring_size
     acc_scale = torch.finfo(ring_accum_dtype(dtype, R)).bits // torch.finfo(dtype).bits
     zigzag = R * (2 * (R - 1) + (R - 1) * acc_scale + 1) * kv_bytes if R > 1 else 0
-    msgs = plan.kv_messages()
-    ours = 3 * msgs * kv_bytes
+    ours = 3 * plan.ring_kv_tokens() * kv_bytes // (plan.seq_len // R)
     return {"ring_bytes": ours, "ring_bytes_skipped": zigzag - ours,
-            "kv_messages": msgs, "kv_messages_skipped": plan.skipped_kv_messages()}
+            "kv_messages": plan.kv_messages(), "kv_messages_skipped": plan.skipped_kv_messages()}
 
 
 # --------------------------------------------------------------------------- USP mode
@@ -679,7 +684,8 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                     bal.append(choice.spread)
                     ms.append(0 if choice.is_zigzag else choice.assignment.group_chunks)
                     assignment = None if choice.is_zigzag else choice.assignment
-                    needs = needs_matrix(row[None], ring_positions(seq_len, r, assignment), True)
+                    needs = needs_from_halo(halo_matrix(
+                        row[None], ring_positions(seq_len, r, assignment), None))
                     sent = sum(needs[a][b] for a in range(r) for b in range(r) if a != b)
                     skipped.append(1 - sent / (r * (r - 1)) if r > 1 else 1.0)
                 rows.append(dict(mix=mix, seq_len=seq_len, ulysses=u, ring=r, samples=samples,
