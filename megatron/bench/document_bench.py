@@ -677,17 +677,20 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                 continue
             seg = lb.segments_from_lengths(lengths, seq_len, samples)
             for u, r in splits:
-                zig, bal, ms, skipped = [], [], [], []
+                zig, bal, ms, skipped, bytes_skipped = [], [], [], [], []
                 for row in seg:
                     choice = lb.balance_chunks(lb.token_work(row), u, r)
                     zig.append(choice.zigzag_spread)
                     bal.append(choice.spread)
                     ms.append(0 if choice.is_zigzag else choice.assignment.group_chunks)
                     assignment = None if choice.is_zigzag else choice.assignment
-                    needs = needs_from_halo(halo_matrix(
-                        row[None], ring_positions(seq_len, r, assignment), None))
-                    sent = sum(needs[a][b] for a in range(r) for b in range(r) if a != b)
-                    skipped.append(1 - sent / (r * (r - 1)) if r > 1 else 1.0)
+                    halo = halo_matrix(row[None], ring_positions(seq_len, r, assignment), None)
+                    needs = needs_from_halo(halo)
+                    pairs = [(a, b) for a in range(r) for b in range(r) if a != b and needs[a][b]]
+                    tokens = sum(seq_len // r if halo[a][b] is None else halo[a][b].size
+                                 for a, b in pairs)
+                    skipped.append(1 - len(pairs) / (r * (r - 1)) if r > 1 else 1.0)
+                    bytes_skipped.append(1 - tokens / ((r - 1) * seq_len) if r > 1 else 1.0)
                 rows.append(dict(mix=mix, seq_len=seq_len, ulysses=u, ring=r, samples=samples,
                                  documents=int(sum(row.max() + 1 for row in seg)),
                                  zigzag_spread_max=max(zig), zigzag_spread_mean=float(
@@ -695,23 +698,26 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                                  spread_mean=float(np.mean(bal)),
                                  zigzag_kept=sum(m == 0 for m in ms),
                                  group_chunks=sorted(set(m for m in ms if m)),
-                                 kv_messages_skipped_mean=float(np.mean(skipped))))
+                                 kv_messages_skipped_mean=float(np.mean(skipped)),
+                                 kv_bytes_skipped_mean=float(np.mean(bytes_skipped))))
     return rows
 
 
 def balance_markdown(rows: Sequence[dict]) -> str:
     headers = ["docs", "S", "U x R", "samples", "documents", "zigzag spread max / mean",
-               "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped"]
+               "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped",
+               "ring K/V bytes skipped"]
     table = []
     for r in rows:
         if r.get("status") == "skipped":
             table.append([r["mix"], seq_label(r["seq_len"]), "", "", "", r["note"], "", "", "",
-                          ""])
+                          "", ""])
             continue
         table.append([r["mix"], seq_label(r["seq_len"]), f"{r['ulysses']}x{r['ring']}",
                       r["samples"], r["documents"],
                       f"{100 * r['zigzag_spread_max']:.1f}% / {100 * r['zigzag_spread_mean']:.1f}%",
                       f"{100 * r['spread_max']:.2f}% / {100 * r['spread_mean']:.2f}%",
                       r["zigzag_kept"], ",".join(map(str, r["group_chunks"])) or "-",
-                      f"{100 * r['kv_messages_skipped_mean']:.0f}%"])
+                      f"{100 * r['kv_messages_skipped_mean']:.0f}%",
+                      f"{100 * r['kv_bytes_skipped_mean']:.0f}%"])
     return report.markdown_table(headers, table)
