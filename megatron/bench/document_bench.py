@@ -67,7 +67,12 @@ from megatron.usp.document_kernels import (
     build_document_block,
     varlen_available,
 )
-from megatron.usp.document_ring import build_document_ring_plan, needs_matrix, ring_positions
+from megatron.usp.document_ring import (
+    build_document_ring_plan,
+    halo_matrix,
+    needs_from_halo,
+    ring_positions,
+)
 from megatron.usp.kernels import get_kernel
 from megatron.usp.packed_documents import PackedDocumentAttention, packed_plan_for
 from megatron.usp.ring_attention import ring_accum_dtype
@@ -246,19 +251,19 @@ def _segments(cfg, mix: str, seq_len: int) -> Optional[np.ndarray]:
 
 
 def _ring_bytes(plan, kv_bytes: int, dtype: torch.dtype) -> Dict[str, int]:
-    """Ring traffic of one attention call (forward + backward, all ranks) against zigzag.
+    """Ring traffic of one attention call (forward + backward, all ranks) against zigzag;
+    ``kv_bytes``: one rank's whole K/V block.
 
     Zigzag: every rank sends R-1 K/V blocks forward and backward and R dK/dV hops (R-1 in the
-    accumulator dtype). Document ring: the plan's K/V messages forward and backward, and as many
-    dK/dV shares (kv's dtype).
+    accumulator dtype). Document ring: the plan's halo tokens forward and backward, and their
+    dK/dV shares back (kv's dtype).
     """
     R = plan.ring_size
     acc_scale = torch.finfo(ring_accum_dtype(dtype, R)).bits // torch.finfo(dtype).bits
     zigzag = R * (2 * (R - 1) + (R - 1) * acc_scale + 1) * kv_bytes if R > 1 else 0
-    msgs = plan.kv_messages()
-    ours = 3 * msgs * kv_bytes
+    ours = 3 * plan.ring_kv_tokens() * kv_bytes // (plan.seq_len // R)
     return {"ring_bytes": ours, "ring_bytes_skipped": zigzag - ours,
-            "kv_messages": msgs, "kv_messages_skipped": plan.skipped_kv_messages()}
+            "kv_messages": plan.kv_messages(), "kv_messages_skipped": plan.skipped_kv_messages()}
 
 
 # --------------------------------------------------------------------------- USP mode
@@ -672,16 +677,20 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                 continue
             seg = lb.segments_from_lengths(lengths, seq_len, samples)
             for u, r in splits:
-                zig, bal, ms, skipped = [], [], [], []
+                zig, bal, ms, skipped, bytes_skipped = [], [], [], [], []
                 for row in seg:
                     choice = lb.balance_chunks(lb.token_work(row), u, r)
                     zig.append(choice.zigzag_spread)
                     bal.append(choice.spread)
                     ms.append(0 if choice.is_zigzag else choice.assignment.group_chunks)
                     assignment = None if choice.is_zigzag else choice.assignment
-                    needs = needs_matrix(row[None], ring_positions(seq_len, r, assignment), True)
-                    sent = sum(needs[a][b] for a in range(r) for b in range(r) if a != b)
-                    skipped.append(1 - sent / (r * (r - 1)) if r > 1 else 1.0)
+                    halo = halo_matrix(row[None], ring_positions(seq_len, r, assignment), None)
+                    needs = needs_from_halo(halo)
+                    pairs = [(a, b) for a in range(r) for b in range(r) if a != b and needs[a][b]]
+                    tokens = sum(seq_len // r if halo[a][b] is None else halo[a][b].size
+                                 for a, b in pairs)
+                    skipped.append(1 - len(pairs) / (r * (r - 1)) if r > 1 else 1.0)
+                    bytes_skipped.append(1 - tokens / ((r - 1) * seq_len) if r > 1 else 1.0)
                 rows.append(dict(mix=mix, seq_len=seq_len, ulysses=u, ring=r, samples=samples,
                                  documents=int(sum(row.max() + 1 for row in seg)),
                                  zigzag_spread_max=max(zig), zigzag_spread_mean=float(
@@ -689,23 +698,26 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                                  spread_mean=float(np.mean(bal)),
                                  zigzag_kept=sum(m == 0 for m in ms),
                                  group_chunks=sorted(set(m for m in ms if m)),
-                                 kv_messages_skipped_mean=float(np.mean(skipped))))
+                                 kv_messages_skipped_mean=float(np.mean(skipped)),
+                                 kv_bytes_skipped_mean=float(np.mean(bytes_skipped))))
     return rows
 
 
 def balance_markdown(rows: Sequence[dict]) -> str:
     headers = ["docs", "S", "U x R", "samples", "documents", "zigzag spread max / mean",
-               "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped"]
+               "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped",
+               "ring K/V bytes skipped"]
     table = []
     for r in rows:
         if r.get("status") == "skipped":
             table.append([r["mix"], seq_label(r["seq_len"]), "", "", "", r["note"], "", "", "",
-                          ""])
+                          "", ""])
             continue
         table.append([r["mix"], seq_label(r["seq_len"]), f"{r['ulysses']}x{r['ring']}",
                       r["samples"], r["documents"],
                       f"{100 * r['zigzag_spread_max']:.1f}% / {100 * r['zigzag_spread_mean']:.1f}%",
                       f"{100 * r['spread_max']:.2f}% / {100 * r['spread_mean']:.2f}%",
                       r["zigzag_kept"], ",".join(map(str, r["group_chunks"])) or "-",
-                      f"{100 * r['kv_messages_skipped_mean']:.0f}%"])
+                      f"{100 * r['kv_messages_skipped_mean']:.0f}%",
+                      f"{100 * r['kv_bytes_skipped_mean']:.0f}%"])
     return report.markdown_table(headers, table)

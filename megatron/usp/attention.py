@@ -36,7 +36,7 @@ attention, all-to-all). Chunks hold whole KV heads
 
 Packed documents (``documents``, a :class:`megatron.usp.document_ring.DocumentRingPlan`): the
 all-to-alls and the head-chunk pipeline are unchanged; the ring step is the document ring of
-:mod:`megatron.usp.document_ring` (only K/V blocks that share a document move) with the
+:mod:`megatron.usp.document_ring` (only the keys another rank's queries see move) with the
 document-masked kernels of :mod:`megatron.usp.document_kernels`.
 
 Sliding window (``window`` = left, causal only): the same pipeline with the document ring's

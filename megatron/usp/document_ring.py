@@ -1,4 +1,4 @@
-"""Document-masked ring attention: only the K/V blocks that share a document move or compute.
+"""Document-masked ring attention: only the keys some query sees move, only visible pairs compute.
 
 Shapes on ring rank ``r`` of ``R`` (after the Ulysses all-to-all; legend of
 :mod:`megatron.usp.ring_attention`)::
@@ -8,32 +8,33 @@ Shapes on ring rank ``r`` of ``R`` (after the Ulysses all-to-all; legend of
     lse          : [b, hq, S_r]         float32 (float64 for float64 inputs)
 
 Schedule (:class:`DocumentRingPlan`, built once per micro-batch from the batch's segment ids
-and chunk assignment, the same on every rank). ``needs[r][j]``: some query of ring rank ``r``
-sees some key of ring rank ``j`` (a shared document, and causally a key not after the query).
-Step 0 is the local block. At step ``i`` (1 <= i < R) rank ``r`` computes on the K/V of
-``j = r - i`` and, unlike the zigzag ring, receives them from ``j`` directly (each rank sends
-its own K/V to ``r + i``), so that a block nobody needs is never sent: ``r`` receives iff
-``needs[r][j]``, sends iff ``needs[r+i][r]``. When no document crosses ring ranks there is no
-exchange at all. The backward sends each block's dK/dV share straight back to its owner (``r``
-to ``j`` at step ``i``), where it is added to the owner's accumulator.
+and chunk assignment, the same on every rank). ``halo[r][j]`` lists the local indices of ring
+rank ``j``'s tokens that some query of ring rank ``r`` sees: a key at position ``p`` is needed
+iff a query of ``r`` lies in ``p``'s document and, causally, at a position ``q >= p`` (with a
+window also ``q - p <= left`` for the first such ``q``). ``needs[r][j]``: that list is not
+empty. Step 0 is the local block. At step ``i`` (1 <= i < R) rank ``r`` computes on the keys
+of ``j = r - i`` and, unlike the zigzag ring, receives them from ``j`` directly (each rank
+sends its own to ``r + i``), so that a key nobody needs is never sent: ``r`` receives iff
+``needs[r][j]``, sends iff ``needs[r+i][r]``, and the message holds only the halo, gathered
+to ``[2, b, hk, n, d]`` (when every key of the block is needed, ``halo`` says None and the
+block goes as it is, without the gather copy). The backward sends each halo's dK/dV share
+straight back to its owner (``r`` to ``j`` at step ``i``), which adds it at the same indices.
+When no document crosses ring ranks nothing moves.
 
-Per rank and call, with ``n_in`` = sources this rank needs and ``n_out`` = ranks that need this
-rank's K/V: forward ``n_in`` K/V receives and ``n_out`` sends (``kv.numel()`` elements each);
-backward the same K/V traffic plus ``n_in`` dK/dV shares sent and ``n_out`` received (kv's
-dtype). Every transfer of step ``i + 1`` is started before step ``i`` computes. Bytes skipped
-against the zigzag ring: :meth:`DocumentRingPlan.skipped_kv_messages`.
+Per rank and call, forward: ``n_out`` K/V sends of :meth:`DocumentRingPlan.send_tokens`
+tokens each (:meth:`~DocumentRingPlan.kv_tokens_sent` in all) and ``n_in`` receives of
+:meth:`~DocumentRingPlan.recv_tokens`; backward the same K/V traffic plus, per received
+halo, its dK/dV share sent back, and per sent halo one received (kv's dtype). A token costs
+``2 x b x hk x d`` elements. Without a window only the keys of documents that cross ring
+ranks move (docs/packed_documents.md); with a window ``O(left)`` tokens per rank and layer
+(docs/sliding_window.md). Every transfer of step ``i + 1`` is started before step ``i``
+computes. Messages skipped against the zigzag ring:
+:meth:`DocumentRingPlan.skipped_kv_messages`.
 
-Sliding window (``window`` = left, megatron-core's ``window_size = (left, 0)``, causal only):
-the same plan with the window in its predicate, and *halo* transfers: ``halo[r][j]`` lists the
-local indices of ring rank ``j``'s tokens that some query of ``r`` sees (a key at position
-``p`` is needed iff the first query position ``q >= p`` of ``r`` lies in ``p``'s document and
-``q - p <= left``), so ``j`` sends ``r`` only those tokens (one gathered
-``[2, b, hk, n, d]`` message) and ``r`` sends their dK/dV shares back, which ``j`` adds at
-the same indices. In the zigzag order a rank's two chunks reach back into up to two
-predecessors' chunks (more when ``left`` exceeds a chunk), so a rank sends and receives
-``O(left)`` tokens per layer, whatever S is, and nothing when no window crosses a ring rank
-(docs/sliding_window.md gives the byte count). Without a window every needed block moves
-whole. :meth:`DocumentRingPlan.kv_tokens_sent` counts what one forward sends.
+Sliding window (``window`` = left, megatron-core's ``window_size = (left, 0)``, causal only,
+contiguous documents): the same plan with the window in its predicate
+(:meth:`DocumentRingPlan.with_window`); in the zigzag order a rank's two chunks reach back into
+up to two predecessors' chunks (more when ``left`` exceeds a chunk).
 
 Accumulators: a row merges at most ``1 + n_in`` blocks and an owner sums ``1 + n_out`` dK/dV
 shares; as in the zigzag ring (:func:`megatron.usp.ring_attention.ring_accum_dtype`) two terms
@@ -71,71 +72,74 @@ def ring_positions(seq_len: int, ring_size: int, assignment: Optional[ChunkAssig
             for j in range(ring_size)]
 
 
-def _segment_bounds(seg: np.ndarray, pos: np.ndarray) -> List[dict]:
-    """Per sample: segment -> (first position, last position) among the given tokens."""
-    out = []
-    for row_seg, row_pos in zip(seg, pos):
-        order = np.argsort(row_seg, kind="stable")
-        s, p = row_seg[order], row_pos[order]
-        starts = np.flatnonzero(np.concatenate([[True], s[1:] != s[:-1]]))
-        ends = np.concatenate([starts[1:], [s.size]])
-        out.append({int(s[a]): (int(p[a:b].min()), int(p[a:b].max()))
-                    for a, b in zip(starts, ends)})
-    return out
-
-
-def needs_matrix(segments: np.ndarray, positions: Sequence[np.ndarray], causal: bool
-                 ) -> Tuple[Tuple[bool, ...], ...]:
-    """``needs[r][j]``: a query of ring rank ``r`` sees a key of ring rank ``j`` (docstring)."""
-    bounds = [_segment_bounds(segments[:, pos], np.broadcast_to(pos, (segments.shape[0],
-                                                                       pos.size)))
-              for pos in positions]
-    R = len(positions)
-    needs = [[r == j for j in range(R)] for r in range(R)]
-    for r in range(R):
-        for j in range(R):
-            if r == j:
-                continue
-            for q_b, k_b in zip(bounds[r], bounds[j]):
-                if any(s in k_b and (not causal or k_b[s][0] <= q_b[s][1]) for s in q_b):
-                    needs[r][j] = True
-                    break
-    return tuple(tuple(row) for row in needs)
-
-
 def monotone_segments(segments: np.ndarray) -> bool:
     """Segment ids never decrease along a sample (documents are contiguous, as EOD cuts make
-    them): what :func:`halo_matrix` assumes."""
+    them): what a window's halo (:func:`halo_indices`) assumes."""
     return bool(np.all(np.diff(segments, axis=-1) >= 0))
 
 
-def halo_indices(segments: np.ndarray, q_positions: np.ndarray, k_positions: np.ndarray,
-                 window: Optional[int]) -> np.ndarray:
-    """Local indices (into ``k_positions``) of the keys some query at ``q_positions`` sees
-    causally, within its document and, with ``window``, at most ``window`` positions back
-    (module docstring's rule; ``segments`` [b, S] monotone, union over samples)."""
+def _document_reach(segments: np.ndarray, q_positions: np.ndarray, k_positions: np.ndarray,
+                    causal: bool) -> np.ndarray:
+    """Mask over ``k_positions``: some query at ``q_positions`` shares the key's document and,
+    causally, sits at or after it (any segment order; union over samples)."""
+    need = np.zeros(k_positions.size, dtype=bool)
+    for row in segments:
+        q_seg, k_seg = row[q_positions], row[k_positions]
+        order = np.lexsort((q_positions, q_seg))         # by document, then position
+        seg_sorted, pos_sorted = q_seg[order], q_positions[order]
+        last = np.searchsorted(seg_sorted, k_seg, side="right") - 1   # document's last query
+        found = last >= 0
+        last = np.maximum(last, 0)
+        found &= seg_sorted[last] == k_seg
+        if causal:
+            found &= pos_sorted[last] >= k_positions
+        need |= found
+    return need
+
+
+def _window_reach(segments: np.ndarray, q_positions: np.ndarray, k_positions: np.ndarray,
+                  window: int) -> np.ndarray:
+    """Mask over ``k_positions``: the first query ``q >= p`` lies in ``p``'s document and
+    ``q - p <= window`` (contiguous documents; union over samples)."""
     queries = np.sort(q_positions)
     nxt = np.searchsorted(queries, k_positions, side="left")      # first query >= the key
     has = nxt < queries.size
     q_next = queries[np.minimum(nxt, queries.size - 1)]
-    reach = has if window is None else has & (q_next - k_positions <= window)
     same_doc = (segments[:, q_next] == segments[:, k_positions]).any(axis=0)
-    return np.flatnonzero(reach & same_doc)
+    return has & (q_next - k_positions <= window) & same_doc
 
 
-def halo_matrix(segments: np.ndarray, positions: Sequence[np.ndarray], window: Optional[int]
-                ) -> Tuple[Tuple[Optional[np.ndarray], ...], ...]:
+def halo_indices(segments: np.ndarray, q_positions: np.ndarray, k_positions: np.ndarray,
+                 window: Optional[int], causal: bool = True) -> np.ndarray:
+    """Local indices (into ``k_positions``) of the keys some query at ``q_positions`` sees: same
+    document, causally not after the query and, with ``window``, at most ``window`` positions
+    back (``segments`` [b, S]; a window needs monotone segments; union over samples)."""
+    if window is None:
+        return np.flatnonzero(_document_reach(segments, q_positions, k_positions, causal))
+    return np.flatnonzero(_window_reach(segments, q_positions, k_positions, window))
+
+
+def halo_matrix(segments: np.ndarray, positions: Sequence[np.ndarray], window: Optional[int],
+                causal: bool = True) -> Tuple[Tuple[Optional[np.ndarray], ...], ...]:
     """``halo[r][j]``: ring rank ``j``'s local token indices that rank ``r`` needs; None
-    where all of them (the local block, or every key needed), an empty array where none."""
+    where all of them (the local block, or every key needed: the block moves as it is, with
+    no gather copy), an empty array where none."""
     R = len(positions)
     out = []
     for r in range(R):
         row = []
         for j in range(R):
-            idx = None if r == j else halo_indices(segments, positions[r], positions[j], window)
+            idx = None if r == j else halo_indices(segments, positions[r], positions[j],
+                                                   window, causal)
             row.append(None if idx is not None and idx.size == positions[j].size else idx)
         out.append(tuple(row))
     return tuple(out)
+
+
+def needs_from_halo(halo: Sequence[Sequence[Optional[np.ndarray]]]
+                    ) -> Tuple[Tuple[bool, ...], ...]:
+    """``needs[r][j]``: rank ``r`` needs at least one key of rank ``j`` (module docstring)."""
+    return tuple(tuple(idx is None or idx.size > 0 for idx in row) for row in halo)
 
 
 @dataclass(frozen=True)
@@ -149,8 +153,8 @@ class DocumentRingPlan:
         seq_len, batch: the micro-batch's S and b.
         causal: causal within documents (else bidirectional within documents).
         window: the left window (None: none).
-        halo: with a window, :func:`halo_matrix` (the same on every rank); else empty (every
-            needed block moves whole).
+        halo: :func:`halo_matrix`, the same on every rank: which of ring rank ``j``'s keys
+            rank ``r`` needs (None: the whole block, sent as it is).
         segments, assignment, device: what the plan was built from (:meth:`with_window`).
     """
 
@@ -168,11 +172,8 @@ class DocumentRingPlan:
     device: object = field(default=None, compare=False, repr=False)
     _cache: Dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
-    def _halo(self, r: int, j: int) -> Optional[np.ndarray]:
-        return self.halo[r][j] if self.halo else None
-
     def _tokens(self, r: int, j: int) -> int:
-        idx = self._halo(r, j)
+        idx = self.halo[r][j]
         return self.seq_len // self.ring_size if idx is None else int(idx.size)
 
     def send_tokens(self, step: int) -> int:
@@ -185,7 +186,7 @@ class DocumentRingPlan:
 
     def send_index(self, step: int, device) -> Optional[Tensor]:
         """Local indices of our tokens sent at ``step`` (int64 on ``device``; None: all)."""
-        idx = self._halo((self.ring_rank + step) % self.ring_size, self.ring_rank)
+        idx = self.halo[(self.ring_rank + step) % self.ring_size][self.ring_rank]
         if idx is None:
             return None
         key = ("send", step, str(device))
@@ -197,6 +198,13 @@ class DocumentRingPlan:
         """Tokens whose K/V this rank sends in one forward (the backward sends as many K/V
         and receives as many dK/dV back); bytes = tokens x 2 x b x hk x d x element size."""
         return sum(self.send_tokens(i) for i in range(1, self.ring_size) if self.sends(i))
+
+    def ring_kv_tokens(self) -> int:
+        """Tokens whose K/V move over the whole ring in one forward (every rank's
+        :meth:`kv_tokens_sent` summed; whole blocks would move ``kv_messages() * S / R``)."""
+        R = self.ring_size
+        return sum(self._tokens(r, j) for r in range(R) for j in range(R)
+                   if r != j and self.needs[r][j])
 
     def with_window(self, window: Optional[int]) -> "DocumentRingPlan":
         """The same micro-batch's plan with a left window (built once, cached)."""
@@ -258,15 +266,11 @@ def build_document_ring_plan(segments: np.ndarray, ring_rank: int, ring_size: in
     batch, seq_len = seg.shape
     window = effective_window(window, seq_len)
     positions = ring_positions(seq_len, ring_size, assignment)
-    halo: tuple = ()
-    if window is None:
-        needs = needs_matrix(seg, positions, causal)
-    else:
-        if not causal or not monotone_segments(seg):
-            raise ValueError("a sliding window needs causal attention over contiguous "
-                             "documents (segment ids that never decrease along a sample)")
-        halo = halo_matrix(seg, positions, window)
-        needs = tuple(tuple(idx is None or idx.size > 0 for idx in row) for row in halo)
+    if window is not None and (not causal or not monotone_segments(seg)):
+        raise ValueError("a sliding window needs causal attention over contiguous "
+                         "documents (segment ids that never decrease along a sample)")
+    halo = halo_matrix(seg, positions, window, causal)
+    needs = needs_from_halo(halo)
     mine = positions[ring_rank]
     q_pos = np.broadcast_to(mine, (batch, mine.size))
     blocks = []
@@ -274,8 +278,7 @@ def build_document_ring_plan(segments: np.ndarray, ring_rank: int, ring_size: in
         if not needs[ring_rank][j]:
             blocks.append(None)
             continue
-        keys = positions[j] if not halo or halo[ring_rank][j] is None \
-            else positions[j][halo[ring_rank][j]]
+        keys = positions[j] if halo[ring_rank][j] is None else positions[j][halo[ring_rank][j]]
         k_pos = np.broadcast_to(keys, (batch, keys.size))
         blocks.append(build_document_block(q_pos, seg[:, mine], k_pos, seg[:, keys],
                                            causal, device, window))

@@ -341,6 +341,8 @@ def test_bench_attention_document_kernels_and_balance_report(tmp_path):
     assert [(r["ulysses"], r["ring"]) for r in rows] == [(1, 2), (2, 2)]
     for r in rows:
         assert r["spread_max"] <= 0.05 and r["spread_max"] <= r["zigzag_spread_max"]
+        # only the keys of crossing documents move: more bytes skipped than whole messages
+        assert r["kv_messages_skipped_mean"] < r["kv_bytes_skipped_mean"] < 1
 
 
 # --------------------------------------------------------------------------- imported model

@@ -18,8 +18,9 @@ documents per sample; one case through megatron-core's module (``USPAttention`` 
 ``DocumentParams``).
 
 Communication is counted: the all-to-alls are those of plain USP; the ring sends and receives
-exactly the messages the plan's ``needs`` matrix asks for (K/V forward and backward, dK/dV
-shares back), and none at all when no document crosses a ring rank.
+exactly the messages a dense count written here asks for: to each ring rank, the keys of this
+rank that some query there sees (K/V forward and backward, dK/dV shares back), none at all when
+no document crosses a ring rank, and on some case of every ring less than the whole block.
 """
 
 from __future__ import annotations
@@ -113,12 +114,39 @@ def random_assignment(ulysses, ring, group_chunks, rng):
 
 
 # --------------------------------------------------------------------------- one case
-def expected_p2p(plan, kv_numel, dtype, chunks):
-    """The ring messages of one forward + backward under ``plan`` (per head chunk)."""
-    sends, recvs = plan.ranks_needing_me, plan.sources_needed
-    per_chunk = ([("isend", kv_numel, dtype)] * (2 * sends + recvs)       # K/V fwd+bwd, shares
-                 + [("irecv", kv_numel, dtype)] * (2 * recvs + sends))
-    return Counter(per_chunk * chunks)
+def ring_rank_tokens(seq_len, ulysses, ring, assignment):
+    """Global positions held by each ring rank after the Ulysses all-to-all: the union of its
+    Ulysses peers' shards (the sharding the inputs go through)."""
+    cp, everything = ulysses * ring, torch.arange(seq_len)
+    return [np.concatenate([token_order.shard_for_cp_rank(
+        everything, 0, token_order.cp_rank_of(u, j, ulysses), cp, assignment).numpy()
+        for u in range(ulysses)]) for j in range(ring)]
+
+
+def keys_needed(seg, q_positions, k_positions, causal=True):
+    """Keys at ``k_positions`` some query at ``q_positions`` sees, by the dense mask: same
+    segment in some sample and, causally, key position <= query position."""
+    visible = seg[:, q_positions][:, :, None] == seg[:, k_positions][:, None, :]   # [b, q, k]
+    if causal:
+        visible &= k_positions[None, None, :] <= q_positions[None, :, None]
+    return int(visible.any(axis=(0, 1)).sum())
+
+
+def expected_p2p(seg, held, ring_rank, numel_per_token, dtype, chunks):
+    """The ring messages one rank issues in one forward + backward (per head chunk): to each
+    rank that needs some of its keys, those keys (K/V, forward and backward) and their dK/dV
+    share back; from each rank it needs, the same the other way."""
+    R = len(held)
+    out = [keys_needed(seg, held[(ring_rank + i) % R], held[ring_rank]) for i in range(1, R)]
+    into = [keys_needed(seg, held[ring_rank], held[(ring_rank - i) % R]) for i in range(1, R)]
+    msgs = []
+    for n in filter(None, out):    # K/V out forward and backward, their dK/dV share back
+        msgs += [("isend", n * numel_per_token, dtype)] * 2 + [("irecv", n * numel_per_token,
+                                                                dtype)]
+    for n in filter(None, into):   # K/V in forward and backward, our dK/dV share home
+        msgs += [("irecv", n * numel_per_token, dtype)] * 2 + [("isend", n * numel_per_token,
+                                                                dtype)]
+    return Counter(msgs * chunks), sum(out), sum(n > 0 for n in out)
 
 
 def run_case(groups, case, seq_len, batch=2):
@@ -162,9 +190,13 @@ def run_case(groups, case, seq_len, batch=2):
 
     chunks = resolve_overlap_chunks(NUM_HEADS, hk, U, R)
     hk_sent = max(hk, U)
-    kv_numel = 2 * batch * (hk_sent // U) * (seq_len // R) * HEAD_DIM // chunks
+    per_token = 2 * batch * (hk_sent // U) * HEAD_DIM // chunks
+    held = ring_rank_tokens(seq_len, U, R, assignment)
+    want, sent, blocks = expected_p2p(seg, held, groups.ring_rank, per_token, torch.float64,
+                                      chunks)
     got = Counter(m for call in comm.p2p for m in call)
-    assert got == expected_p2p(plan, kv_numel, torch.float64, chunks), (got, plan.needs)
+    assert got == want, (got, want, plan.needs)
+    assert sent == plan.kv_tokens_sent() <= blocks * seq_len // R
     if "local" in case["patterns"] and len(set(case["patterns"])) == 1 and assignment is None:
         assert comm.p2p == [] and plan.kv_messages() == 0      # no document crosses a ring rank
     if U == 1:
@@ -208,15 +240,17 @@ def _all_layouts(rank, world_size, layouts):
         groups = initialize_usp_parallel(ParallelDims(dist.get_world_size(), ulysses=ulysses,
                                                       ring=ring))
         seq_len = 2 * ulysses * ring * 16 if ulysses * ring < 8 else 128
-        skipped = 0
+        skipped = trimmed = 0
         for case in cases_for(ulysses, ring):
             try:
                 plan = run_case(groups, case, seq_len)
             except AssertionError as exc:
                 raise AssertionError(f"U={ulysses} R={ring} {case}: {exc}") from None
             skipped += plan.skipped_kv_messages()
+            trimmed += plan.ranks_needing_me * seq_len // ring - plan.kv_tokens_sent()
         if ring > 1:
             assert skipped > 0, "no case skipped a ring block"
+            assert trimmed > 0, "no case sent less than the whole block it was asked for"
         destroy_usp_parallel()
 
 

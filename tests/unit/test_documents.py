@@ -25,7 +25,12 @@ from megatron.usp.document_mask import (
     tiles_for_block,
     token_runs,
 )
-from megatron.usp.document_ring import build_document_ring_plan, needs_matrix, ring_positions
+from megatron.usp.document_ring import (
+    build_document_ring_plan,
+    halo_matrix,
+    needs_from_halo,
+    ring_positions,
+)
 from tests.helpers import document_offsets, tiny_gpt_flags
 
 EOD = 7
@@ -188,22 +193,31 @@ def test_runs():
 
 # --------------------------------------------------------------------------- ring plan
 @pytest.mark.parametrize("seed", range(12))
-def test_needs_matrix_is_the_dense_mask_between_ring_ranks(seed):
+def test_halo_is_the_dense_mask_between_ring_ranks(seed):
+    """halo[r][j] = the keys of ring rank j some query of r sees, under the dense mask;
+    bidirectional and non-contiguous documents included (seeds 2 mod 3)."""
     rng = np.random.default_rng(seed)
     ring, u, s = int(rng.choice([2, 3, 4])), 1, 96
     s -= s % (2 * ring * 2)
     seg = np.stack([np.cumsum(rng.random(s) < p) for p in (0.02, 0.2)])
+    if seed % 3 == 2:
+        seg = rng.integers(0, 6, size=seg.shape)       # documents interleaved
+    causal = seed % 4 != 3
     assignment = _random_assignment(u, ring, 2, rng) if seed % 2 else None
     positions = ring_positions(s, ring, assignment)
-    needs = needs_matrix(seg, positions, causal=True)
+    halo = halo_matrix(seg, positions, None, causal)
+    needs = needs_from_halo(halo)
     p = torch.arange(s)
     for r in range(ring):
         for j in range(ring):
-            want = any(dense_document_mask(p[positions[r]], torch.as_tensor(seg[b, positions[r]]),
+            seen = sum(dense_document_mask(p[positions[r]], torch.as_tensor(seg[b, positions[r]]),
                                            p[positions[j]], torch.as_tensor(seg[b, positions[j]]),
-                                           True).any() for b in range(2))
-            assert needs[r][j] == want, (r, j)
-    plan = build_document_ring_plan(seg, 0, ring, assignment)
+                                           causal).any(0) for b in range(2)).numpy() > 0
+            want = np.arange(seen.size) if r == j or seen.all() else np.flatnonzero(seen)
+            got = np.arange(seen.size) if halo[r][j] is None else halo[r][j]
+            assert np.array_equal(got, want), (r, j)
+            assert needs[r][j] == bool(seen.any() or r == j), (r, j)
+    plan = build_document_ring_plan(seg, 0, ring, assignment, causal)
     assert plan.kv_messages() + plan.skipped_kv_messages() == ring * (ring - 1)
     assert [blk is not None for blk in plan.blocks] == list(needs[0])
 
