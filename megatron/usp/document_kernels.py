@@ -47,8 +47,10 @@ from megatron.usp.document_mask import Tile, dense_document_mask, tiles_for_bloc
 from megatron.usp.kernels import (
     AttentionKernel,
     _cudnn_attention_usable,
-    _probs,
     accum_dtype,
+    masked_backward,
+    masked_forward,
+    masked_scores,
     merge_block_,
 )
 from megatron.usp.window_kernel import window_backward, window_forward
@@ -332,35 +334,17 @@ class MathDocumentKernel(DocumentKernel):
     name = "math"
 
     def _scores(self, q: Tensor, k: Tensor, block: DocumentBlock, scale: float) -> Tensor:
-        acc = accum_dtype(q.dtype)
-        hk = k.shape[1]
-        mask = dense_document_mask(block.tensor("q_pos"), block.tensor("q_seg"),
-                                   block.tensor("k_pos"), block.tensor("k_seg"), block.causal,
-                                   block.window)
-        qg = q.to(acc).unflatten(1, (hk, q.shape[1] // hk))            # [b, hk, g, sq, d]
-        scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
-        return scores.masked_fill_(~mask[:, None, None], float("-inf"))
+        visible = dense_document_mask(block.tensor("q_pos"), block.tensor("q_seg"),
+                                      block.tensor("k_pos"), block.tensor("k_seg"),
+                                      block.causal, block.window)             # [b, sq, sk]
+        return masked_scores(q, k, ~visible[:, None, None], scale)   # [b, hk, g, sq, sk]
 
     def forward(self, q, k, v, block, scale):
-        scores = self._scores(q, k, block, scale)                      # [b, hk, g, sq, sk]
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(_probs(scores, lse), v.to(scores.dtype).unsqueeze(2))
-        return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+        return masked_forward(self._scores(q, k, block, scale), v, q.dtype)
 
     def backward(self, dout, q, k, v, out, lse, block, scale):
-        hk = k.shape[1]
-        g = q.shape[1] // hk
         scores = self._scores(q, k, block, scale)
-        acc = scores.dtype
-        p = _probs(scores, lse.to(acc).unflatten(1, (hk, g)))
-        do = dout.to(acc).unflatten(1, (hk, g))
-        dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-        dp = torch.matmul(do, v.to(acc).unsqueeze(2).transpose(-1, -2))
-        delta = (do * out.to(acc).unflatten(1, (hk, g))).sum(-1, keepdim=True)
-        ds = p * (dp - delta)
-        dq = torch.matmul(ds, k.to(acc).unsqueeze(2)) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).unflatten(1, (hk, g))).sum(2) * scale
-        return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return masked_backward(scores, dout, q, k, v, out, lse, scale)
 
 
 # --------------------------------------------------------------------------- tiles

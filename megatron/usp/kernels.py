@@ -54,7 +54,7 @@ import importlib.util
 import inspect
 import warnings
 from abc import ABC, abstractmethod
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -195,17 +195,24 @@ class AttentionKernel(ABC):
 
 
 # --------------------------------------------------------------------------- math
-def _masked_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    """Scores [b, hk, g, sq, sk] in accum dtype with the causal mask applied (-inf)."""
+def masked_scores(q: Tensor, k: Tensor, hidden: Optional[Tensor], scale: float) -> Tensor:
+    """Scores [b, hk, g, sq, sk] in the accumulation dtype (:func:`accum_dtype`), ``-inf``
+    where ``hidden`` (a boolean mask broadcastable to that shape; None: every pair visible).
+    q [b, h, sq, d], k [b, hk, sk, d] with h % hk == 0 (GQA as g = h / hk query groups)."""
     acc = accum_dtype(q.dtype)
     hk = k.shape[1]
-    qg = q.to(acc).unflatten(1, (hk, q.shape[1] // hk))
+    qg = q.to(acc).unflatten(1, (hk, q.shape[1] // hk))                # [b, hk, g, sq, d]
     scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = q.shape[2], k.shape[2]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
-        scores.masked_fill_(mask, float("-inf"))
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
     return scores
+
+
+def _causal_hidden(q: Tensor, k: Tensor, causal: bool) -> Optional[Tensor]:
+    if not causal:
+        return None
+    sq, sk = q.shape[2], k.shape[2]
+    return torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
 
 
 def _probs(scores: Tensor, lse: Tensor) -> Tensor:
@@ -213,6 +220,33 @@ def _probs(scores: Tensor, lse: Tensor) -> Tensor:
     masked = torch.isneginf(lse).unsqueeze(-1)
     probs = torch.exp(scores - lse.masked_fill(masked.squeeze(-1), 0.0).unsqueeze(-1))
     return probs.masked_fill_(masked, 0.0)
+
+
+def masked_forward(scores: Tensor, v: Tensor, out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """Attention of :func:`masked_scores`' ``scores`` on v [b, hk, sk, d]: out [b, h, sq, d]
+    in ``out_dtype`` and lse [b, h, sq] in the scores' dtype (rows that see nothing: out 0,
+    lse -inf)."""
+    lse = torch.logsumexp(scores, dim=-1)                              # [b, hk, g, sq]
+    out = torch.matmul(_probs(scores, lse), v.to(scores.dtype).unsqueeze(2))
+    return out.flatten(1, 2).to(out_dtype), lse.flatten(1, 2)
+
+
+def masked_backward(scores: Tensor, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    lse: Tensor, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`masked_forward` from the recomputed ``scores`` and the saved
+    ``out``/``lse``: dq [b, h, sq, d], dk/dv [b, hk, sk, d] in the inputs' dtypes."""
+    hk = k.shape[1]
+    g = q.shape[1] // hk
+    acc = scores.dtype
+    p = _probs(scores, lse.to(acc).unflatten(1, (hk, g)))               # [b, hk, g, sq, sk]
+    do = dout.to(acc).unflatten(1, (hk, g))                              # [b, hk, g, sq, d]
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+    dp = torch.matmul(do, v.to(acc).unsqueeze(2).transpose(-1, -2))
+    delta = (do * out.to(acc).unflatten(1, (hk, g))).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, k.to(acc).unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).unflatten(1, (hk, g))).sum(2) * scale
+    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class MathKernel(AttentionKernel):
@@ -224,27 +258,14 @@ class MathKernel(AttentionKernel):
     name = "math"
 
     def forward(self, q, k, v, causal, scale):
-        h, hk = _check_inputs(q, k, v, causal)
-        scores = _masked_scores(q, k, causal, scale)          # [b, hk, g, sq, sk]
-        lse = torch.logsumexp(scores, dim=-1)                  # [b, hk, g, sq]
-        out = torch.matmul(_probs(scores, lse), v.to(scores.dtype).unsqueeze(2))
-        return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+        _check_inputs(q, k, v, causal)
+        scores = masked_scores(q, k, _causal_hidden(q, k, causal), scale)
+        return masked_forward(scores, v, q.dtype)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        h, hk = _check_inputs(q, k, v, causal)
-        g = h // hk
-        scores = _masked_scores(q, k, causal, scale)
-        acc = scores.dtype
-        p = _probs(scores, lse.to(acc).unflatten(1, (hk, g)))   # [b, hk, g, sq, sk]
-        do = dout.to(acc).unflatten(1, (hk, g))                  # [b, hk, g, sq, d]
-        vf = v.to(acc).unsqueeze(2)
-        dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-        dp = torch.matmul(do, vf.transpose(-1, -2))
-        delta = (do * out.to(acc).unflatten(1, (hk, g))).sum(-1, keepdim=True)
-        ds = p * (dp - delta)
-        dq = torch.matmul(ds, k.to(acc).unsqueeze(2)) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).unflatten(1, (hk, g))).sum(2) * scale
-        return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        _check_inputs(q, k, v, causal)
+        scores = masked_scores(q, k, _causal_hidden(q, k, causal), scale)
+        return masked_backward(scores, dout, q, k, v, out, lse, scale)
 
 
 # --------------------------------------------------------------------------- torch (aten)

@@ -30,7 +30,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron.usp.kernels import _probs, accum_dtype
+from megatron.usp.kernels import masked_backward, masked_forward, masked_scores
 
 Tensor = torch.Tensor
 
@@ -55,35 +55,17 @@ def flash_window_usable(q: Tensor) -> bool:
 
 # --------------------------------------------------------------------------- masked product
 def _scores(q: Tensor, k: Tensor, causal: bool, left: int, scale: float) -> Tensor:
-    acc = accum_dtype(q.dtype)
-    hk = k.shape[1]
-    qg = q.to(acc).unflatten(1, (hk, q.shape[1] // hk))                # [b, hk, g, sq, d]
-    scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
-    mask = window_mask(q.shape[2], k.shape[2], causal, left, q.device)
-    return scores.masked_fill_(~mask, float("-inf"))                   # [b, hk, g, sq, sk]
+    visible = window_mask(q.shape[2], k.shape[2], causal, left, q.device)     # [sq, sk]
+    return masked_scores(q, k, ~visible, scale)                             # [b, hk, g, sq, sk]
 
 
 def _masked_forward(q, k, v, causal, left, scale):
-    scores = _scores(q, k, causal, left, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(_probs(scores, lse), v.to(scores.dtype).unsqueeze(2))
-    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+    return masked_forward(_scores(q, k, causal, left, scale), v, q.dtype)
 
 
 def _masked_backward(dout, q, k, v, out, lse, causal, left, scale):
-    hk = k.shape[1]
-    g = q.shape[1] // hk
     scores = _scores(q, k, causal, left, scale)
-    acc = scores.dtype
-    p = _probs(scores, lse.to(acc).unflatten(1, (hk, g)))
-    do = dout.to(acc).unflatten(1, (hk, g))
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-    dp = torch.matmul(do, v.to(acc).unsqueeze(2).transpose(-1, -2))
-    delta = (do * out.to(acc).unflatten(1, (hk, g))).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    dq = torch.matmul(ds, k.to(acc).unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).unflatten(1, (hk, g))).sum(2) * scale
-    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return masked_backward(scores, dout, q, k, v, out, lse, scale)
 
 
 # --------------------------------------------------------------------------- flash op
