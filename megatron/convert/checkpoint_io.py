@@ -78,11 +78,13 @@ def write_hf(out_dir: str, model: PretrainedConfig, state: Dict[str, torch.Tenso
 class SingleRankModel:
     """A ``GPTModel`` of a validated run (``config``, a
     :class:`~megatron.training.cli.config.RunConfig`) on this process (``groups``: its
-    parallel groups)."""
+    parallel groups); ``vocab_size``: the model's own vocabulary (its rows that are not
+    padding) when a loaded checkpoint records one (``--vocab-size``), else None."""
 
     config: object
     model: torch.nn.Module
     groups: object
+    vocab_size: Optional[int] = None
 
 
 def _ensure_process_group() -> None:
@@ -226,6 +228,7 @@ def loaded_checkpoint(ckpt_dir: str, iteration: Optional[int] = None,
         loaded = dist_checkpointing.load({"model": built.model.sharded_state_dict()}, path)
         with torch.no_grad():
             built.model.load_state_dict(loaded["model"])
+        built.vocab_size = saved.get("vocab_size")
         yield built
 
 

@@ -73,8 +73,12 @@ def model_logits(config: EvalConfig, vocab: int) -> Iterator[Tuple[LogitsFn, Dic
             raise EvalConfigError(
                 f"--tokenizer-model {config.tokenizer_model} has {vocab} tokens, more than the "
                 f"{rows} rows of --load {config.load}; pass the model's own tokenizer")
+        # Logits over the model's own vocabulary where the checkpoint records it (an imported
+        # Qwen2 has more rows than token ids; transformers normalises over all of them), never
+        # fewer than the tokenizer's ids nor more than the rows.
+        cut = min(rows, max(vocab, built.vocab_size or 0))
         dims = built.groups.dims
-        yield checkpoint_logits(built.model, built.groups, vocab), {
+        yield checkpoint_logits(built.model, built.groups, cut), {
             "backend": "megatron-usp", "source": config.load,
             "layout": f"TP{dims.tp} U{dims.ulysses} R{dims.ring}",
             "max_position_embeddings": built.config.max_position_embeddings,
