@@ -51,7 +51,6 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.utils import is_layer_window_attention
 from torch.distributed.tensor import DTensor
 
 from megatron.errors import UsageError
@@ -101,6 +100,7 @@ from megatron.training.optim.offload_optimizer import (
 from megatron.training.peer_faults import PeerLostError, peer_lost
 from megatron.training.process_guard import children_ignore_stop_signals, stop_with_the_rank
 from megatron.usp.backend_names import backend_installed
+from megatron.usp.core_attention import layer_window
 from megatron.usp.parallel_state import USPGroups
 
 logger = logging.getLogger(__name__)
@@ -352,7 +352,7 @@ def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
     pp_rank, pp_size = dist.get_rank(g.pp), dist.get_world_size(g.pp)
     agreement = (batch_mod.BatchAgreement(g.same_batch, args.batch_agreement_interval)
                  if g.same_batch is not None and args.batch_agreement_interval > 0 else None)
-    window, share = layer_window(config)
+    window, share = model_window(config)
     return batch_mod.BatchContext(cp_rank=g.cp_rank, cp_size=dist.get_world_size(g.cp),
                                   device=rt.device, first_stage=pp_rank == 0,
                                   last_stage=pp_rank == pp_size - 1, ring_rank=g.ring_rank,
@@ -363,18 +363,15 @@ def batch_context(rt: Runtime, config: RunConfig) -> batch_mod.BatchContext:
                                   window_share=share)
 
 
-def layer_window(config: RunConfig) -> Tuple[Optional[int], float]:
-    """The left window when some layer of the model is windowed (megatron-core's rule), and
-    the share of the layers that are; ``(None, 0.0)`` without one."""
-    if config.window_size is None:
-        return None, 0.0
+def model_window(config: RunConfig) -> Tuple[Optional[int], float]:
+    """The left window when some layer of the model is windowed, and the share of the layers
+    that are; ``(None, 0.0)`` without one. Each layer is decided as its attention decides it
+    (:func:`megatron.usp.core_attention.layer_window`)."""
     layers = range(1, config.args.num_layers + 1)
-    windowed = sum(bool(is_layer_window_attention(config.window_size,
-                                                  config.window_attn_skip_freq, n))
-                   for n in layers)
-    if not windowed:
+    windows = [w for w in (layer_window(config, n) for n in layers) if w is not None]
+    if not windows:
         return None, 0.0
-    return config.window_size[0], windowed / len(layers)
+    return windows[0], len(windows) / len(layers)
 
 
 def flops_count_label(config: RunConfig) -> str:
@@ -382,7 +379,7 @@ def flops_count_label(config: RunConfig) -> str:
     args = config.args
     label = ("documents" if documents_enabled(args.reset_attention_mask, args.reset_position_ids)
              else "dense causal")
-    window, share = layer_window(config)
+    window, share = model_window(config)
     if window is not None:
         label += (f", window {window} on {round(share * args.num_layers)} of "
                   f"{args.num_layers} layers")

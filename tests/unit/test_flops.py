@@ -236,12 +236,12 @@ def test_attention_pairs_with_window_layers_average_over_layers():
     (["--window-size", "16"], "dense causal, window 16 on 4 of 4 layers"),
 ])
 def test_the_metrics_say_what_the_flop_count_counts(extra, label):
-    from megatron.training.loop import flops_count_label, layer_window
+    from megatron.training.loop import flops_count_label, model_window
 
     flags = tiny_gpt_flags(num_layers=4, train_iters=2, lr="1e-3", mock_data=True,
                            vocab_size=100) + extra
     config = validate_args(parse_args(flags), 1, cuda_available=False)
     assert flops_count_label(config) == label
     windowed = extra[:1] == ["--window-size"]
-    assert layer_window(config) == ((16, 0.5 if "2" in extra else 1.0) if windowed
+    assert model_window(config) == ((16, 0.5 if "2" in extra else 1.0) if windowed
                                     else (None, 0.0))
