@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,22 +32,18 @@ def _plain_name(name: str) -> str:
     return name
 
 
-def one_gpt_step(impl: str, lean: bool = False,
-                 fuse_wgrad: bool = False) -> Tuple[float, Dict[str, torch.Tensor]]:
-    """(mean loss, {parameter name: gradient}) with fused kernels ``impl``, fixed seed;
-    ``lean``: the norm and SwiGLU outputs dropped and recomputed (``--recompute-modules
-    layernorm swiglu``), gradients under the plain model's parameter names;
-    ``fuse_wgrad``: the linear layers add their weight gradients into float32 ``main_grad``
-    buffers given as megatron-core's DDP gives them (``--gradient-accumulation-fusion``);
-    those parameters' gradients are read from there."""
+@contextmanager
+def small_gpt(fused_swiglu: bool, options) -> Iterator[Tuple[torch.nn.Module, Tuple]]:
+    """The small bf16 GPT on GPU 0 with the layer spec of ``options`` (a
+    ``LayerSpecOptions``), seeded, and its fixed batch ``(tokens, labels, position_ids)``;
+    the USP groups live for the ``with`` block."""
     from megatron.core.models.gpt.gpt_model import GPTModel  # megatron-core on first use
     from megatron.core.tensor_parallel import (
         model_parallel_cuda_manual_seed,  # megatron-core on first use
     )
 
-    from megatron.training.model.layer_specs import (  # megatron-core on first use
-        LayerSpecOptions,
-        get_usp_gpt_block_spec,
+    from megatron.training.model.layer_specs import (
+        get_usp_gpt_block_spec,  # megatron-core on first use
     )
     from megatron.usp.parallel_state import (  # megatron-core on first use
         destroy_usp_parallel,
@@ -60,26 +57,43 @@ def one_gpt_step(impl: str, lean: bool = False,
     try:
         model_parallel_cuda_manual_seed(SEED)
         torch.manual_seed(SEED)
-        config = _config(impl != "torch" or lean)
-        spec = get_usp_gpt_block_spec(config, pp_rank=0, options=LayerSpecOptions(
-            fused_kernels=impl, lean_norms=lean, lean_swiglu=lean, fuse_wgrad=fuse_wgrad))
+        config = _config(fused_swiglu)
+        spec = get_usp_gpt_block_spec(config, pp_rank=0, options=options)
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                          max_sequence_length=SEQ, position_embedding_type="rope",
                          share_embeddings_and_output_weights=False,
                          pg_collection=groups.pg_collection).cuda()
-        if fuse_wgrad:
-            for p in model.parameters():
-                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-                p.grad_added_to_main_grad = False
         gen = torch.Generator().manual_seed(SEED)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).cuda()
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).cuda()
         position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ).cuda()
+        yield model, (tokens, labels, position_ids)
+    finally:
+        destroy_usp_parallel()
+
+
+def one_gpt_step(impl: str, lean: bool = False,
+                 fuse_wgrad: bool = False) -> Tuple[float, Dict[str, torch.Tensor]]:
+    """(mean loss, {parameter name: gradient}) with fused kernels ``impl``, fixed seed;
+    ``lean``: the norm and SwiGLU outputs dropped and recomputed (``--recompute-modules
+    layernorm swiglu``), gradients under the plain model's parameter names;
+    ``fuse_wgrad``: the linear layers add their weight gradients into float32 ``main_grad``
+    buffers given as megatron-core's DDP gives them (``--gradient-accumulation-fusion``);
+    those parameters' gradients are read from there."""
+    from megatron.training.model.layer_specs import (
+        LayerSpecOptions,  # megatron-core on first use
+    )
+
+    options = LayerSpecOptions(fused_kernels=impl, lean_norms=lean, lean_swiglu=lean,
+                               fuse_wgrad=fuse_wgrad)
+    with small_gpt(impl != "torch" or lean, options) as (model, (tokens, labels, position_ids)):
+        if fuse_wgrad:
+            for p in model.parameters():
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                p.grad_added_to_main_grad = False
         loss = model(tokens, position_ids, None, labels=labels).float().mean()
         loss.backward()
         grads = {_plain_name(n): (p.main_grad if getattr(p, "grad_added_to_main_grad", False)
                                   else p.grad).detach().float().clone()
                  for n, p in model.named_parameters()}
         return float(loss.detach()), grads
-    finally:
-        destroy_usp_parallel()

@@ -18,14 +18,12 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.layers import linear_wgrad
 from megatron.layers.float8_gemms import Float8Gemms
 from megatron.layers.float8_options import MIN_CAPABILITY, Float8Options
-from megatron.usp.parallel_dims import ParallelDims
-from tests.gpu.gpt_step import BATCH, SEED, SEQ, VOCAB, _config
+from tests.gpu.gpt_step import BATCH, SEQ, small_gpt
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,46 +109,20 @@ def _train(float8: str, steps: int = 4):
     """Losses of ``steps`` AdamW steps of the 2-layer bf16 GPT of tests/gpu/gpt_step.py,
     with its linears in float8 (``float8``: ``all`` or ``auto``) or not (``off``); and the
     start-up report."""
-    from megatron.core.models.gpt.gpt_model import GPTModel  # megatron-core on first use
-    from megatron.core.tensor_parallel import (
-        model_parallel_cuda_manual_seed,  # megatron-core on first use
-    )
-
     from megatron.layers.float8_policy import apply_float8  # megatron-core on first use
-    from megatron.training.model.layer_specs import (  # megatron-core on first use
-        LayerSpecOptions,
-        get_usp_gpt_block_spec,
-    )
-    from megatron.usp.parallel_state import (  # megatron-core on first use
-        destroy_usp_parallel,
-        initialize_usp_parallel,
+    from megatron.training.model.layer_specs import (
+        LayerSpecOptions,  # megatron-core on first use
     )
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    groups = initialize_usp_parallel(ParallelDims(1))
-    try:
-        model_parallel_cuda_manual_seed(SEED)
-        torch.manual_seed(SEED)
-        config = _config(fused_swiglu=True)
-        spec = get_usp_gpt_block_spec(config, pp_rank=0, options=LayerSpecOptions(
-            fused_kernels="usp", lean_norms=True, lean_swiglu=True,
-            float8_linears=float8 != "off"))
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                         max_sequence_length=SEQ, position_embedding_type="rope",
-                         share_embeddings_and_output_weights=False,
-                         pg_collection=groups.pg_collection).cuda()
+    options = LayerSpecOptions(fused_kernels="usp", lean_norms=True, lean_swiglu=True,
+                               float8_linears=float8 != "off")
+    with small_gpt(True, options) as (model, (tokens_, labels, positions)):
         report = []
         if float8 != "off":
             tokens = {k: SEQ * BATCH for k in ("QKV", "proj", "FC1", "FC2")}
             report = apply_float8([model], Float8Options(linears=float8), tokens,
                                   torch.device("cuda"), torch.bfloat16, None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(SEED)
-        tokens_ = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).cuda()
-        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).cuda()
-        positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ).cuda()
         losses = []
         for _ in range(steps):
             loss = model(tokens_, positions, None, labels=labels).float().mean()
@@ -159,8 +131,6 @@ def _train(float8: str, steps: int = 4):
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
         return losses, report
-    finally:
-        destroy_usp_parallel()
 
 
 def test_gpt_trains_with_float8_linears():
