@@ -69,6 +69,13 @@ def _run(model, groups, tokens, positions, labels=None, segments=None, assignmen
         return out, _full(loss, groups, assignment, vocab_parallel=False)
 
 
+def document_assignment(groups, docs, doc_positions):
+    """The chunk assignment the data loader gives the first packed sample under ``groups``."""
+    batching = DocumentBatching(eod=3, ulysses=groups.ulysses_size, ring=groups.ring_size)
+    return batching([{"tokens": docs[0], "labels": docs[0], "loss_mask": torch.ones(SEQ),
+                      "position_ids": doc_positions[0]}])["chunk_assignment"]
+
+
 def _check(name, hf_dir, ckpt, layout):
     from transformers import AutoModelForCausalLM  # optional: transformers
 
@@ -81,10 +88,7 @@ def _check(name, hf_dir, ckpt, layout):
     docs, segments, doc_positions = documents_batch(vocab=vocab)
     with loaded_checkpoint(ckpt, layout_flags=LAYOUTS[layout]) as built:
         groups = built.groups
-        batching = DocumentBatching(eod=3, ulysses=groups.ulysses_size, ring=groups.ring_size)
-        assignment = batching([{"tokens": docs[0], "labels": docs[0],
-                                "loss_mask": torch.ones(SEQ), "position_ids": doc_positions[0]}
-                               ])["chunk_assignment"]
+        assignment = document_assignment(groups, docs, doc_positions)
         logits, loss = _run(built.model, groups, tokens, positions, labels)
         doc_logits, _ = _run(built.model, groups, docs, doc_positions, segments=segments,
                              assignment=assignment)

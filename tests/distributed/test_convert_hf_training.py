@@ -66,6 +66,18 @@ def write_corpus(path: str, docs: int = 64) -> None:
             f.write(json.dumps({"text": " ".join(words)}) + "\n")
 
 
+def finetune_argv(model_flags, ckpt: str, tokenizer_dir: str, data_prefix: str, iters: int,
+                  lr: str) -> list:
+    """pretrain_gpt.py flags that continue the imported ``ckpt`` on CPU (``--finetune``) on
+    the preprocessed ``data_prefix``, with the model's own tokenizer."""
+    return model_flags + [
+        "--load", ckpt, "--finetune", "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", tokenizer_dir, "--data-path", data_prefix, "--split", "100,0,0",
+        "--seq-length", str(SEQ), "--micro-batch-size", str(BATCH),
+        "--global-batch-size", str(BATCH), "--train-iters", str(iters), "--lr", lr,
+        "--device", "cpu", "--num-workers", "0", "--eval-iters", "0"]
+
+
 def preprocess(jsonl: str, prefix: str, tokenizer_dir: str) -> None:
     prep = subprocess.run(
         [sys.executable, "tools/preprocess_data.py", "--input", jsonl, "--output-prefix",
@@ -104,13 +116,8 @@ def test_finetune_starts_from_the_imported_model(dist_run, tmp_path):
     with open(os.path.join(ckpt, "model_flags.txt")) as f:
         model_flags = f.read().split()
     metrics = str(tmp_path / "metrics.jsonl")
-    argv = model_flags + [
-        "--load", ckpt, "--finetune", "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", hf_dir, "--data-path", str(tmp_path / "data_text_document"),
-        "--split", "100,0,0", "--seq-length", str(SEQ), "--micro-batch-size", str(BATCH),
-        "--global-batch-size", str(BATCH), "--train-iters", "2", "--lr", "1e-4",
-        "--device", "cpu", "--num-workers", "0", "--log-interval", "1",
-        "--metrics-file", metrics, "--eval-iters", "0"]
+    argv = finetune_argv(model_flags, ckpt, hf_dir, str(tmp_path / "data_text_document"),
+                         iters=2, lr="1e-4") + ["--log-interval", "1", "--metrics-file", metrics]
     dist_run(_train, 1, argv, str(tmp_path / "batches.pt"), timeout=600)
     first = torch.load(str(tmp_path / "batches.pt"))[0]
     with open(metrics) as f:
@@ -186,13 +193,9 @@ def test_a_tokenizer_with_fewer_ids_than_rows_trains_and_exports(dist_run, tmp_p
         model_flags = f.read().split()
     assert model_flags[model_flags.index("--vocab-size") + 1] == str(ROWS)
     preprocess(str(tmp_path / "docs.jsonl"), str(tmp_path / "data"), hf_dir)
-    argv = model_flags + [
-        "--load", ckpt, "--finetune", "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", hf_dir, "--data-path", str(tmp_path / "data_text_document"),
-        "--split", "100,0,0", "--seq-length", str(SEQ), "--micro-batch-size", str(BATCH),
-        "--global-batch-size", str(BATCH), "--train-iters", "1", "--lr", "1e-3",
-        "--device", "cpu", "--num-workers", "0", "--eval-iters", "0",
-        "--tensor-model-parallel-size", "2", "--save", out]
+    argv = finetune_argv(model_flags, ckpt, hf_dir, str(tmp_path / "data_text_document"),
+                         iters=1, lr="1e-3") + ["--tensor-model-parallel-size", "2",
+                                                "--save", out]
     # torchrun, not test ranks: the checkpoint writer starts processes, which a daemonic
     # test rank may not
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_convert_hf_layouts import _run
+from tests.distributed.test_convert_hf_layouts import _run, document_assignment
 from tests.unit.test_convert_hf import SEQ, assert_logits_match, documents_batch, hf_logits
 from tests.unit.test_convert_hf_rope import SCALED, imported  # noqa: F401  (fixture)
 
@@ -31,7 +31,6 @@ def _check(name, hf_dir, ckpt, layout):
     from transformers import AutoModelForCausalLM
 
     from megatron.convert.checkpoint_io import loaded_checkpoint
-    from megatron.training.data.documents import DocumentBatching
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     vocab, what = hf.config.vocab_size, f"{name} {layout}"
@@ -41,10 +40,7 @@ def _check(name, hf_dir, ckpt, layout):
     docs, segments, doc_positions = documents_batch(vocab=vocab)
     with loaded_checkpoint(ckpt, layout_flags=LAYOUTS[layout]) as built:
         groups = built.groups
-        batching = DocumentBatching(eod=3, ulysses=groups.ulysses_size, ring=groups.ring_size)
-        assignment = batching([{"tokens": docs[0], "labels": docs[0],
-                                "loss_mask": torch.ones(SEQ), "position_ids": doc_positions[0]}
-                               ])["chunk_assignment"]
+        assignment = document_assignment(groups, docs, doc_positions)
         logits, _ = _run(built.model, groups, tokens, positions)
         doc_logits, _ = _run(built.model, groups, docs, doc_positions, segments=segments,
                              assignment=assignment)
