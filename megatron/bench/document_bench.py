@@ -58,6 +58,7 @@ from megatron.bench.cli import BenchConfigError, seq_label
 from megatron.bench.flops import FWD_BWD_FACTOR, attention_fwd_flops
 from megatron.training.data.corpus import ensure_default_corpus
 from megatron.training.data.indexed_files import inspect_indexed_dataset
+from megatron.usp import flash_varlen
 from megatron.usp import load_balance as lb
 from megatron.usp.attention import usp_attention
 from megatron.usp.document_choice import AutoDocumentKernel
@@ -65,7 +66,6 @@ from megatron.usp.document_kernels import (
     TileDocumentKernel,
     VarlenDocumentKernel,
     build_document_block,
-    varlen_available,
 )
 from megatron.usp.document_ring import (
     build_document_ring_plan,
@@ -560,7 +560,7 @@ def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
     for name in kernels:
         if name == "dense" and dense_rate is not None:
             continue                       # the ceiling does not depend on the mix
-        if name == "varlen" and not varlen_available():
+        if name == "varlen" and not flash_varlen.available():
             out.append(DocCaseResult(seq_len, mix, "kernel", name, 1, kernel=name,
                                      status="skipped", note="no flash varlen op here"))
             continue
@@ -621,7 +621,7 @@ def time_document_kernels(setup: KernelSetup, seg: np.ndarray, kernels: Sequence
     out = []
     for name in kernels:
         fallback = DocCaseResult(seq_len, "", "kernel", name, 1, kernel=name)
-        if name == "varlen" and not varlen_available():
+        if name == "varlen" and not flash_varlen.available():
             fallback.status, fallback.note = "skipped", "no flash varlen op here"
             out.append(fallback)
             continue

@@ -7,9 +7,11 @@ timed once per process on CUDA, fixed on the CPU) and takes the cheapest:
 * ``tiles``: one batched call per tile group, :meth:`KernelCosts.tile_call` (a causal square
   is priced as the in-place path prices a batched run of documents, build of a new shape
   included; a rectangle as the causal document of as many pairs). Single documents are
-  batched calls of one, so per-document calls are this kernel's groups of one;
+  batched calls of one, so per-document calls are this kernel's groups of one. A windowed
+  group runs on the window kernel's flash op, priced as varlen documents of its pairs;
 * ``varlen`` (CUDA fp16/bf16 with PyTorch's flash varlen op): each tile a document of the
-  varlen call, :meth:`KernelCosts.varlen`, as the in-place path prices its varlen documents;
+  varlen call, :meth:`KernelCosts.varlen`, as the in-place path prices its varlen documents
+  (a windowed square as the causal document of as many pairs);
 * ``math``: the dense masked product of the block, :meth:`KernelCosts.masked`, refused past
   a memory bound.
 
@@ -30,6 +32,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.usp import flash_varlen
 from megatron.usp.backend_names import DOCUMENT_KERNEL_NAMES
 from megatron.usp.document_kernels import (
     DocumentBlock,
@@ -38,7 +41,6 @@ from megatron.usp.document_kernels import (
     TileDocumentKernel,
     VarlenDocumentKernel,
     document_kernel_problem,
-    varlen_available,
 )
 from megatron.usp.kernels import AttentionKernel
 from megatron.usp.packed_documents import (
@@ -69,8 +71,7 @@ def block_costs(block: DocumentBlock, costs: KernelCosts, candidates: Sequence[s
     docstring). Reads the table's sightings, changes nothing."""
     out: Dict[str, float] = {}
     if "tiles" in candidates:
-        out["tiles"] = sum(costs.tile_call(g.q.length, g.k.length, g.causal, g.q.n)
-                           for g in block.groups)
+        out["tiles"] = sum(_group_cost(g, costs) for g in block.groups)
     if "varlen" in candidates:
         out["varlen"] = sum(costs.varlen(_tile_length(t)) for row in block.tiles for t in row)
     if "math" in candidates:
@@ -78,9 +79,18 @@ def block_costs(block: DocumentBlock, costs: KernelCosts, candidates: Sequence[s
     return out
 
 
+def _group_cost(group, costs: KernelCosts) -> float:
+    """A tile group's call: batched, or, windowed, the window kernel's flash op on ``n``
+    equal sequences, priced as varlen documents of the tiles' visible pairs."""
+    if group.window is None:
+        return costs.tile_call(group.q.length, group.k.length, group.causal, group.q.n)
+    return group.q.n * costs.varlen(equivalent_length(group.pairs // group.q.n))
+
+
 def _tile_length(tile) -> int:
-    """A tile as a document of the varlen call: its length, or a rectangle's equivalent."""
-    if tile.causal:
+    """A tile as a document of the varlen call: its length, or, for a rectangle or a windowed
+    square, the causal document of as many visible pairs."""
+    if tile.causal and tile.window is None:
         return tile.q_len
     return equivalent_length(tile.pairs)
 
@@ -132,9 +142,7 @@ class AutoDocumentKernel(DocumentKernel):
         key = ("auto", q.device.type, q.dtype, q.shape[1], k.shape[1], q.shape[-1],
                self.kernel.name)
         if key not in block._cache:
-            candidates = block_candidates(q.device.type, q.dtype, varlen_available())
-            if block.window is not None:        # the varlen kernel takes no window
-                candidates = tuple(c for c in candidates if c != "varlen")
+            candidates = block_candidates(q.device.type, q.dtype, flash_varlen.available())
             block._cache[key] = choose_block_kernel(block, self.costs(q, k, block.causal),
                                                     candidates)
         return self.kernels[block._cache[key]]  # type: ignore[index]

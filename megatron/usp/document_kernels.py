@@ -23,9 +23,10 @@ Kernels (``--document-attention-kernel``):
   H100/H200 PyTorch's cuDNN op, called on the strided views directly: a block that is one
   document is one dense cuDNN call; equal-length documents are one batched call.
 * ``varlen``: PyTorch's flash varlen op (``torch.ops.aten._flash_attention_forward`` /
-  ``_backward``, what ``torch.nn.attention.varlen.varlen_attn`` calls): the block's tiles in at
-  most two calls (causal squares, full rectangles) per layer of row-disjoint tiles, on gathered
-  ``[tokens, h, d]`` copies. CUDA fp16/bf16 only.
+  ``_backward``, what ``torch.nn.attention.varlen.varlen_attn`` calls,
+  :mod:`megatron.usp.flash_varlen`): the block's tiles in one call per kind (causal squares,
+  full rectangles, and per window a windowed block's tiles still need) and layer of
+  row-disjoint tiles, on gathered ``[tokens, h, d]`` copies. CUDA fp16/bf16 only.
 * ``math``: the dense ``[sq, sk]`` mask of the block in float32 (float64 for float64 inputs).
   Exact; O(sq*sk) memory: tiny shapes (the CPU tests).
 * ``auto``: the cheapest of these per block by measured cost
@@ -43,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron.usp import flash_varlen
 from megatron.usp.document_mask import Tile, dense_document_mask, tiles_for_block, token_runs
 from megatron.usp.kernels import (
     AttentionKernel,
@@ -504,17 +506,13 @@ def _grad_buffer(like: Tensor, cover: int, init: bool) -> Tensor:
 
 
 # --------------------------------------------------------------------------- varlen
-def varlen_available() -> bool:
-    """PyTorch's flash varlen ops exist (CUDA builds) and CUDA is up."""
-    return (torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
-            and hasattr(torch.ops.aten, "_flash_attention_backward"))
-
-
 @dataclass
 class _VarlenCall:
-    """One varlen call: row-disjoint tiles of one causal flag, packed as sequences."""
+    """One varlen call: row-disjoint tiles of one causal flag and window, packed as
+    sequences."""
 
     causal: bool
+    window: Optional[int]
     q_sample: Tensor
     q_token: Tensor
     k_sample: Tensor
@@ -527,12 +525,16 @@ class _VarlenCall:
 
 
 def _varlen_calls(block: DocumentBlock) -> List[_VarlenCall]:
-    """Tiles packed into calls: per causal flag, layers in which no query row repeats."""
+    """Tiles packed into calls: per causal flag and window (each tile's own, in the op's
+    bottom-right convention), layers in which no query row repeats."""
     if "varlen" in block._cache:
         return block._cache["varlen"]  # type: ignore[return-value]
-    layers: List[Tuple[bool, List[Tuple[int, Tile]]]] = []
-    for causal in (True, False):
-        pending = [(i, t) for i, ts in enumerate(block.tiles) for t in ts if t.causal == causal]
+    layers: List[Tuple[Tuple[bool, Optional[int]], List[Tuple[int, Tile]]]] = []
+    kinds = sorted({(t.causal, t.window) for ts in block.tiles for t in ts},
+                   key=lambda kw: (not kw[0], kw[1] is not None, kw[1] or 0))
+    for kind in kinds:
+        pending = [(i, t) for i, ts in enumerate(block.tiles) for t in ts
+                   if (t.causal, t.window) == kind]
         while pending:
             used: Dict[int, np.ndarray] = {}
             layer, rest = [], []
@@ -543,12 +545,12 @@ def _varlen_calls(block: DocumentBlock) -> List[_VarlenCall]:
                     continue
                 rows[t.q_start:t.q_start + t.q_len] = True
                 layer.append((i, t))
-            layers.append((causal, layer))
+            layers.append((kind, layer))
             pending = rest
     seen = np.zeros((block.batch, block.sq), dtype=bool)
     calls = []
     dev = block.device
-    for causal, layer in layers:
+    for (causal, window), layer in layers:
         qs = [np.full(t.q_len, i) for i, t in layer]
         qt = [np.arange(t.q_start, t.q_start + t.q_len) for _, t in layer]
         ks = [np.full(t.k_len, i) for i, t in layer]
@@ -562,7 +564,8 @@ def _varlen_calls(block: DocumentBlock) -> List[_VarlenCall]:
         def dt(a, dtype=torch.int64):
             return pinned_to_device(a, dtype, dev)
 
-        calls.append(_VarlenCall(causal, dt(q_sample), dt(q_token), dt(np.concatenate(ks)),
+        calls.append(_VarlenCall(causal, window, dt(q_sample), dt(q_token),
+                                 dt(np.concatenate(ks)),
                                  dt(np.concatenate(kt)), dt(cu_q, torch.int32),
                                  dt(cu_k, torch.int32), max(t.q_len for _, t in layer),
                                  max(t.k_len for _, t in layer), fresh))
@@ -581,10 +584,7 @@ class VarlenDocumentKernel(DocumentKernel):
     name = "varlen"
 
     def _check(self, q: Tensor, block: DocumentBlock) -> None:
-        if block.window is not None:
-            raise ValueError("--document-attention-kernel varlen does not take a sliding "
-                             "window; use --document-attention-kernel tiles (or auto)")
-        if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_available()):
+        if not flash_varlen.usable(q):
             raise ValueError(
                 f"--document-attention-kernel varlen needs CUDA fp16/bf16 tensors and PyTorch's "
                 f"flash varlen op; got {q.dtype} on {q.device}; use --document-attention-kernel "
@@ -594,14 +594,14 @@ class VarlenDocumentKernel(DocumentKernel):
         self._check(q, block)
         out = torch.zeros(q.shape, dtype=accum_dtype(q.dtype) if block.q_cover > 2 else q.dtype,
                           device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
         out_t, lse_t = out.movedim(2, 1), lse.movedim(2, 1)       # [b, s, h, d], [b, s, h]
         for c in _varlen_calls(block):
-            o, l_hT = torch.ops.aten._flash_attention_forward(
+            o, l_hT = flash_varlen.forward(
                 _tokens(q, c.q_sample, c.q_token), _tokens(k, c.k_sample, c.k_token),
-                _tokens(v, c.k_sample, c.k_token), c.cu_q, c.cu_k, c.max_q, c.max_k, 0.0,
-                c.causal, False, scale=scale)[:2]
-            l_t = l_hT.transpose(0, 1).float()                     # [T, h]
+                _tokens(v, c.k_sample, c.k_token), c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal,
+                scale, c.window)
+            l_t = l_hT.transpose(0, 1).to(lse.dtype)                # [T, h]
             if c.fresh:
                 out_t[c.q_sample, c.q_token] = o.to(out.dtype)
                 lse_t[c.q_sample, c.q_token] = l_t
@@ -620,15 +620,13 @@ class VarlenDocumentKernel(DocumentKernel):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        unused = torch.empty(0, device=q.device)
         for c in _varlen_calls(block):
             lse_c = lse.movedim(2, 1)[c.q_sample, c.q_token].transpose(0, 1).float().contiguous()
-            g_q, g_k, g_v = torch.ops.aten._flash_attention_backward(
+            g_q, g_k, g_v = flash_varlen.backward(
                 _tokens(dout, c.q_sample, c.q_token), _tokens(q, c.q_sample, c.q_token),
                 _tokens(k, c.k_sample, c.k_token), _tokens(v, c.k_sample, c.k_token),
                 _tokens(out, c.q_sample, c.q_token), lse_c, c.cu_q, c.cu_k, c.max_q, c.max_k,
-                0.0, c.causal, rng, unused, scale=scale)
+                c.causal, scale, c.window)
             dq.movedim(2, 1).index_put_((c.q_sample, c.q_token), g_q.to(acc), accumulate=True)
             dk.movedim(2, 1).index_put_((c.k_sample, c.k_token), g_k.to(acc), accumulate=True)
             dv.movedim(2, 1).index_put_((c.k_sample, c.k_token), g_v.to(acc), accumulate=True)

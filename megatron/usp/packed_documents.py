@@ -33,6 +33,12 @@ to its keys' gradients). Packed documents of random lengths thus reach cuDNN's r
 few steps, with no plan built per step. The same cost table prices the document ring's
 blocks (:mod:`megatron.usp.document_choice`); with a group, one rank measures it for all.
 
+A sliding-window layer (:attr:`PackedPlan.window` ``W``, causal) keeps the window inside each
+document: a document of at most ``W + 1`` tokens sees its whole causal prefix and runs as
+above; a longer one runs in a varlen call with the op's own window where the op exists (in
+place, blocks outside the band skipped) and otherwise in a batched call of the window kernel
+(:mod:`megatron.usp.window_kernel`); it is never padded.
+
 The plan (:class:`PackedPlan`: segments and the varlen calls' cumulative lengths, copied to the
 device from pinned memory without blocking) is built once per micro-batch and reused by every
 layer and by the backward. Nothing here communicates.
@@ -49,14 +55,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.usp import flash_varlen
 from megatron.usp.document_kernels import (
     DocumentBlock,
     MathDocumentKernel,
     build_document_block,
     pinned_to_device,
-    varlen_available,
 )
 from megatron.usp.kernels import AttentionKernel
+from megatron.usp.window_kernel import window_backward, window_forward
 
 Tensor = torch.Tensor
 
@@ -101,7 +108,8 @@ class PackedPlan:
     """Per sample, the segments covering its ``seq_len`` tokens (module docstring).
 
     ``cu`` holds each varlen segment's cumulative lengths (int32, on the device) under the
-    segment's (sample, start) key.
+    segment's (sample, start) key. ``window``: the left window of a sliding-window layer
+    (causal only; None: none), applied inside each document.
     """
 
     batch: int
@@ -109,6 +117,14 @@ class PackedPlan:
     causal: bool
     segments: Tuple[Tuple[Segment, ...], ...]
     cu: Dict[Tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
+    window: Optional[int] = None
+
+    def segment_window(self, seg: Segment) -> Optional[int]:
+        """The window ``seg``'s call needs: the plan's, if one of its documents is longer
+        than the window reaches (``n - 1 > window``); else None (plain causal)."""
+        if self.window is None or max(seg.lengths) - 1 <= self.window:
+            return None
+        return self.window
 
     def counts(self) -> Dict[str, int]:
         """Documents per kind (what the bench prints beside the choice)."""
@@ -177,12 +193,18 @@ def _batched_choice(n: int, count: int, start: int, seq_len: int, causal: bool,
     return (padded, span) if padded < exact else (exact, 0)
 
 
-def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool = True
-                    ) -> List[Segment]:
-    """Cut one sample's documents into segments by cost (module docstring)."""
+def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool = True,
+                    window: Optional[int] = None) -> List[Segment]:
+    """Cut one sample's documents into segments by cost (module docstring). ``window``: a
+    document longer than the window reaches goes to the varlen kind where it exists (the op's
+    own window, in place), else to a batched call of the window kernel; neither is padded."""
     labelled: List[Tuple[str, int, int, int]] = []
     seq_len, start = sum(lengths), 0
     for n, count in equal_runs(lengths):
+        if window is not None and n - 1 > window:
+            labelled.append((VARLEN if costs.has_varlen else BATCHED, n, count, 0))
+            start += n * count
+            continue
         batched, span = _batched_choice(n, count, start, seq_len, causal, costs)
         varlen = costs.varlen(n) * count if costs.has_varlen else math.inf
         kind = VARLEN if varlen < batched else BATCHED
@@ -208,11 +230,14 @@ def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool =
 
 
 def build_packed_plan(lengths: Sequence[Sequence[int]], causal: bool, costs: "KernelCosts",
-                      device=None) -> PackedPlan:
-    """The :class:`PackedPlan` of per-sample document lengths (each sample's sum is S)."""
-    rows = tuple(tuple(choose_segments(row, costs, causal)) for row in lengths)
+                      device=None, window: Optional[int] = None) -> PackedPlan:
+    """The :class:`PackedPlan` of per-sample document lengths (each sample's sum is S);
+    ``window``: a sliding window's left size (causal only)."""
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs the causal document mask")
+    rows = tuple(tuple(choose_segments(row, costs, causal, window)) for row in lengths)
     seq_len = sum(lengths[0]) if lengths else 0
-    plan = PackedPlan(len(rows), seq_len, causal, rows)
+    plan = PackedPlan(len(rows), seq_len, causal, rows, window=window)
     for i, row in enumerate(rows):
         for seg in row:
             if seg.kind == VARLEN:
@@ -446,7 +471,7 @@ def measure_costs(kernel: AttentionKernel, device, dtype, hq: int, hk: int, d: i
                   causal: bool) -> KernelCosts:
     """Time forward + backward of each kind on synthetic documents (module docstring)."""
     scale = 1.0 / math.sqrt(d)
-    has_varlen = varlen_available() and dtype in (torch.float16, torch.bfloat16)
+    has_varlen = flash_varlen.available() and dtype in (torch.float16, torch.bfloat16)
     one, many, var = [], [], []
     for n in CALIBRATION_LENGTHS:
         count = max(1, CALIBRATION_TOKENS // n)
@@ -529,15 +554,15 @@ def _docs_view(x: Tensor, n: int, length: int) -> Tensor:
     return x.unflatten(0, (n, length)).transpose(1, 2)
 
 
-def _math_segment_forward(q, k, v, lengths, causal, scale):
+def _math_segment_forward(q, k, v, lengths, causal, scale, window=None):
     """The segment's masked product: [T, h, d] -> out [T, h, d], lse [h, T] (exact)."""
-    block = _segment_block(lengths, causal)
+    block = _segment_block(lengths, causal, window)
     out, lse = _MATH.forward(_heads(q), _heads(k), _heads(v), block, scale)
     return out[0].transpose(0, 1), lse[0]
 
 
-def _math_segment_backward(dout, q, k, v, out, lse, lengths, causal, scale):
-    block = _segment_block(lengths, causal)
+def _math_segment_backward(dout, q, k, v, out, lse, lengths, causal, scale, window=None):
+    block = _segment_block(lengths, causal, window)
     grads = _MATH.backward(_heads(dout), _heads(q), _heads(k), _heads(v), _heads(out),
                            lse[None], block, scale)
     return tuple(g[0].transpose(0, 1) for g in grads)
@@ -551,38 +576,11 @@ def _heads(x: Tensor) -> Tensor:
     return x.transpose(0, 1)[None]
 
 
-def _segment_block(lengths: Sequence[int], causal: bool) -> DocumentBlock:
+def _segment_block(lengths: Sequence[int], causal: bool, window: Optional[int] = None
+                   ) -> DocumentBlock:
     seg = np.repeat(np.arange(len(lengths)), lengths)[None]
     pos = np.arange(seg.size)[None]
-    return build_document_block(pos, seg, pos, seg, causal)
-
-
-_RNG_STATE: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
-
-
-def _flash_extras(device) -> Tuple[Tensor, Tensor]:
-    """The rng state and unused tensor the flash backward takes (no dropout)."""
-    if device not in _RNG_STATE:
-        _RNG_STATE[device] = (torch.zeros(2, dtype=torch.uint64, device=device),
-                              torch.empty(0, device=device))
-    return _RNG_STATE[device]
-
-
-def _varlen_forward(q, k, v, cu, max_len, causal, scale):
-    res = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0,
-                                                  causal, False, scale=scale)
-    return res[0], res[1]                                         # [T, h, d], [h, T] float32
-
-
-def _varlen_backward(dout, q, k, v, out, lse, cu, max_len, causal, scale):
-    rng, unused = _flash_extras(q.device)
-    return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu, cu, max_len,
-                                                    max_len, 0.0, causal, rng, unused,
-                                                    scale=scale)
-
-
-def _use_flash(q: Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_available()
+    return build_document_block(pos, seg, pos, seg, causal, window=window)
 
 
 def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: AttentionKernel,
@@ -594,17 +592,23 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: At
         for seg in row:
             a, e = seg.start, seg.end
             qs, ks, vs = q[a:e, i], k[a:e, i], v[a:e, i]          # [T, h(k), d] views
+            window = plan.segment_window(seg)
             if seg.kind == BATCHED:
                 n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
                 q_c, k_c, v_c = (_docs_view(x[a:a + n * call, i], n, call) for x in (q, k, v))
-                o, lse = kernel.forward(q_c, k_c, v_c, plan.causal, scale)
+                if window is None:
+                    o, lse = kernel.forward(q_c, k_c, v_c, plan.causal, scale)
+                else:
+                    o, lse = window_forward(q_c, k_c, v_c, True, window, scale)
                 _docs_view(out[a:e, i], n, length).copy_(o[:, :, :length])
-            elif _use_flash(q):
-                o, lse = _varlen_forward(qs, ks, vs, plan.cu[(i, a)], max(seg.lengths),
-                                         plan.causal, scale)
+            elif flash_varlen.usable(q):
+                cu, longest = plan.cu[(i, a)], max(seg.lengths)
+                o, lse = flash_varlen.forward(qs, ks, vs, cu, cu, longest, longest, plan.causal,
+                                              scale, window)
                 out[a:e, i].copy_(o)
             else:
-                o, lse = _math_segment_forward(qs, ks, vs, seg.lengths, plan.causal, scale)
+                o, lse = _math_segment_forward(qs, ks, vs, seg.lengths, plan.causal, scale,
+                                               window)
                 out[a:e, i].copy_(o)
             lses.append(lse)
     return out, lses
@@ -627,11 +631,14 @@ def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                 _batched_backward(seg, i, (dout, q, k, v, out), lse, (dq, dk, dv), plan,
                                   kernel, scale)
                 continue
-            if _use_flash(q):
-                grads = _varlen_backward(*parts, lse, plan.cu[(i, a)], max(seg.lengths),
-                                         plan.causal, scale)
+            window = plan.segment_window(seg)
+            if flash_varlen.usable(q):
+                cu, longest = plan.cu[(i, a)], max(seg.lengths)
+                grads = flash_varlen.backward(*parts, lse, cu, cu, longest, longest, plan.causal,
+                                              scale, window)
             else:
-                grads = _math_segment_backward(*parts, lse, seg.lengths, plan.causal, scale)
+                grads = _math_segment_backward(*parts, lse, seg.lengths, plan.causal, scale,
+                                               window)
             for dst, g in zip((dq, dk, dv), grads):
                 dst[a:e, i].copy_(g)
     return dq, dk, dv
@@ -646,8 +653,12 @@ def _batched_backward(seg: Segment, i: int, xs, lse: Tensor, grads_out, plan: Pa
     dout, q, k, v, out = (x[a:a + n * call, i] for x in xs)
     if call > length:
         dout = torch.cat([dout[:length], dout.new_zeros((call - length,) + dout.shape[1:])])
-    grads = kernel.backward(*(_docs_view(x, n, call) for x in (dout, q, k, v, out)), lse,
-                            plan.causal, scale)
+    views = [_docs_view(x, n, call) for x in (dout, q, k, v, out)]
+    window = plan.segment_window(seg)
+    if window is None:
+        grads = kernel.backward(*views, lse, plan.causal, scale)
+    else:
+        grads = window_backward(*views, lse, True, window, scale)
     for dst, g in zip(grads_out, grads):
         _docs_view(dst[a:seg.end, i], n, length).copy_(g[:, :, :length])
 
@@ -675,13 +686,14 @@ def packed_plan_for(block: Optional[DocumentBlock], kernel: AttentionKernel, q: 
                     ) -> Optional[PackedPlan]:
     """The block's :class:`PackedPlan` when its documents are whole and in order (built once
     per block and head shape, cached on the block), else None. ``group``: the ranks that
-    share one cost table (:func:`costs_for_shape`)."""
-    if block is None or block.window is not None:     # a window is not a whole document
+    share one cost table (:func:`costs_for_shape`). A windowed block's plan carries its
+    window (:attr:`PackedPlan.window`)."""
+    if block is None:
         return None
     key = ("packed", q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], kernel.name)
     if key not in block._cache:
         lengths = documents_in_order(block)
         block._cache[key] = (None if lengths is None else
                              build_packed_plan(lengths, block.causal, costs_for(
-                                 kernel, q, k, block.causal, group), q.device))
+                                 kernel, q, k, block.causal, group), q.device, block.window))
     return block._cache[key]  # type: ignore[return-value]

@@ -18,10 +18,10 @@ Rows that see no key give ``out = 0``, ``lse = -inf`` and zero gradients.
 Where it runs: on CUDA with fp16/bf16 and PyTorch's flash op, the op's own window
 (``torch.ops.aten._flash_attention_forward`` / ``_backward`` with ``window_size_left`` /
 ``window_size_right``; blocks outside the window are skipped by the kernel), called in its
-varlen form with ``b`` sequences of equal length. Elsewhere (the CPU, fp32, fp64) an explicit
-masked product in float32 (float64 for float64): exact, O(sq*sk) memory. Window tiles take
-this path whatever ``--attention-backend`` is (the flash-attn and TransformerEngine adapters
-take no window yet). No communication.
+varlen form with ``b`` sequences of equal length (:mod:`megatron.usp.flash_varlen`).
+Elsewhere (the CPU, fp32, fp64) an explicit masked product in float32 (float64 for float64):
+exact, O(sq*sk) memory. Window tiles take this path whatever ``--attention-backend`` is (the
+flash-attn and TransformerEngine adapters take no window yet). No communication.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Dict, Tuple
 
 import torch
 
+from megatron.usp import flash_varlen
 from megatron.usp.kernels import masked_backward, masked_forward, masked_scores
 
 Tensor = torch.Tensor
@@ -48,9 +49,7 @@ def window_mask(sq: int, sk: int, causal: bool, left: int, device=None) -> Tenso
 
 def flash_window_usable(q: Tensor) -> bool:
     """PyTorch's flash op with a window can run on ``q`` (CUDA, fp16/bf16)."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and hasattr(torch.ops.aten, "_flash_attention_forward")
-            and hasattr(torch.ops.aten, "_flash_attention_backward"))
+    return flash_varlen.usable(q)
 
 
 # --------------------------------------------------------------------------- masked product
@@ -69,17 +68,16 @@ def _masked_backward(dout, q, k, v, out, lse, causal, left, scale):
 
 
 # --------------------------------------------------------------------------- flash op
-_EXTRAS: Dict[Tuple[torch.device, int, int], Tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+_CU: Dict[Tuple[torch.device, int, int, int], Tuple[Tensor, Tensor]] = {}
 
 
-def _flash_extras(device, b: int, sq: int, sk: int):
-    """(cu_q, cu_k, rng_state, unused) of a varlen call of ``b`` equal sequences (cached)."""
+def _cumulative(device, b: int, sq: int, sk: int) -> Tuple[Tensor, Tensor]:
+    """(cu_q, cu_k) of a varlen call of ``b`` equal sequences (cached)."""
     key = (device, b, sq, sk)
-    if key not in _EXTRAS:
+    if key not in _CU:
         steps = torch.arange(b + 1, dtype=torch.int32, device=device)
-        _EXTRAS[key] = (steps * sq, steps * sk, torch.zeros(2, dtype=torch.uint64, device=device),
-                        torch.empty(0, device=device))
-    return _EXTRAS[key]
+        _CU[key] = (steps * sq, steps * sk)
+    return _CU[key]
 
 
 def _tokens(x: Tensor) -> Tensor:
@@ -87,39 +85,25 @@ def _tokens(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def _right(causal: bool) -> int:
-    # As torch.nn.attention.varlen does: the causal limit is the window's right side 0, with
-    # is_causal off (flash-attn treats -1 as no limit).
-    return 0 if causal else -1
-
-
-def _flash_ops():
-    """PyTorch's flash forward and backward ops (looked up per call: CPU builds lack them)."""
-    return torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
-
-
 def _flash_forward(q, k, v, causal, left, scale):
     b, h, sq, d = q.shape
     sk = k.shape[2]
-    cu_q, cu_k, _, _ = _flash_extras(q.device, b, sq, sk)
-    res = _flash_ops()[0](
-        _tokens(q), _tokens(k), _tokens(v), cu_q, cu_k, sq, sk, 0.0, False, False,
-        scale=scale, window_size_left=left, window_size_right=_right(causal))
-    out = res[0].unflatten(0, (b, sq)).transpose(1, 2)                # [b, h, sq, d]
-    lse = res[1].unflatten(1, (b, sq)).transpose(0, 1)                # [h, b*sq] -> [b, h, sq]
+    cu_q, cu_k = _cumulative(q.device, b, sq, sk)
+    out, lse = flash_varlen.forward(_tokens(q), _tokens(k), _tokens(v), cu_q, cu_k, sq, sk,
+                                    causal, scale, left)
+    out = out.unflatten(0, (b, sq)).transpose(1, 2)                  # [b, h, sq, d]
+    lse = lse.unflatten(1, (b, sq)).transpose(0, 1)                  # [h, b*sq] -> [b, h, sq]
     return out, lse.float()
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, left, scale):
     b, h, sq, d = q.shape
     sk = k.shape[2]
-    cu_q, cu_k, rng, unused = _flash_extras(q.device, b, sq, sk)
+    cu_q, cu_k = _cumulative(q.device, b, sq, sk)
     lse_t = lse.float().transpose(0, 1).reshape(h, b * sq).contiguous()
-    dq, dk, dv = _flash_ops()[1](
-        _tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse_t, cu_q, cu_k,
-        sq, sk, 0.0, False, rng, unused, scale=scale, window_size_left=left,
-        window_size_right=_right(causal))
-    return tuple(g.unflatten(0, (b, -1)).transpose(1, 2) for g in (dq, dk, dv))
+    grads = flash_varlen.backward(_tokens(dout), _tokens(q), _tokens(k), _tokens(v),
+                                  _tokens(out), lse_t, cu_q, cu_k, sq, sk, causal, scale, left)
+    return tuple(g.unflatten(0, (b, -1)).transpose(1, 2) for g in grads)
 
 
 # --------------------------------------------------------------------------- entry points

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.usp import flash_varlen
 from megatron.usp.document_choice import AutoDocumentKernel
 from megatron.usp.document_kernels import (
     MathDocumentKernel,
     TileDocumentKernel,
     VarlenDocumentKernel,
     build_document_block,
-    varlen_available,
 )
 from megatron.usp.kernels import get_kernel
 from tests.helpers import rel_err
@@ -67,7 +67,7 @@ def test_document_kernels_on_gpu(mix, kv_heads):
     local = get_kernel("auto")
     kernels = {"views": TileDocumentKernel(local), "copies": TileDocumentKernel(local, False),
                "auto": AutoDocumentKernel(local)}
-    if varlen_available():
+    if flash_varlen.available():
         kernels["varlen"] = VarlenDocumentKernel()
     errors = {}
     for name, kernel in kernels.items():

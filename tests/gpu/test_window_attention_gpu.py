@@ -5,8 +5,10 @@ tokens, 8 query / 2 KV heads (and MQA) of 128, as a causal square with windows o
 1000 keys, and as a rectangle of queries after their keys (the ring's halo block: 512
 queries on 768 earlier keys, bottom-right window). The reference is the masked product of the
 same module in float64 on the same (bf16-rounded) inputs. Bound: relative L2 error of out, dq,
-dk, dv below 2e-2 (bf16). Also checked: the windowed tiles kernel on a zigzag ring block
-built with a window equals the float64 ``math`` kernel to the same bound.
+dk, dv below 2e-2 (bf16). Also checked to the same bound against the float64 ``math``
+kernel: the windowed ``tiles`` and ``varlen`` kernels on every block of a zigzag ring plan
+built with a window, and packed documents with a window read in place (U = R = 1: documents
+the window cuts on the varlen op's own window, the rest on the run's kernel).
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.usp.document_kernels import MathDocumentKernel, TileDocumentKernel
+from megatron.usp.document_kernels import (
+    MathDocumentKernel,
+    TileDocumentKernel,
+    VarlenDocumentKernel,
+    build_document_block,
+)
 from megatron.usp.document_ring import build_document_ring_plan
 from megatron.usp.kernels import get_kernel
+from megatron.usp.packed_documents import PackedDocumentAttention, costs_for, packed_plan_for
 from megatron.usp.window_kernel import (
     _masked_backward,
     _masked_forward,
@@ -58,11 +66,14 @@ def test_flash_window_matches_the_masked_reference(sq, sk, causal, left, kv_head
 
 
 @pytest.mark.gpu
-def test_windowed_tiles_on_a_ring_block_match_math():
+@pytest.mark.parametrize("name", ["tiles", "varlen"])
+def test_windowed_kernels_on_a_ring_block_match_math(name):
     seq, ring, window = 4096, 4, 700
     plan = build_document_ring_plan(np.zeros((1, seq), dtype=np.int64), 1, ring, None, True,
                                     "cuda", window)
-    tiles, exact = TileDocumentKernel(get_kernel("auto")), MathDocumentKernel()
+    tiles = (TileDocumentKernel(get_kernel("auto")) if name == "tiles"
+             else VarlenDocumentKernel())
+    exact = MathDocumentKernel()
     for block in plan.blocks:
         if block is None:
             continue
@@ -75,3 +86,35 @@ def test_windowed_tiles_on_a_ring_block_match_math():
                                                128 ** -0.5))
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert rel_err(a.double(), b) < BOUND, name
+
+
+@pytest.mark.gpu
+def test_windowed_documents_in_place_match_math():
+    lengths = [300, 1500, 40, 40, 1200, 1024]                  # 4104 tokens, two cut
+    seq, window, scale = sum(lengths), 512, 128 ** -0.5
+    seg = np.repeat(np.arange(len(lengths)), lengths)[None]
+    pos = np.arange(seq)[None]
+    block = build_document_block(pos, seg, pos, seg, True, "cuda", window)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, dout = (torch.randn(seq, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(2))
+    k, v = (torch.randn(seq, 1, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    kernel = get_kernel("auto")
+    plan = packed_plan_for(block, kernel, q, k)
+    assert plan is not None and plan.window == window
+    assert costs_for(kernel, q, k, True).has_varlen
+    assert {plan.segment_window(s) for s in plan.segments[0]} == {None, window}
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = PackedDocumentAttention.apply(*leaves, plan, kernel, scale)
+    got = (out,) + torch.autograd.grad(out, leaves, dout)
+
+    def heads(x):                                              # [s, 1, h, d] -> [1, h, s, d]
+        return x.double().permute(1, 2, 0, 3)
+
+    exact = MathDocumentKernel()
+    r_out, r_lse = exact.forward(heads(q), heads(k), heads(v), block, scale)
+    want = (r_out,) + tuple(exact.backward(heads(dout), heads(q), heads(k), heads(v), r_out,
+                                           r_lse, block, scale))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert rel_err(heads(a), b) < BOUND, name

@@ -13,3 +13,15 @@ def small_corpus(tmp_path_factory):
     """A small built-in corpus and its tokenizer, built once per test session."""
     cache = tmp_path_factory.getbasetemp() / "default-corpus-cache"
     return corpus_mod.ensure_default_corpus(str(cache), SMALL_BYTES, SMALL_VOCAB)
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """PyTorch's flash varlen op replaced by tests/fake_flash.py's float64 stand-in, usable on
+    any tensor: every caller's flash path runs on the CPU."""
+    from megatron.usp import flash_varlen  # fixture-only: the module whose lookup is replaced
+    from tests import fake_flash as fake
+
+    monkeypatch.setattr(flash_varlen, "ops", lambda: (fake.forward, fake.backward))
+    monkeypatch.setattr(flash_varlen, "usable", lambda q: True)
+    return flash_varlen

@@ -33,10 +33,14 @@ from megatron.usp.packed_documents import (
 )
 
 TOL = dict(atol=1e-10, rtol=1e-10)
+# The flash op's lse is float32 (tests/fake_flash.py keeps that): its backward is exact to
+# float32 rounding; a wrong mask is off by O(1).
+FAKE_FLASH_TOL = dict(atol=1e-6, rtol=1e-6)
 
 
-def oracle(q, k, v, lengths, causal, scale):
-    """[s, b, h, d] attention confined to each sample's documents, plain autograd ops."""
+def oracle(q, k, v, lengths, causal, scale, window=None):
+    """[s, b, h, d] attention confined to each sample's documents (and to the ``window`` keys
+    before each query), plain autograd ops."""
     s, b, h, d = q.shape
     g = h // k.shape[2]
     outs = []
@@ -45,6 +49,8 @@ def oracle(q, k, v, lengths, causal, scale):
         visible = seg[:, None] == seg[None, :]
         if causal:
             visible &= torch.ones(s, s, dtype=torch.bool).tril()
+        if window is not None:
+            visible &= torch.ones(s, s, dtype=torch.bool).triu(-window)
         qi = q[:, i].transpose(0, 1)
         ki = k[:, i].transpose(0, 1).repeat_interleave(g, 0)
         vi = v[:, i].transpose(0, 1).repeat_interleave(g, 0)
@@ -205,3 +211,80 @@ def test_a_new_batched_shape_waits_until_it_recurs():
     assert kinds == [VARLEN, VARLEN, BATCHED, BATCHED]
     # another count of the same length is another shape
     assert choose_segments([100, 100], costs)[0].kind == VARLEN
+
+
+# --------------------------------------------------------------------------- sliding window
+@pytest.mark.parametrize("flash", [False, True])
+@pytest.mark.parametrize("costs", ["batched", "varlen", "cpu"])
+@pytest.mark.parametrize("window,seed", [(1, 0), (3, 1), (5, 2), (9, 3)])
+def test_windowed_packed_matches_per_document_oracle(request, flash, costs, window, seed):
+    """A window inside each document, read in place: documents the window cuts run on the
+    varlen op's own window (``flash``: tests/fake_flash.py's stand-in, else the masked product)
+    or on batched calls of the window kernel; the rest as without a window."""
+    if flash:
+        request.getfixturevalue("fake_flash")
+    rng = np.random.default_rng(seed)
+    s, b, d = 32, 2, 8
+    h, hk = [(4, 2), (4, 1), (2, 2), (4, 4)][seed]
+    lengths = random_lengths(rng, s, b)
+    lengths[1] = [window + 1, window + 1, 2] + [s - 2 * window - 4]   # an equal run at the edge
+    plan = build_packed_plan(lengths, True, {"batched": _ALWAYS_BATCHED,
+                                             "varlen": _ALWAYS_VARLEN,
+                                             "cpu": cpu_costs()}[costs], window=window)
+    windowed = [seg for row in plan.segments for seg in row if plan.segment_window(seg)]
+    assert windowed and all(seg.span == 0 for seg in windowed)
+    q, k, v = _inputs(seed, s, b, h, hk, d)
+    scale = 1 / math.sqrt(d)
+    out = PackedDocumentAttention.apply(q, k, v, plan, get_kernel("torch"), scale)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want = oracle(q, k, v, lengths, True, scale, window)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    tol = FAKE_FLASH_TOL if flash else TOL
+    torch.testing.assert_close(out, want, **tol)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, **tol)
+
+
+def test_windowed_documents_go_to_the_varlen_window_and_are_not_padded():
+    costs = _PreferPadded()                               # batched, padded where it can be
+    segs = choose_segments([10, 3, 3, 10], costs, window=4)
+    assert [(seg.kind, seg.lengths, seg.span) for seg in segs] == [
+        (BATCHED, (10,), 0), (BATCHED, (3, 3), 0), (BATCHED, (10,), 0)]
+    with_varlen = KernelCosts([1, 2], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0], has_varlen=True)
+    segs = choose_segments([10, 3, 3, 10, 10], with_varlen, window=4)
+    assert [(seg.kind, seg.lengths) for seg in segs] == [
+        (VARLEN, (10,)), (BATCHED, (3, 3)), (VARLEN, (10, 10))]
+    plan = build_packed_plan([[10, 5, 5]], True, with_varlen, window=4)
+    assert [plan.segment_window(seg) for seg in plan.segments[0]] == [4, None]
+    with pytest.raises(ValueError, match="causal"):
+        build_packed_plan([[10]], False, with_varlen, window=4)
+
+
+@pytest.mark.parametrize("window", [2, 6])
+def test_usp_attention_reads_windowed_documents_in_place_at_one_rank(monkeypatch, window):
+    """U = R = 1, a window and documents: the auto kernel takes the in-place path with the
+    window and equals the block path's ``math`` kernel."""
+    rng = np.random.default_rng(5)
+    s, b, d = 32, 2, 8
+    lengths = random_lengths(rng, s, b)
+    lengths[0] = [12, 20]
+    seg = np.stack([np.repeat(np.arange(len(r)), r) for r in lengths])
+    plan = build_document_ring_plan(seg, 0, 1, None, True)
+    q, k, v = _inputs(11, s, b, 4, 2, d)
+    plans = []
+    original = PackedDocumentAttention.apply
+    monkeypatch.setattr(PackedDocumentAttention, "apply",
+                        lambda *a: plans.append(a[3]) or original(*a))
+    kw = dict(ulysses_group=None, ring_group=None, causal=True, documents=plan, window=window)
+    out = usp_attention(q, k, v, document_kernel="auto", **kw)
+    assert [p.window for p in plans] == [window]
+    ref = usp_attention(q, k, v, document_kernel="math", **kw)
+    assert len(plans) == 1
+    torch.testing.assert_close(ref, oracle(q, k, v, lengths, True, 1 / math.sqrt(d), window),
+                               **TOL)
+    dout = torch.randn_like(out)
+    torch.testing.assert_close(out, ref, **TOL)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), dout),
+                         torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(got, want, **TOL)

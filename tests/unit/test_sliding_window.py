@@ -18,7 +18,9 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron.training.data.batch import BatchContext, _document_params
+from megatron.usp import window_kernel as wk
 from megatron.usp.core_attention import USPAttention, layer_window
+from megatron.usp.document_kernels import MathDocumentKernel, VarlenDocumentKernel
 from megatron.usp.document_mask import dense_document_mask, tiles_for_block, token_runs
 from megatron.usp.document_ring import (
     build_document_ring_plan,
@@ -195,65 +197,8 @@ def test_a_window_layer_refuses_a_non_causal_mask():
 
 
 # --------------------------------------------------------------------------- the flash plumbing
-def _flash_visible(sq, sk, causal, left, right):
-    """flash-attn's mask: bottom-right aligned, -1 for no limit on a side."""
-    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-    diag = i + sk - sq
-    visible = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        visible &= j >= diag - left
-    if right >= 0:
-        visible &= j <= diag + right
-    if causal:
-        visible &= j <= diag
-    return visible
-
-
-def _fake_sequences(q, k, v, cu_q, cu_k, causal, left, right, scale):
-    """Per varlen sequence: out [T, h, d] and lse [h, T] by a float64 masked softmax."""
-    outs, lses = [], []
-    g = q.shape[1] // k.shape[1]
-    for a, b, c, e in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
-        qs = q[a:b].transpose(0, 1)
-        ks, vs = (x[c:e].transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
-        scores = qs @ ks.transpose(-1, -2) * scale
-        visible = _flash_visible(b - a, e - c, causal, left, right)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        lse = torch.logsumexp(scores, -1)
-        outs.append((torch.softmax(scores, -1).nan_to_num(0.0) @ vs).transpose(0, 1))
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, dim=1)
-
-
-def _fake_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale,
-                        window_size_left, window_size_right):
-    out, lse = _fake_sequences(q, k, v, cu_q, cu_k, causal, window_size_left,
-                               window_size_right, scale)
-    return out, lse, None, None, None
-
-
-def _fake_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal,
-                         rng, unused, *, scale, window_size_left, window_size_right):
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    with torch.enable_grad():
-        got, _ = _fake_sequences(*leaves, cu_q, cu_k, causal, window_size_left,
-                                 window_size_right, scale)
-        got.backward(dout)
-    return tuple(x.grad for x in leaves)
-
-
-@pytest.fixture
-def fake_flash(monkeypatch):
-    """The window kernel's flash path on the CPU, with a float64 stand-in for the op that
-    follows flash-attn's documented window convention: the layouts, the varlen cumulative
-    lengths, the lse shapes and the window arguments are checked without a GPU."""
-    import megatron.usp.window_kernel as wk  # the module whose op lookup is replaced
-
-    monkeypatch.setattr(wk, "_flash_ops", lambda: (_fake_flash_forward, _fake_flash_backward))
-    monkeypatch.setattr(wk, "flash_window_usable", lambda q: True)
-    return wk
-
-
+# ``fake_flash`` (tests/unit/conftest.py): the op replaced by a float64 stand-in that follows
+# flash-attn's documented window convention.
 @pytest.mark.parametrize("sq,sk,causal,left", [(16, 16, True, 3), (12, 20, False, 4),
                                                (16, 16, True, 15)])
 def test_flash_path_plumbing_matches_the_masked_product(fake_flash, sq, sk, causal, left):
@@ -261,14 +206,50 @@ def test_flash_path_plumbing_matches_the_masked_product(fake_flash, sq, sk, caus
     q = torch.randn(3, 4, sq, 8, dtype=torch.float64, generator=gen)
     k, v = (torch.randn(3, 2, sk, 8, dtype=torch.float64, generator=gen) for _ in range(2))
     dout = torch.randn(3, 4, sq, 8, dtype=torch.float64, generator=gen)
-    out, lse = fake_flash.window_forward(q, k, v, causal, left, 0.3)
-    want_out, want_lse = fake_flash._masked_forward(q, k, v, causal, left, 0.3)
+    assert wk.flash_window_usable(q)                  # the flash path, not the masked product
+    out, lse = wk.window_forward(q, k, v, causal, left, 0.3)
+    want_out, want_lse = wk._masked_forward(q, k, v, causal, left, 0.3)
     torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, want_lse.float(), atol=1e-6, rtol=1e-6)
-    got = fake_flash.window_backward(dout, q, k, v, want_out, want_lse, causal, left, 0.3)
-    want = fake_flash._masked_backward(dout, q, k, v, want_out, want_lse, causal, left, 0.3)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    got = wk.window_backward(dout, q, k, v, want_out, want_lse, causal, left, 0.3)
+    want = wk._masked_backward(dout, q, k, v, want_out, want_lse, causal, left, 0.3)
+    for a, b in zip(got, want):                      # the op takes a float32 lse
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("ring,window,docs", [(2, 3, False), (3, 5, True), (4, 13, True),
+                                              (4, 40, False)])
+def test_varlen_kernel_on_windowed_ring_blocks_matches_math(fake_flash, ring, window, docs):
+    """The ``varlen`` document kernel on every block of a windowed ring plan (squares,
+    rectangles and halo tiles, each with its own window in the op's bottom-right convention)
+    equals the ``math`` kernel on the same block, forward and backward."""
+    seq = 16 * ring
+    seg = (np.repeat(np.arange(3), [seq // 2, 5, seq - seq // 2 - 5]) if docs
+           else np.zeros(seq, dtype=np.int64))[None].repeat(2, 0)
+    varlen, exact = VarlenDocumentKernel(), MathDocumentKernel()
+    gen = torch.Generator().manual_seed(ring + window)
+    checked = 0
+    for rank in range(ring):
+        plan = build_document_ring_plan(seg, rank, ring, None, True, window=window)
+        for block in plan.blocks:
+            if block is None:
+                continue
+            q, dout = (torch.randn(2, 4, block.sq, 8, dtype=torch.float64, generator=gen)
+                       for _ in range(2))
+            k, v = (torch.randn(2, 2, block.sk, 8, dtype=torch.float64, generator=gen)
+                    for _ in range(2))
+            out, lse = varlen.forward(q, k, v, block, 0.3)
+            want_out, want_lse = exact.forward(q, k, v, block, 0.3)
+            # Rows of several calls merge by the op's float32 lse: float32 rounding, no more.
+            torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
+            seen = torch.isfinite(want_lse)
+            torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-6, rtol=1e-6)
+            got = varlen.backward(dout, q, k, v, want_out, want_lse, block, 0.3)
+            want = exact.backward(dout, q, k, v, want_out, want_lse, block, 0.3)
+            for a, b in zip(got, want):                  # the op takes a float32 lse
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+            checked += any(t.window is not None for row in block.tiles for t in row)
+    assert checked, "no block of the plan needed its window"
 
 
 # --------------------------------------------------------------------------- the batch
