@@ -169,24 +169,28 @@ def test_documents_in_order_only_for_the_whole_sequence_in_order():
     assert documents_in_order(two_ranks.blocks[0]) is None
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_usp_attention_reads_documents_in_place_at_one_rank(monkeypatch, causal):
-    """U = R = 1 with the auto kernel takes the packed path and equals the block path."""
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 2), (True, 6)])
+def test_usp_attention_reads_documents_in_place_at_one_rank(monkeypatch, causal, window):
+    """U = R = 1 with the auto kernel takes the packed path (with the layer's window, if any)
+    and equals the block path's ``math`` kernel and the oracle."""
     rng = np.random.default_rng(3)
     s, b, d = 32, 2, 8
     lengths = random_lengths(rng, s, b)
+    lengths[0] = [12, 20]                              # both cut by either window
     seg = np.stack([np.repeat(np.arange(len(r)), r) for r in lengths])
     plan = build_document_ring_plan(seg, 0, 1, None, causal)
     q, k, v = _inputs(7, s, b, 4, 2, d)
-    calls = []
+    plans = []
     original = PackedDocumentAttention.apply
     monkeypatch.setattr(PackedDocumentAttention, "apply",
-                        lambda *a: calls.append(1) or original(*a))
-    kw = dict(ulysses_group=None, ring_group=None, causal=causal, documents=plan)
+                        lambda *a: plans.append(a[3]) or original(*a))
+    kw = dict(ulysses_group=None, ring_group=None, causal=causal, documents=plan, window=window)
     out = usp_attention(q, k, v, document_kernel="auto", **kw)
-    assert calls, "the auto document kernel at U = R = 1 must read the documents in place"
+    assert [p.window for p in plans] == [window], "auto at U = R = 1 reads documents in place"
     ref = usp_attention(q, k, v, document_kernel="math", **kw)
-    assert len(calls) == 1
+    assert len(plans) == 1
+    torch.testing.assert_close(ref, oracle(q, k, v, lengths, causal, 1 / math.sqrt(d), window),
+                               **TOL)
     dout = torch.randn_like(out)
     torch.testing.assert_close(out, ref, **TOL)
     for got, want in zip(torch.autograd.grad(out, (q, k, v), dout),
@@ -259,32 +263,3 @@ def test_windowed_documents_go_to_the_varlen_window_and_are_not_padded():
     assert [plan.segment_window(seg) for seg in plan.segments[0]] == [4, None]
     with pytest.raises(ValueError, match="causal"):
         build_packed_plan([[10]], False, with_varlen, window=4)
-
-
-@pytest.mark.parametrize("window", [2, 6])
-def test_usp_attention_reads_windowed_documents_in_place_at_one_rank(monkeypatch, window):
-    """U = R = 1, a window and documents: the auto kernel takes the in-place path with the
-    window and equals the block path's ``math`` kernel."""
-    rng = np.random.default_rng(5)
-    s, b, d = 32, 2, 8
-    lengths = random_lengths(rng, s, b)
-    lengths[0] = [12, 20]
-    seg = np.stack([np.repeat(np.arange(len(r)), r) for r in lengths])
-    plan = build_document_ring_plan(seg, 0, 1, None, True)
-    q, k, v = _inputs(11, s, b, 4, 2, d)
-    plans = []
-    original = PackedDocumentAttention.apply
-    monkeypatch.setattr(PackedDocumentAttention, "apply",
-                        lambda *a: plans.append(a[3]) or original(*a))
-    kw = dict(ulysses_group=None, ring_group=None, causal=True, documents=plan, window=window)
-    out = usp_attention(q, k, v, document_kernel="auto", **kw)
-    assert [p.window for p in plans] == [window]
-    ref = usp_attention(q, k, v, document_kernel="math", **kw)
-    assert len(plans) == 1
-    torch.testing.assert_close(ref, oracle(q, k, v, lengths, True, 1 / math.sqrt(d), window),
-                               **TOL)
-    dout = torch.randn_like(out)
-    torch.testing.assert_close(out, ref, **TOL)
-    for got, want in zip(torch.autograd.grad(out, (q, k, v), dout),
-                         torch.autograd.grad(ref, (q, k, v), dout)):
-        torch.testing.assert_close(got, want, **TOL)
