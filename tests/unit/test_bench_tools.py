@@ -466,6 +466,18 @@ def test_e2e_bad_input_names_the_flag(tmp_path):
         e2e_cli.config_from_args(e2e_cli.build_parser().parse_args(["--max-seq", "lots"]))
 
 
+def test_extra_args_given_twice_pass_both():
+    """A recipe sets --extra-args for one run and passes the caller's arguments after it:
+    the caller's --extra-args adds to the recipe's flags, it does not replace them."""
+    parser = e2e_cli.build_parser()
+    ns = parser.parse_args(["--extra-args=--window-size 64 --window-attn-skip-freq 2",
+                            "--extra-args", "--num-workers 0"])
+    assert e2e_cli.config_from_args(ns).extra_args == [
+        "--window-size", "64", "--window-attn-skip-freq", "2", "--num-workers", "0"]
+    assert e2e_cli.config_from_args(parser.parse_args([])).extra_args == []
+    assert parser.parse_args([]).extra_args == []       # the default is not appended to
+
+
 def _peer_runner(fails, ms=lambda round_: 200.0):
     """A peer runner: ``fails(peer, seq_len, recompute)`` gives a status, else a run of
     ``ms(round)`` milliseconds per iteration."""
