@@ -7,7 +7,8 @@ process of its own (one GPU, so its memory is measured alone)::
         --iters 6 --warmup 3 --recompute none --out peer.json
 
 It builds ``LlamaForCausalLM`` with the preset's shape (:data:`megatron.bench.models.MODELS`:
-RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, no biases), SDPA attention restricted to
+RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, no biases; ``--num-layers N``: its first N
+layers, the slice ``tools/bench_e2e.py --num-layers`` trains), SDPA attention restricted to
 the cuDNN backend on CUDA (the kernel USP uses), and trains it on random tokens the way a
 Hugging Face user does on one GPU: bf16 weights, ``torch.optim.AdamW(fused=True)`` (so bf16
 Adam states, and no float32 master copy: about 8.5 GiB less than mixed precision for the
@@ -76,6 +77,7 @@ class PeerResult:
     flops_per_iteration: Optional[float] = None
     peak_tflops: Optional[float] = None
     last_loss: Optional[float] = None
+    num_layers: Optional[int] = None        # of the model trained (--num-layers: a slice)
     optimizer_state_gib: Optional[float] = None
     attention_path: Optional[str] = None    # how transformers ran attention
     flops_count: str = "dense causal"       # or "useful (documents)" (--documents)
@@ -225,7 +227,7 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
     import torch  # torch-free module
 
     cuda = torch.cuda.is_available()
-    res = PeerResult(peer, seq_len, recompute, "ok")
+    res = PeerResult(peer, seq_len, recompute, "ok", num_layers=shape.num_layers)
     res.flops_per_iteration = dense_training_flops(shape, seq_len, 1)
     why = missing_packages(peer, cuda)
     if why:
@@ -323,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "transformers (a peer of tools/bench_e2e.py).")
     p.add_argument("--peer", required=True, choices=list(PEERS))
     p.add_argument("--model", default="llama-0.85b", choices=list(MODELS))
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="train the first N of the preset's layers (tools/bench_e2e.py "
+                        "--num-layers)")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
@@ -342,13 +347,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"hf_peer: --iters {ns.iters} must exceed --warmup {ns.warmup} >= 0 and "
               f"--seq-len {ns.seq_len} must be >= 2", file=sys.stderr)
         return 2
+    model = MODELS[ns.model]
+    if ns.num_layers is not None and not 1 <= ns.num_layers <= model.shape.num_layers:
+        print(f"hf_peer: --num-layers {ns.num_layers}: a slice of {ns.model} has 1 to "
+              f"{model.shape.num_layers} layers", file=sys.stderr)
+        return 2
     documents = PackedDocuments.load(ns.documents) if ns.documents else None
     if documents is not None and documents.tokens.shape[1] != ns.seq_len:
         print(f"hf_peer: --documents {ns.documents} holds sequences of "
               f"{documents.tokens.shape[1]} tokens, not --seq-len {ns.seq_len}", file=sys.stderr)
         return 2
-    res = train(ns.peer, MODELS[ns.model].shape, ns.seq_len, ns.iters, ns.warmup, ns.recompute,
-                ns.seed, ns.peak_tflops, documents)
+    res = train(ns.peer, model.sliced(ns.num_layers).shape, ns.seq_len, ns.iters, ns.warmup,
+                ns.recompute, ns.seed, ns.peak_tflops, documents)
     with open(ns.out, "w") as f:
         json.dump(asdict(res), f, indent=1)
     return 0

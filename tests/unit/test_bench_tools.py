@@ -15,10 +15,31 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron import shapes
 from megatron.bench import attention_bench as ab
-from megatron.bench import cli, flops, hf_peer, models, native_cp, report, timing, window_speedup
+from megatron.bench import (
+    ceiling,
+    cli,
+    flops,
+    hf_peer,
+    models,
+    native_cp,
+    report,
+    timing,
+    window_speedup,
+)
+from megatron.bench.e2e import (
+    ceilings,
+    command,
+    config,
+    launch,
+    output,
+    pairing,
+    peers,
+    summary,
+    sweep,
+)
 from megatron.bench.e2e import cli as e2e_cli
-from megatron.bench.e2e import command, config, launch, output, pairing, peers, summary, sweep
 from megatron.bench.e2e.launch import failure_cause
 from megatron.usp.token_order import positions_for_cp_rank
 from megatron.usp.window_kernel import window_mask
@@ -634,6 +655,66 @@ def test_hf_peer_reports_missing_packages(monkeypatch):
                         lambda name: object() if name == "liger_kernel" else real(name))
     assert "CUDA GPU" in hf_peer.missing_packages("hf-liger", cuda=False)
     assert hf_peer.missing_packages("hf-liger", cuda=True) is None
+
+
+def test_num_layers_reaches_the_peer_and_the_ceiling(tmp_path, monkeypatch):
+    """bench_e2e --num-layers 8 of Llama-3-8B: the peer's and the ceiling's commands ask for
+    the same 8-layer slice our runs train, and the peer's row says how many it trained."""
+    cfg = _e2e_cfg(tmp_path, model="llama3-8b", num_layers=8, seq_lens=[8192],
+                   splits=[(1, 1)], nproc_per_node=1)
+    commands = []
+
+    def fake_run(cmd, env, log, timeout_s):
+        commands.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        if "megatron.bench.hf_peer" in cmd:
+            out.write_text(json.dumps({"status": "ok", "num_layers": 8}))
+        else:
+            out.write_text(json.dumps([{"seq_len": 8192, "ceiling_ms": 1.0}]))
+        return 0
+
+    monkeypatch.setattr(peers, "run_to_end", fake_run)
+    monkeypatch.setattr(ceilings, "run_to_end", fake_run)
+    assert peers.run_peer(cfg, "hf", 8192, "none").num_layers == 8
+    assert list(ceilings.run_ceiling(cfg)) == [8192]
+    assert [c[c.index("--num-layers") + 1] for c in commands] == ["8", "8"]
+    commands.clear()
+    peers.run_peer(dataclasses.replace(cfg, num_layers=None), "hf", 8192, "none")
+    assert "--num-layers" not in commands[0]
+
+
+def test_hf_peer_and_ceiling_time_the_slice(tmp_path, monkeypatch):
+    """python -m megatron.bench.hf_peer / .ceiling --num-layers N build the preset's first N
+    layers, and refuse a slice the preset does not have."""
+    sliced = dataclasses.replace(models.MODELS["llama3-8b"].shape, num_layers=8)
+    seen = []
+
+    def fake_train(peer, shape, seq_len, *args):
+        seen.append(shape)
+        return hf_peer.PeerResult(peer, seq_len, "none", "ok", num_layers=shape.num_layers)
+
+    monkeypatch.setattr(hf_peer, "train", fake_train)
+    out = tmp_path / "peer.json"
+    argv = ["--peer", "hf", "--model", "llama3-8b", "--seq-len", "64", "--out", str(out)]
+    assert hf_peer.main(argv + ["--num-layers", "8"]) == 0
+    assert seen == [sliced] and json.loads(out.read_text())["num_layers"] == 8
+    assert hf_peer.main(argv) == 0 and seen[-1].num_layers == 32
+    assert hf_peer.main(argv + ["--num-layers", "33"]) == 2
+
+    monkeypatch.setattr(ceiling.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ceiling.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ceiling, "linear_fwd_bwd_ms", lambda *a: 1.0)
+    monkeypatch.setattr(ceiling, "attention_fwd_bwd_ms", lambda *a: 1.0)
+    out = tmp_path / "ceiling.json"
+    argv = ["--model", "llama3-8b", "--seq-lens", "8k", "--peak-tflops", "989", "--out",
+            str(out)]
+    assert ceiling.main(argv + ["--num-layers", "8"]) == 0
+    (row,) = json.loads(out.read_text())
+    # per layer four linears and the attention, then the output layer: 8 * 5 + 1 ms
+    assert row["num_layers"] == 8 and row["ceiling_ms"] == 41.0
+    assert row["flops_per_iteration"] == shapes.dense_training_flops(sliced, 8192, 1)
+    with pytest.raises(SystemExit):
+        ceiling.main(argv + ["--num-layers", "0"])
 
 
 def test_e2e_markdown_and_progress():
