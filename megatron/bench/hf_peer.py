@@ -57,6 +57,7 @@ from megatron.shapes import dense_training_flops, document_pairs, training_flops
 
 PEERS = ("hf", "hf-liger")
 PEER_INSTALL = "pip install -e .[peers]"   # transformers and liger-kernel (setup.py extras)
+DEFAULT_ROPE_BASE = 10000.0                # pretrain_gpt.py's --rotary-base default
 
 
 @dataclass
@@ -99,11 +100,12 @@ def missing_packages(peer: str, cuda: bool) -> Optional[str]:
     return None
 
 
-def llama_config(shape, seq_len: int):
+def llama_config(shape, seq_len: int, rope_base: float = DEFAULT_ROPE_BASE):
     """``transformers.LlamaConfig`` of a :class:`megatron.shapes.ModelShape`.
 
-    RoPE base 10000 and RMSNorm epsilon 1e-5: ``pretrain_gpt.py``'s defaults
-    (``--rotary-base``, ``--norm-epsilon``), which the benchmark does not change.
+    RoPE base ``rope_base``: the preset's (:attr:`megatron.bench.models.BenchModel.rotary_base`,
+    500000 for ``llama3-8b``), else ``pretrain_gpt.py``'s default 10000; RMSNorm epsilon 1e-5,
+    ``pretrain_gpt.py``'s default (``--norm-epsilon``), which the benchmark does not change.
     """
     from transformers import LlamaConfig  # optional: transformers
 
@@ -112,12 +114,13 @@ def llama_config(shape, seq_len: int):
         intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_query_groups, head_dim=shape.head_dim,
-        max_position_embeddings=seq_len, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=seq_len, rms_norm_eps=1e-5, rope_theta=rope_base,
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
         hidden_act="silu", use_cache=False, attn_implementation="sdpa")
 
 
-def build_model(peer: str, shape, seq_len: int, device, dtype):
+def build_model(peer: str, shape, seq_len: int, device, dtype,
+                rope_base: float = DEFAULT_ROPE_BASE):
     """The peer's ``LlamaForCausalLM`` on ``device`` in ``dtype`` (Liger applied first)."""
     import torch  # torch-free module
     from transformers import LlamaForCausalLM  # optional: transformers
@@ -127,7 +130,7 @@ def build_model(peer: str, shape, seq_len: int, device, dtype):
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
-    config = llama_config(shape, seq_len)
+    config = llama_config(shape, seq_len, rope_base)
     with torch.device(device):
         model = LlamaForCausalLM(config)
     return model.to(dtype)
@@ -222,7 +225,8 @@ def _takes_mask(backend, shape, dtype, probe_len: int = 256) -> bool:
 
 def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: str,
           seed: int, peak_tflops: Optional[float],
-          documents: Optional[PackedDocuments] = None) -> PeerResult:
+          documents: Optional[PackedDocuments] = None,
+          rope_base: float = DEFAULT_ROPE_BASE) -> PeerResult:
     """Train ``iters`` steps of batch 1 and time each; see the module docstring."""
     import torch  # torch-free module
 
@@ -243,7 +247,7 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
         res.attention_path, backend = packed_attention_path(documents, shape, cuda, dtype)
     torch.manual_seed(seed)
     try:
-        model = build_model(peer, shape, seq_len, device, dtype)
+        model = build_model(peer, shape, seq_len, device, dtype, rope_base)
         if recompute == "full":
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -358,7 +362,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{documents.tokens.shape[1]} tokens, not --seq-len {ns.seq_len}", file=sys.stderr)
         return 2
     res = train(ns.peer, model.sliced(ns.num_layers).shape, ns.seq_len, ns.iters, ns.warmup,
-                ns.recompute, ns.seed, ns.peak_tflops, documents)
+                ns.recompute, ns.seed, ns.peak_tflops, documents,
+                rope_base=float(model.rotary_base or DEFAULT_ROPE_BASE))
     with open(ns.out, "w") as f:
         json.dump(asdict(res), f, indent=1)
     return 0

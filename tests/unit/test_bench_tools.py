@@ -689,16 +689,19 @@ def test_hf_peer_and_ceiling_time_the_slice(tmp_path, monkeypatch):
     sliced = dataclasses.replace(models.MODELS["llama3-8b"].shape, num_layers=8)
     seen = []
 
-    def fake_train(peer, shape, seq_len, *args):
-        seen.append(shape)
+    def fake_train(peer, shape, seq_len, *args, rope_base):
+        seen.append((shape, rope_base))
         return hf_peer.PeerResult(peer, seq_len, "none", "ok", num_layers=shape.num_layers)
 
     monkeypatch.setattr(hf_peer, "train", fake_train)
     out = tmp_path / "peer.json"
     argv = ["--peer", "hf", "--model", "llama3-8b", "--seq-len", "64", "--out", str(out)]
     assert hf_peer.main(argv + ["--num-layers", "8"]) == 0
-    assert seen == [sliced] and json.loads(out.read_text())["num_layers"] == 8
-    assert hf_peer.main(argv) == 0 and seen[-1].num_layers == 32
+    # Llama-3's RoPE base, as bench_e2e's runs of llama3-8b pass --rotary-base 500000
+    assert seen == [(sliced, 500000.0)] and json.loads(out.read_text())["num_layers"] == 8
+    assert hf_peer.main(argv) == 0 and seen[-1][0].num_layers == 32
+    tiny = ["--peer", "hf", "--model", "tiny", "--seq-len", "64", "--out", str(out)]
+    assert hf_peer.main(tiny) == 0 and seen[-1][1] == 10000.0
     assert hf_peer.main(argv + ["--num-layers", "33"]) == 2
 
     monkeypatch.setattr(ceiling.torch.cuda, "is_available", lambda: True)
@@ -715,6 +718,18 @@ def test_hf_peer_and_ceiling_time_the_slice(tmp_path, monkeypatch):
     assert row["flops_per_iteration"] == shapes.dense_training_flops(sliced, 8192, 1)
     with pytest.raises(SystemExit):
         ceiling.main(argv + ["--num-layers", "0"])
+
+
+def test_hf_peer_config_takes_the_rope_base():
+    pytest.importorskip("transformers")
+    shape = models.MODELS["tiny"].shape
+
+    def theta(config):   # transformers 5 keeps it in rope_parameters, 4 as rope_theta
+        params = getattr(config, "rope_parameters", None) or {}
+        return params.get("rope_theta", getattr(config, "rope_theta", None))
+
+    assert theta(hf_peer.llama_config(shape, 64)) == 10000.0
+    assert theta(hf_peer.llama_config(shape, 64, 500000.0)) == 500000.0
 
 
 def test_e2e_markdown_and_progress():
