@@ -899,3 +899,33 @@ def test_window_speedup_command_writes_the_runs_metadata(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:          # the files on the wrong sides
         window_speedup.main(["--full", hybrid, "--hybrid", full])
     assert exc.value.code == 2
+
+
+def test_a_windowed_run_reports_the_window_count(tmp_path, monkeypatch):
+    """--extra-args "--window-size ...": the row takes the training loop's FLOPs and label,
+    and so do the report's flops_count and the markdown's FLOPs line (not dense causal)."""
+    pytest.importorskip("megatron.training.observe.metrics")
+    cfg = _e2e_cfg(seq_lens=[131072], splits=[(1, 1)], nproc_per_node=1)
+    spec = config.RunSpec(131072, 1, 1, "none", 5)
+    recs = [dict(r, flops_count=WINDOW_COUNT) if r["kind"] == "train" else r
+            for r in _records([100.0] * 5)]
+    row = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, recs, "l", []))
+    assert row.flops_count == WINDOW_COUNT
+    assert row.flops_per_iteration == pytest.approx(100.0e12 * 0.1)   # TFLOP/s x step time
+    full = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, _records([100.0] * 5),
+                                                          "l", []))
+    assert output.report_flops_count(cfg, [full]) == "dense causal"
+    assert output.report_flops_count(cfg, [row]) == WINDOW_COUNT
+    meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 1)
+    md = output.results_markdown(meta, cfg, [row])
+    assert f"FLOPs: {WINDOW_COUNT}: the training loop's count" in md
+    assert "S^2/2" not in md
+    # the JSON's flops_count: tools/bench_e2e.py with the run faked
+    monkeypatch.setattr(e2e_cli, "throughput_sweep",
+                        lambda cfg, on_result, ceilings: on_result(row))
+    out = tmp_path / "r.json"
+    assert e2e_cli.main(["--model", "tiny", "--seq-lens", "128", "--splits", "1x1",
+                         "--nproc-per-node", "1", "--iters", "3", "--warmup", "1",
+                         "--device", "cpu", "--ceiling", "off", "--log-dir", str(tmp_path),
+                         "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["flops_count"] == WINDOW_COUNT

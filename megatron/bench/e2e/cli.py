@@ -31,6 +31,7 @@ from megatron.bench.e2e.output import (
     pooled_line,
     progress_line,
     ratio_line,
+    report_flops_count,
     results_markdown,
 )
 from megatron.bench.e2e.pairing import peer_ratios, pooled_ratios
@@ -231,6 +232,7 @@ def _device(cfg: E2EConfig):
 
 def _write(cfg: E2EConfig, payload: dict, meta: dict, results: List[E2EResult],
            longest: Optional[Dict[str, Optional[int]]]) -> None:
+    payload["flops_count"] = report_flops_count(cfg, results)
     if cfg.out:
         report.write_json(cfg.out, payload)
     if cfg.markdown:
