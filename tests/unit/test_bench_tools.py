@@ -218,6 +218,13 @@ def test_progress_line_and_markdown():
     assert "causal, window 4096 (FLOPs of the pairs inside it)" in windowed
 
 
+def test_usp_labels_name_the_pure_splits_only():
+    assert ab.usp_label(2, 1) == "USP U2xR1 (pure Ulysses)"
+    assert ab.usp_label(1, 2, " G2") == "USP U1xR2 G2 (pure ring)"
+    assert ab.usp_label(2, 2) == "USP U2xR2"
+    assert ab.usp_label(1, 1) == "USP U1xR1"          # one process: neither
+
+
 # --------------------------------------------------------------------------- report / timing
 def test_write_json_is_valid_and_nan_free(tmp_path):
     path = tmp_path / "sub" / "r.json"
