@@ -447,3 +447,42 @@ def test_sliding_window_recipe_on_the_cpu(tmp_path):
     summary = (out / "window_speedup_256.md").read_text()
     assert summary.startswith("hybrid over full: measured") and summary in proc.stdout
 
+
+def test_fp8_recipe_on_the_cpu(tmp_path):
+    """benchmarks/fp8.sh with the tiny model and a one-layer slice of it at 128 tokens, one
+    round: per model a bf16 run beside the Hugging Face peer (the slice's peer trains the same
+    one layer) and a float8 run with every linear in torchao's emulated float8."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    out = tmp_path / "fp8"
+    env = _recipe_env(MODELS="tiny:2:tiny tiny:1:tiny_1l", SEQ_LENS="128", ROUNDS="1",
+                      ITERS="3", WARMUP="1", PEERS="hf", FP8_EMULATE="1", FP8_LINEARS="all",
+                      OUT_DIR=str(out))
+    _run_recipe("fp8.sh", env)
+
+    assert {p.name for p in out.glob("*.json")} == {
+        f"fp8_{name}_{kind}.json" for name in ("tiny", "tiny_1l") for kind in ("bf16", "fp8")}
+    for name, layers in (("tiny", 2), ("tiny_1l", 1)):
+        bf16, ours = _e2e_row(out / f"fp8_{name}_bf16.json")
+        _, peer = _e2e_row(out / f"fp8_{name}_bf16.json", stack="hf")
+        assert bf16["config"]["shape"]["num_layers"] == ours["num_layers"] == layers
+        assert peer["num_layers"] == layers
+        assert peer["flops_per_iteration"] == ours["flops_per_iteration"]
+        assert [(x["peer"], x["tokens_per_s_ratio"] > 0) for x in bf16["peer_ratios"]] == [
+            ("hf", True)]
+        assert "--fp8-format" not in ours["command"]
+        assert "| 128 | hf | 1x1 | none | ok |" in (out / f"fp8_{name}_bf16.md").read_text()
+
+        fp8, row = _e2e_row(out / f"fp8_{name}_fp8.json")
+        assert [r["stack"] for r in fp8["results"]] == ["megatron-usp"]   # no peer
+        assert row["num_layers"] == layers
+        assert row["flops_per_iteration"] == ours["flops_per_iteration"]
+        assert ("--fp8-format hybrid --fp8-recipe tensorwise --fp8-linears all --fp8-emulate "
+                "--num-workers 0") in row["command"]
+        assert "| 128 | megatron-usp | 1x1 | lean | ok |" in (
+            out / f"fp8_{name}_fp8.md").read_text()
+        log = Path(row["log_path"])
+        assert log.parent == out / "logs" / f"fp8_{name}_fp8"
+        # the layers share one shape per kind: QKV, proj, FC1 and FC2, all in float8
+        assert ("fp8 (tensorwise hybrid, emulated, --fp8-linears all): 4 of 4 linear shapes "
+                "in float8") in log.read_text()
