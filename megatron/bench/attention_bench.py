@@ -144,6 +144,17 @@ def chunks_label(requested: Optional[int]) -> str:
     return "auto" if requested is None else str(requested)
 
 
+def usp_label(u: int, r: int, tag: str = "") -> str:
+    """``USP U2xR1 (pure Ulysses)``, ``USP U1xR2 (pure ring)``, ``USP U2xR2``; one process
+    (U1xR1) is neither."""
+    kind = ""
+    if u > 1 and r == 1:
+        kind = " (pure Ulysses)"
+    elif u == 1 and r > 1:
+        kind = " (pure ring)"
+    return f"USP U{u}xR{r}{tag}{kind}"
+
+
 def all_splits(requested: Sequence[Tuple[int, int]], world: int) -> List[Tuple[int, int]]:
     """The requested splits plus pure Ulysses (N x 1) and pure ring (1 x N), no repeats."""
     out: List[Tuple[int, int]] = []
@@ -623,10 +634,9 @@ class _Sweep:
     def usp(self, seq_len: int, split: Tuple[int, int],
             requested_chunks: Optional[int] = None) -> CaseResult:
         u, r = split
-        kind = " (pure Ulysses)" if r == 1 else (" (pure ring)" if u == 1 else "")
         sweep_g = len(self.cfg.overlap_chunks) > 1 or requested_chunks is not None
         tag = f" G{chunks_label(requested_chunks)}" if sweep_g else ""
-        res = CaseResult(seq_len, "usp", f"USP U{u}xR{r}{tag}{kind}", self.world, ulysses=u,
+        res = CaseResult(seq_len, "usp", usp_label(u, r, tag), self.world, ulysses=u,
                          ring=r, variant=self.cfg.backend,
                          overlap_request=chunks_label(requested_chunks))
         try:

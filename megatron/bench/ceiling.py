@@ -75,6 +75,7 @@ class Ceiling:
     document_kernels_ms: Optional[Dict[str, float]] = None    # mean per kernel over sequences
     fastest_kernels: Optional[Dict[str, int]] = None          # sequences each kernel won
     sequences: Optional[int] = None
+    num_layers: Optional[int] = None  # of the model timed (--num-layers: a slice)
 
 
 def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats: int) -> float:
@@ -174,13 +175,15 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
         dense_attention_ms_per_layer=dense_attn_ms if docs else None,
         document_kernels_ms=docs["kernels_ms"] if docs else None,
         fastest_kernels=docs["wins"] if docs else None,
-        sequences=len(documents) if docs else None)
+        sequences=len(documents) if docs else None, num_layers=shape.num_layers)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron.bench.ceiling",
                                 description="Zero-overhead step time of a benchmark model.")
     p.add_argument("--model", default="llama-0.85b", choices=list(MODELS))
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="the first N of the preset's layers (tools/bench_e2e.py --num-layers)")
     p.add_argument("--seq-lens", default="32k,64k,128k")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--repeats", type=int, default=5)
@@ -193,14 +196,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         seq_lens = parse_seq_lens(ns.seq_lens)
     except BenchConfigError as exc:
         p.error(str(exc))
+    layers = MODELS[ns.model].shape.num_layers
+    if ns.num_layers is not None and not 1 <= ns.num_layers <= layers:
+        p.error(f"--num-layers {ns.num_layers}: a slice of {ns.model} has 1 to {layers} layers")
     if not torch.cuda.is_available():
         p.error("the ceiling is measured on a CUDA GPU; none is visible")
+    shape = MODELS[ns.model].sliced(ns.num_layers).shape
     documents = {}
     if ns.doc_lengths:
         with open(ns.doc_lengths) as fh:
             documents = {int(k): v for k, v in json.load(fh).items()}
-    results: List[Dict] = [asdict(measure_ceiling(MODELS[ns.model].shape, s, ns.peak_tflops,
-                                                  ns.repeats, documents.get(s)))
+    results: List[Dict] = [asdict(measure_ceiling(shape, s, ns.peak_tflops, ns.repeats,
+                                                  documents.get(s)))
                            for s in seq_lens]
     with open(ns.out, "w") as fh:
         json.dump(results, fh, indent=1)

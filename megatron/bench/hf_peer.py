@@ -7,7 +7,8 @@ process of its own (one GPU, so its memory is measured alone)::
         --iters 6 --warmup 3 --recompute none --out peer.json
 
 It builds ``LlamaForCausalLM`` with the preset's shape (:data:`megatron.bench.models.MODELS`:
-RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, no biases), SDPA attention restricted to
+RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, no biases; ``--num-layers N``: its first N
+layers, the slice ``tools/bench_e2e.py --num-layers`` trains), SDPA attention restricted to
 the cuDNN backend on CUDA (the kernel USP uses), and trains it on random tokens the way a
 Hugging Face user does on one GPU: bf16 weights, ``torch.optim.AdamW(fused=True)`` (so bf16
 Adam states, and no float32 master copy: about 8.5 GiB less than mixed precision for the
@@ -56,6 +57,7 @@ from megatron.shapes import dense_training_flops, document_pairs, training_flops
 
 PEERS = ("hf", "hf-liger")
 PEER_INSTALL = "pip install -e .[peers]"   # transformers and liger-kernel (setup.py extras)
+DEFAULT_ROPE_BASE = 10000.0                # pretrain_gpt.py's --rotary-base default
 
 
 @dataclass
@@ -76,6 +78,7 @@ class PeerResult:
     flops_per_iteration: Optional[float] = None
     peak_tflops: Optional[float] = None
     last_loss: Optional[float] = None
+    num_layers: Optional[int] = None        # of the model trained (--num-layers: a slice)
     optimizer_state_gib: Optional[float] = None
     attention_path: Optional[str] = None    # how transformers ran attention
     flops_count: str = "dense causal"       # or "useful (documents)" (--documents)
@@ -97,11 +100,12 @@ def missing_packages(peer: str, cuda: bool) -> Optional[str]:
     return None
 
 
-def llama_config(shape, seq_len: int):
+def llama_config(shape, seq_len: int, rope_base: float = DEFAULT_ROPE_BASE):
     """``transformers.LlamaConfig`` of a :class:`megatron.shapes.ModelShape`.
 
-    RoPE base 10000 and RMSNorm epsilon 1e-5: ``pretrain_gpt.py``'s defaults
-    (``--rotary-base``, ``--norm-epsilon``), which the benchmark does not change.
+    RoPE base ``rope_base``: the preset's (:attr:`megatron.bench.models.BenchModel.rotary_base`,
+    500000 for ``llama3-8b``), else ``pretrain_gpt.py``'s default 10000; RMSNorm epsilon 1e-5,
+    ``pretrain_gpt.py``'s default (``--norm-epsilon``), which the benchmark does not change.
     """
     from transformers import LlamaConfig  # optional: transformers
 
@@ -110,12 +114,13 @@ def llama_config(shape, seq_len: int):
         intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_query_groups, head_dim=shape.head_dim,
-        max_position_embeddings=seq_len, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=seq_len, rms_norm_eps=1e-5, rope_theta=rope_base,
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
         hidden_act="silu", use_cache=False, attn_implementation="sdpa")
 
 
-def build_model(peer: str, shape, seq_len: int, device, dtype):
+def build_model(peer: str, shape, seq_len: int, device, dtype,
+                rope_base: float = DEFAULT_ROPE_BASE):
     """The peer's ``LlamaForCausalLM`` on ``device`` in ``dtype`` (Liger applied first)."""
     import torch  # torch-free module
     from transformers import LlamaForCausalLM  # optional: transformers
@@ -125,7 +130,7 @@ def build_model(peer: str, shape, seq_len: int, device, dtype):
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
-    config = llama_config(shape, seq_len)
+    config = llama_config(shape, seq_len, rope_base)
     with torch.device(device):
         model = LlamaForCausalLM(config)
     return model.to(dtype)
@@ -220,12 +225,13 @@ def _takes_mask(backend, shape, dtype, probe_len: int = 256) -> bool:
 
 def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: str,
           seed: int, peak_tflops: Optional[float],
-          documents: Optional[PackedDocuments] = None) -> PeerResult:
+          documents: Optional[PackedDocuments] = None,
+          rope_base: float = DEFAULT_ROPE_BASE) -> PeerResult:
     """Train ``iters`` steps of batch 1 and time each; see the module docstring."""
     import torch  # torch-free module
 
     cuda = torch.cuda.is_available()
-    res = PeerResult(peer, seq_len, recompute, "ok")
+    res = PeerResult(peer, seq_len, recompute, "ok", num_layers=shape.num_layers)
     res.flops_per_iteration = dense_training_flops(shape, seq_len, 1)
     why = missing_packages(peer, cuda)
     if why:
@@ -241,7 +247,7 @@ def train(peer: str, shape, seq_len: int, iters: int, warmup: int, recompute: st
         res.attention_path, backend = packed_attention_path(documents, shape, cuda, dtype)
     torch.manual_seed(seed)
     try:
-        model = build_model(peer, shape, seq_len, device, dtype)
+        model = build_model(peer, shape, seq_len, device, dtype, rope_base)
         if recompute == "full":
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -323,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "transformers (a peer of tools/bench_e2e.py).")
     p.add_argument("--peer", required=True, choices=list(PEERS))
     p.add_argument("--model", default="llama-0.85b", choices=list(MODELS))
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="train the first N of the preset's layers (tools/bench_e2e.py "
+                        "--num-layers)")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
@@ -342,13 +351,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"hf_peer: --iters {ns.iters} must exceed --warmup {ns.warmup} >= 0 and "
               f"--seq-len {ns.seq_len} must be >= 2", file=sys.stderr)
         return 2
+    model = MODELS[ns.model]
+    if ns.num_layers is not None and not 1 <= ns.num_layers <= model.shape.num_layers:
+        print(f"hf_peer: --num-layers {ns.num_layers}: a slice of {ns.model} has 1 to "
+              f"{model.shape.num_layers} layers", file=sys.stderr)
+        return 2
     documents = PackedDocuments.load(ns.documents) if ns.documents else None
     if documents is not None and documents.tokens.shape[1] != ns.seq_len:
         print(f"hf_peer: --documents {ns.documents} holds sequences of "
               f"{documents.tokens.shape[1]} tokens, not --seq-len {ns.seq_len}", file=sys.stderr)
         return 2
-    res = train(ns.peer, MODELS[ns.model].shape, ns.seq_len, ns.iters, ns.warmup, ns.recompute,
-                ns.seed, ns.peak_tflops, documents)
+    res = train(ns.peer, model.sliced(ns.num_layers).shape, ns.seq_len, ns.iters, ns.warmup,
+                ns.recompute, ns.seed, ns.peak_tflops, documents,
+                rope_base=float(model.rotary_base or DEFAULT_ROPE_BASE))
     with open(ns.out, "w") as f:
         json.dump(asdict(res), f, indent=1)
     return 0

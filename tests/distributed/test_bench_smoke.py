@@ -19,7 +19,7 @@ import pytest
 
 from megatron.bench.attention_bench import main
 from megatron.bench.flops import window_attention_fwd_flops
-from megatron.shapes import PRESETS, training_flops
+from megatron.shapes import PRESETS, causal_pairs, training_flops, window_pairs
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow   # CPU training runs of a minute or more
@@ -368,3 +368,121 @@ def test_imported_model_recipe_on_the_cpu(tmp_path):
     assert result["scratch"]["args"]["load"] is None
     assert result["tokens_per_s_ratio"] > 0 and "imported / scratch" in proc.stdout
     assert result["metadata"]["command"]
+
+
+# --------------------------------------------------------------------------- GPU recipes on the CPU
+def _recipe_env(**settings):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", **settings)
+    return env
+
+
+def _run_recipe(name, env):
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / name), "--extra-args",
+                           "--num-workers 0"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def _e2e_row(path, stack="megatron-usp"):
+    """The one row of ``stack`` in a bench_e2e JSON, checked to have trained."""
+    payload = json.loads(path.read_text())
+    assert payload["tool"] == "bench_e2e" and payload["metadata"]["device"]["type"] == "cpu"
+    (row,) = [r for r in payload["results"] if r["stack"] == stack]
+    assert row["status"] == "ok", row
+    assert row["tokens_per_s"] > 0 and row["iterations_measured"] == 2
+    assert row["recompute"] == ("lean" if stack == "megatron-usp" else "none")
+    return payload, row
+
+
+def test_sliding_window_recipe_on_the_cpu(tmp_path):
+    """benchmarks/sliding_window.sh with the tiny model at 256 tokens, W = 32 on one layer of
+    two, one round: the window layer's attention against the window kernel (--check), the
+    all-full and the hybrid run (the caller's --extra-args added to the window flags), and
+    the speed-up summary against the FLOP count."""
+    out = tmp_path / "window"
+    env = _recipe_env(MODEL="tiny", SEQ_LEN="256", WINDOW="32", HEADS="4", KV_HEADS="2",
+                      HEAD_DIM="16", ROUNDS="1", ITERS="3", WARMUP="1", OUT_DIR=str(out))
+    proc = _run_recipe("sliding_window.sh", env)
+
+    kernel = json.loads((out / "window_kernel_256.json").read_text())
+    assert kernel["config"]["window"] == 32 and kernel["config"]["dtype"] == "bf16"
+    assert [(r["label"], r["status"]) for r in kernel["results"]] == [
+        ("single GPU (masked window kernel)", "ok"), ("USP U1xR1", "ok")]
+    for r in kernel["results"]:
+        _ok_numbers(r)
+    usp = kernel["results"][1]
+    assert usp["efficiency"] > 0 and usp["check_rel_err"] < 1e-2
+    assert "causal, window 32" in (out / "window_kernel_256.md").read_text()
+
+    count = "dense causal, window 32 on 1 of 2 layers"
+    full, full_row = _e2e_row(out / "window_full_256_r1.json")
+    hybrid, hybrid_row = _e2e_row(out / "window_hybrid_256_r1.json")
+    assert full["flops_count"] == full_row["flops_count"] == "dense causal"
+    assert hybrid["flops_count"] == hybrid_row["flops_count"] == count
+    assert f"FLOPs: {count}" in (out / "window_hybrid_256_r1.md").read_text()
+    tiny = PRESETS["tiny"]
+    hybrid_pairs = (causal_pairs(256) + window_pairs([256], 32)) / 2
+    assert full_row["flops_per_iteration"] == training_flops(tiny, 256, causal_pairs(256))
+    assert hybrid_row["flops_per_iteration"] == pytest.approx(
+        training_flops(tiny, 256, hybrid_pairs), rel=1e-6)
+    for name, row in (("window_full_256_r1", full_row), ("window_hybrid_256_r1", hybrid_row)):
+        assert row["command"].endswith("--num-workers 0")
+        assert Path(row["log_path"]).parent == out / "logs" / name     # a log per run
+    assert "--window-size 32 --window-attn-skip-freq 2" in hybrid_row["command"]
+    assert "--window-size" not in full_row["command"]
+
+    speedup = json.loads((out / "window_speedup_256.json").read_text())
+    assert speedup["tool"] == "window_speedup" and speedup["seq_len"] == 256
+    assert speedup["full_runs"] == speedup["hybrid_runs"] == 1
+    assert speedup["hybrid_flops_count"] == count
+    assert speedup["predicted_speedup"] == pytest.approx(
+        full_row["flops_per_iteration"] / hybrid_row["flops_per_iteration"])
+    assert speedup["measured_speedup"] == pytest.approx(
+        full_row["iter_ms"] / hybrid_row["iter_ms"])
+    assert speedup["share_of_predicted"] > 0 and isinstance(speedup["within_tolerance"], bool)
+    assert speedup["metadata"]["device"]["type"] == "cpu"
+    summary = (out / "window_speedup_256.md").read_text()
+    assert summary.startswith("hybrid over full: measured") and summary in proc.stdout
+
+
+def test_fp8_recipe_on_the_cpu(tmp_path):
+    """benchmarks/fp8.sh with the tiny model and a one-layer slice of it at 128 tokens, one
+    round: per model a bf16 run beside the Hugging Face peer (the slice's peer trains the same
+    one layer) and a float8 run with every linear in torchao's emulated float8."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    out = tmp_path / "fp8"
+    env = _recipe_env(MODELS="tiny:2:tiny tiny:1:tiny_1l", SEQ_LENS="128", ROUNDS="1",
+                      ITERS="3", WARMUP="1", PEERS="hf", FP8_EMULATE="1", FP8_LINEARS="all",
+                      OUT_DIR=str(out))
+    _run_recipe("fp8.sh", env)
+
+    assert {p.name for p in out.glob("*.json")} == {
+        f"fp8_{name}_{kind}.json" for name in ("tiny", "tiny_1l") for kind in ("bf16", "fp8")}
+    for name, layers in (("tiny", 2), ("tiny_1l", 1)):
+        bf16, ours = _e2e_row(out / f"fp8_{name}_bf16.json")
+        _, peer = _e2e_row(out / f"fp8_{name}_bf16.json", stack="hf")
+        assert bf16["config"]["shape"]["num_layers"] == ours["num_layers"] == layers
+        assert peer["num_layers"] == layers
+        assert peer["flops_per_iteration"] == ours["flops_per_iteration"]
+        assert [(x["peer"], x["tokens_per_s_ratio"] > 0) for x in bf16["peer_ratios"]] == [
+            ("hf", True)]
+        assert "--fp8-format" not in ours["command"]
+        assert "| 128 | hf | 1x1 | none | ok |" in (out / f"fp8_{name}_bf16.md").read_text()
+
+        fp8, row = _e2e_row(out / f"fp8_{name}_fp8.json")
+        assert [r["stack"] for r in fp8["results"]] == ["megatron-usp"]   # no peer
+        assert row["num_layers"] == layers
+        assert row["flops_per_iteration"] == ours["flops_per_iteration"]
+        assert ("--fp8-format hybrid --fp8-recipe tensorwise --fp8-linears all --fp8-emulate "
+                "--num-workers 0") in row["command"]
+        assert "| 128 | megatron-usp | 1x1 | lean | ok |" in (
+            out / f"fp8_{name}_fp8.md").read_text()
+        log = Path(row["log_path"])
+        assert log.parent == out / "logs" / f"fp8_{name}_fp8"
+        # the layers share one shape per kind: QKV, proj, FC1 and FC2, all in float8
+        assert ("fp8 (tensorwise hybrid, emulated, --fp8-linears all): 4 of 4 linear shapes "
+                "in float8") in log.read_text()

@@ -15,10 +15,31 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron import shapes
 from megatron.bench import attention_bench as ab
-from megatron.bench import cli, flops, hf_peer, models, native_cp, report, timing, window_speedup
+from megatron.bench import (
+    ceiling,
+    cli,
+    flops,
+    hf_peer,
+    models,
+    native_cp,
+    report,
+    timing,
+    window_speedup,
+)
+from megatron.bench.e2e import (
+    ceilings,
+    command,
+    config,
+    launch,
+    output,
+    pairing,
+    peers,
+    summary,
+    sweep,
+)
 from megatron.bench.e2e import cli as e2e_cli
-from megatron.bench.e2e import command, config, launch, output, pairing, peers, summary, sweep
 from megatron.bench.e2e.launch import failure_cause
 from megatron.usp.token_order import positions_for_cp_rank
 from megatron.usp.window_kernel import window_mask
@@ -195,6 +216,13 @@ def test_progress_line_and_markdown():
     assert "torch " + torch.__version__ in md
     windowed = ab.results_markdown(meta, _cfg(window=4096), [single, u2])
     assert "causal, window 4096 (FLOPs of the pairs inside it)" in windowed
+
+
+def test_usp_labels_name_the_pure_splits_only():
+    assert ab.usp_label(2, 1) == "USP U2xR1 (pure Ulysses)"
+    assert ab.usp_label(1, 2, " G2") == "USP U1xR2 G2 (pure ring)"
+    assert ab.usp_label(2, 2) == "USP U2xR2"
+    assert ab.usp_label(1, 1) == "USP U1xR1"          # one process: neither
 
 
 # --------------------------------------------------------------------------- report / timing
@@ -466,6 +494,18 @@ def test_e2e_bad_input_names_the_flag(tmp_path):
         e2e_cli.config_from_args(e2e_cli.build_parser().parse_args(["--max-seq", "lots"]))
 
 
+def test_extra_args_given_twice_pass_both():
+    """A recipe sets --extra-args for one run and passes the caller's arguments after it:
+    the caller's --extra-args adds to the recipe's flags, it does not replace them."""
+    parser = e2e_cli.build_parser()
+    ns = parser.parse_args(["--extra-args=--window-size 64 --window-attn-skip-freq 2",
+                            "--extra-args", "--num-workers 0"])
+    assert e2e_cli.config_from_args(ns).extra_args == [
+        "--window-size", "64", "--window-attn-skip-freq", "2", "--num-workers", "0"]
+    assert e2e_cli.config_from_args(parser.parse_args([])).extra_args == []
+    assert parser.parse_args([]).extra_args == []       # the default is not appended to
+
+
 def _peer_runner(fails, ms=lambda round_: 200.0):
     """A peer runner: ``fails(peer, seq_len, recompute)`` gives a status, else a run of
     ``ms(round)`` milliseconds per iteration."""
@@ -622,6 +662,81 @@ def test_hf_peer_reports_missing_packages(monkeypatch):
                         lambda name: object() if name == "liger_kernel" else real(name))
     assert "CUDA GPU" in hf_peer.missing_packages("hf-liger", cuda=False)
     assert hf_peer.missing_packages("hf-liger", cuda=True) is None
+
+
+def test_num_layers_reaches_the_peer_and_the_ceiling(tmp_path, monkeypatch):
+    """bench_e2e --num-layers 8 of Llama-3-8B: the peer's and the ceiling's commands ask for
+    the same 8-layer slice our runs train, and the peer's row says how many it trained."""
+    cfg = _e2e_cfg(tmp_path, model="llama3-8b", num_layers=8, seq_lens=[8192],
+                   splits=[(1, 1)], nproc_per_node=1)
+    commands = []
+
+    def fake_run(cmd, env, log, timeout_s):
+        commands.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        if "megatron.bench.hf_peer" in cmd:
+            out.write_text(json.dumps({"status": "ok", "num_layers": 8}))
+        else:
+            out.write_text(json.dumps([{"seq_len": 8192, "ceiling_ms": 1.0}]))
+        return 0
+
+    monkeypatch.setattr(peers, "run_to_end", fake_run)
+    monkeypatch.setattr(ceilings, "run_to_end", fake_run)
+    assert peers.run_peer(cfg, "hf", 8192, "none").num_layers == 8
+    assert list(ceilings.run_ceiling(cfg)) == [8192]
+    assert [c[c.index("--num-layers") + 1] for c in commands] == ["8", "8"]
+    commands.clear()
+    peers.run_peer(dataclasses.replace(cfg, num_layers=None), "hf", 8192, "none")
+    assert "--num-layers" not in commands[0]
+
+
+def test_hf_peer_and_ceiling_time_the_slice(tmp_path, monkeypatch):
+    """python -m megatron.bench.hf_peer / .ceiling --num-layers N build the preset's first N
+    layers, and refuse a slice the preset does not have."""
+    sliced = dataclasses.replace(models.MODELS["llama3-8b"].shape, num_layers=8)
+    seen = []
+
+    def fake_train(peer, shape, seq_len, *args, rope_base):
+        seen.append((shape, rope_base))
+        return hf_peer.PeerResult(peer, seq_len, "none", "ok", num_layers=shape.num_layers)
+
+    monkeypatch.setattr(hf_peer, "train", fake_train)
+    out = tmp_path / "peer.json"
+    argv = ["--peer", "hf", "--model", "llama3-8b", "--seq-len", "64", "--out", str(out)]
+    assert hf_peer.main(argv + ["--num-layers", "8"]) == 0
+    # Llama-3's RoPE base, as bench_e2e's runs of llama3-8b pass --rotary-base 500000
+    assert seen == [(sliced, 500000.0)] and json.loads(out.read_text())["num_layers"] == 8
+    assert hf_peer.main(argv) == 0 and seen[-1][0].num_layers == 32
+    tiny = ["--peer", "hf", "--model", "tiny", "--seq-len", "64", "--out", str(out)]
+    assert hf_peer.main(tiny) == 0 and seen[-1][1] == 10000.0
+    assert hf_peer.main(argv + ["--num-layers", "33"]) == 2
+
+    monkeypatch.setattr(ceiling.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ceiling.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ceiling, "linear_fwd_bwd_ms", lambda *a: 1.0)
+    monkeypatch.setattr(ceiling, "attention_fwd_bwd_ms", lambda *a: 1.0)
+    out = tmp_path / "ceiling.json"
+    argv = ["--model", "llama3-8b", "--seq-lens", "8k", "--peak-tflops", "989", "--out",
+            str(out)]
+    assert ceiling.main(argv + ["--num-layers", "8"]) == 0
+    (row,) = json.loads(out.read_text())
+    # per layer four linears and the attention, then the output layer: 8 * 5 + 1 ms
+    assert row["num_layers"] == 8 and row["ceiling_ms"] == 41.0
+    assert row["flops_per_iteration"] == shapes.dense_training_flops(sliced, 8192, 1)
+    with pytest.raises(SystemExit):
+        ceiling.main(argv + ["--num-layers", "0"])
+
+
+def test_hf_peer_config_takes_the_rope_base():
+    pytest.importorskip("transformers")
+    shape = models.MODELS["tiny"].shape
+
+    def theta(config):   # transformers 5 keeps it in rope_parameters, 4 as rope_theta
+        params = getattr(config, "rope_parameters", None) or {}
+        return params.get("rope_theta", getattr(config, "rope_theta", None))
+
+    assert theta(hf_peer.llama_config(shape, 64)) == 10000.0
+    assert theta(hf_peer.llama_config(shape, 64, 500000.0)) == 500000.0
 
 
 def test_e2e_markdown_and_progress():
@@ -791,3 +906,33 @@ def test_window_speedup_command_writes_the_runs_metadata(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:          # the files on the wrong sides
         window_speedup.main(["--full", hybrid, "--hybrid", full])
     assert exc.value.code == 2
+
+
+def test_a_windowed_run_reports_the_window_count(tmp_path, monkeypatch):
+    """--extra-args "--window-size ...": the row takes the training loop's FLOPs and label,
+    and so do the report's flops_count and the markdown's FLOPs line (not dense causal)."""
+    pytest.importorskip("megatron.training.observe.metrics")
+    cfg = _e2e_cfg(seq_lens=[131072], splits=[(1, 1)], nproc_per_node=1)
+    spec = config.RunSpec(131072, 1, 1, "none", 5)
+    recs = [dict(r, flops_count=WINDOW_COUNT) if r["kind"] == "train" else r
+            for r in _records([100.0] * 5)]
+    row = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, recs, "l", []))
+    assert row.flops_count == WINDOW_COUNT
+    assert row.flops_per_iteration == pytest.approx(100.0e12 * 0.1)   # TFLOP/s x step time
+    full = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, _records([100.0] * 5),
+                                                          "l", []))
+    assert output.report_flops_count(cfg, [full]) == "dense causal"
+    assert output.report_flops_count(cfg, [row]) == WINDOW_COUNT
+    meta = report.run_metadata(["tools/bench_e2e.py"], torch.device("cpu"), 1)
+    md = output.results_markdown(meta, cfg, [row])
+    assert f"FLOPs: {WINDOW_COUNT}: the training loop's count" in md
+    assert "S^2/2" not in md
+    # the JSON's flops_count: tools/bench_e2e.py with the run faked
+    monkeypatch.setattr(e2e_cli, "throughput_sweep",
+                        lambda cfg, on_result, ceilings: on_result(row))
+    out = tmp_path / "r.json"
+    assert e2e_cli.main(["--model", "tiny", "--seq-lens", "128", "--splits", "1x1",
+                         "--nproc-per-node", "1", "--iters", "3", "--warmup", "1",
+                         "--device", "cpu", "--ceiling", "off", "--log-dir", str(tmp_path),
+                         "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["flops_count"] == WINDOW_COUNT

@@ -38,7 +38,7 @@ recorded).
 longest that trained with its MFU and GPU / host peaks; an out-of-memory failure ends the
 search, any other failure is reported as an error. ``--num-layers N`` runs a slice of the
 preset's layers (for :mod:`megatron.bench.depth`, which extrapolates memory and time to full
-depth from two slices).
+depth from two slices); the peers and the ceiling then time the same slice.
 
 Models (:data:`megatron.bench.models.MODELS`, shapes from :data:`megatron.shapes.PRESETS`):
 ``llama-0.85b``, ``llama3-8b`` (RoPE base 500000, output layer and loss in chunks of 2048

@@ -23,6 +23,8 @@ def run_ceiling(cfg: E2EConfig) -> Dict[int, dict]:
     lengths = ",".join(str(s) for s in cfg.seq_lens)
     cmd = [sys.executable, "-m", "megatron.bench.ceiling", "--model", cfg.model,
            "--seq-lens", lengths, "--out", str(out)]
+    if cfg.num_layers is not None:
+        cmd += ["--num-layers", str(cfg.num_layers)]
     if cfg.peak_tflops is not None:
         cmd += ["--peak-tflops", str(cfg.peak_tflops)]
     if cfg.docs is not None:

@@ -31,6 +31,7 @@ from megatron.bench.e2e.output import (
     pooled_line,
     progress_line,
     ratio_line,
+    report_flops_count,
     results_markdown,
 )
 from megatron.bench.e2e.pairing import peer_ratios, pooled_ratios
@@ -74,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default="runs/bench_e2e",
                    help="per-run logs and metrics files (runs/ is git-ignored)")
     p.add_argument("--pretrain-script", default=str(REPO_ROOT / "pretrain_gpt.py"))
-    p.add_argument("--extra-args", default="",
+    p.add_argument("--extra-args", action="append", default=[],
                    help="more pretrain_gpt.py flags as one string, e.g. "
-                        "--extra-args='--num-workers 0'")
+                        "--extra-args='--num-workers 0'; given more than once, the flags of "
+                        "every one are passed, in order")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--markdown", default=None, help="markdown table file")
@@ -111,7 +113,8 @@ def config_from_args(ns: argparse.Namespace) -> E2EConfig:
         recompute=ns.recompute, attention_backend=ns.attention_backend, device=ns.device,
         peak_tflops=ns.peak_tflops, find_max_seq=ns.find_max_seq, start_seq=start,
         max_seq=stop, timeout_s=ns.timeout, log_dir=ns.log_dir,
-        pretrain_script=ns.pretrain_script, extra_args=shlex.split(ns.extra_args),
+        pretrain_script=ns.pretrain_script,
+        extra_args=[a for text in ns.extra_args for a in shlex.split(text)],
         seed=ns.seed, out=ns.out, markdown=ns.markdown, peers=parse_peers(ns.peers),
         ceiling=ns.ceiling, rounds=ns.rounds, docs=parse_docs(ns.docs))
 
@@ -229,6 +232,7 @@ def _device(cfg: E2EConfig):
 
 def _write(cfg: E2EConfig, payload: dict, meta: dict, results: List[E2EResult],
            longest: Optional[Dict[str, Optional[int]]]) -> None:
+    payload["flops_count"] = report_flops_count(cfg, results)
     if cfg.out:
         report.write_json(cfg.out, payload)
     if cfg.markdown:

@@ -7,7 +7,13 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron.bench import report
 from megatron.bench.cli import seq_label
-from megatron.bench.e2e.config import PROGRESS_PREFIX, E2EConfig, E2EResult
+from megatron.bench.e2e.config import (
+    DENSE_COUNT,
+    PROGRESS_PREFIX,
+    USEFUL_COUNT,
+    E2EConfig,
+    E2EResult,
+)
 from megatron.bench.e2e.pairing import peer_ratios, pooled_ratios
 
 
@@ -76,8 +82,23 @@ COLD_FIRST_STEP = ("--warmup 0: the first iteration is timed, and it includes co
                    "step on one H200): a lower bound on speed.")
 
 
-def flops_count_line(cfg: E2EConfig) -> str:
+def report_flops_count(cfg: E2EConfig, results: Sequence[E2EResult]) -> str:
+    """The count this project's rows follow: the training loop's label where they counted a
+    sliding window (``"dense causal, window W on k of L layers"``), else dense causal or,
+    with ``--docs``, useful (documents)."""
+    windowed = next((r.flops_count for r in results
+                     if r.stack == "megatron-usp" and "window" in r.flops_count), None)
+    if windowed is not None:
+        return windowed
+    return DENSE_COUNT if cfg.docs is None else USEFUL_COUNT
+
+
+def flops_count_line(cfg: E2EConfig, results: Sequence[E2EResult] = ()) -> str:
     """Which attention pairs the report's FLOPs count."""
+    count = report_flops_count(cfg, results)
+    if "window" in count:
+        return (f"FLOPs: {count}: the training loop's count, the pairs inside the window on "
+                f"the windowed layers (megatron.shapes.training_flops).")
     if cfg.docs is None:
         return ("FLOPs: dense causal (S^2/2 attention pairs per sequence, "
                 "megatron.shapes.training_flops).")
@@ -95,7 +116,7 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
              f"{s.ffn_hidden_size}, vocab {s.vocab_size}), {cfg.nproc_per_node} processes, "
              f"mean of iterations {cfg.warmup + 1}..{cfg.iters}; MFU against "
              f"{_peaks(results)} TFLOP/s\n\n")
-    title += flops_count_line(cfg) + "\n\n"
+    title += flops_count_line(cfg, results) + "\n\n"
     if cfg.warmup == 0:
         title += COLD_FIRST_STEP + "\n\n"
     headers = ["S", "stack", "U x R", "recompute", "status", "ms/iter", "tokens/s/GPU",

@@ -30,6 +30,8 @@ def run_peer(cfg: E2EConfig, peer: str, seq_len: int, recompute: str,
     cmd = [sys.executable, "-m", "megatron.bench.hf_peer", "--peer", peer, "--model", cfg.model,
            "--seq-len", str(seq_len), "--iters", str(cfg.iters), "--warmup", str(cfg.warmup),
            "--recompute", recompute, "--seed", str(cfg.seed), "--out", str(out)]
+    if cfg.num_layers is not None:
+        cmd += ["--num-layers", str(cfg.num_layers)]
     if cfg.peak_tflops is not None:
         cmd += ["--peak-tflops", str(cfg.peak_tflops)]
     if cfg.docs is not None:
@@ -71,7 +73,8 @@ def peer_result(peer: str, seq_len: int, recompute: str, data: dict, log_path: s
                     round=round_)
     for key in ("iterations_measured", "iter_ms", "tokens_per_s", "tflops_per_gpu", "mfu",
                 "peak_mem_gib", "flops_per_iteration", "peak_tflops", "last_loss",
-                "attention_path", "flops_count", "attention_pairs", "documents_per_iteration"):
+                "num_layers", "attention_path", "flops_count", "attention_pairs",
+                "documents_per_iteration"):
         if data.get(key) is not None:
             setattr(res, key, data[key])
     steps = data.get("step_times_s") or []
