@@ -461,7 +461,8 @@ def test_fp8_recipe_on_the_cpu(tmp_path):
     _run_recipe("fp8.sh", env)
 
     assert {p.name for p in out.glob("*.json")} == {
-        f"fp8_{name}_{kind}.json" for name in ("tiny", "tiny_1l") for kind in ("bf16", "fp8")}
+        f"fp8_{name}_{kind}.json" for name in ("tiny", "tiny_1l")
+        for kind in ("bf16", "fp8", "speedup")}
     for name, layers in (("tiny", 2), ("tiny_1l", 1)):
         bf16, ours = _e2e_row(out / f"fp8_{name}_bf16.json")
         _, peer = _e2e_row(out / f"fp8_{name}_bf16.json", stack="hf")
@@ -486,3 +487,8 @@ def test_fp8_recipe_on_the_cpu(tmp_path):
         # the layers share one shape per kind: QKV, proj, FC1 and FC2, all in float8
         assert ("fp8 (tensorwise hybrid, emulated, --fp8-linears all): 4 of 4 linear shapes "
                 "in float8") in log.read_text()
+        ratio = json.loads((out / f"fp8_{name}_speedup.json").read_text())
+        [length] = ratio["lengths"]
+        assert length["seq_len"] == 128 and length["rounds"] == 1
+        assert length["speedup"] == pytest.approx(row["tokens_per_s"] / ours["tokens_per_s"])
+        assert "float8 over bf16" in (out / f"fp8_{name}_speedup.md").read_text()

@@ -21,6 +21,7 @@ from megatron.bench import (
     ceiling,
     cli,
     flops,
+    fp8_speedup,
     hf_peer,
     models,
     native_cp,
@@ -870,6 +871,42 @@ def test_window_speedup_against_the_flop_count():
     assert window_speedup.speedup([_e2e_row(110.0, 2e15)], slow, 0.15)["within_tolerance"]
     with pytest.raises(ValueError):
         window_speedup.speedup([], slow)
+
+
+def _fp8_row(seq_len, tokens_per_s, mem, fp8):
+    command = "pretrain_gpt.py --seq-length 8" + (" --fp8-format hybrid" if fp8 else "")
+    return dict(seq_len=seq_len, stack="megatron-usp", status="ok", tokens_per_s=tokens_per_s,
+                peak_mem_gib=mem, command=command)
+
+
+def test_fp8_speedup_per_length_and_the_floor():
+    bf16 = [_fp8_row(8192, 100.0, 40.0, False), _fp8_row(8192, 110.0, 40.0, False),
+            _fp8_row(32768, 50.0, 60.0, False), _fp8_row(65536, 20.0, 70.0, False)]
+    fp8 = [_fp8_row(8192, 130.0, 38.0, True), _fp8_row(8192, 140.0, 38.0, True),
+           _fp8_row(32768, 49.0, 59.0, True)]
+    got = fp8_speedup.compare(bf16, fp8)
+    assert [r["seq_len"] for r in got] == [8192, 32768]         # lengths both sides trained
+    short, long = got
+    assert short["speedup"] == pytest.approx(135 / 105) and short["rounds"] == 2
+    assert short["memory_ratio"] == pytest.approx(38 / 40) and short["floor_holds"] is True
+    assert long["speedup"] == pytest.approx(0.98) and long["floor_holds"] is False
+    lines = fp8_speedup.summary_lines(got)
+    assert lines[0].startswith("S=8192: float8 over bf16 1.286x") and lines[0].endswith("holds")
+    assert lines[1].endswith("missed")
+    larger = fp8_speedup.compare([_fp8_row(8, 10.0, 1.0, False)], [_fp8_row(8, 11.0, 1.1, True)])
+    assert larger[0]["floor_holds"] is False                  # faster, but more memory
+    with pytest.raises(ValueError, match="no sequence length"):
+        fp8_speedup.compare(bf16, [_fp8_row(128, 1.0, 1.0, True)])
+
+
+def test_fp8_speedup_refuses_a_file_on_the_wrong_side(tmp_path, capsys):
+    path = tmp_path / "bf16.json"
+    path.write_text(json.dumps({"results": [_fp8_row(8192, 100.0, 40.0, False),
+                                            dict(_fp8_row(8192, 1.0, 1.0, False), stack="hf")]}))
+    assert [r["tokens_per_s"] for r in fp8_speedup._load([str(path)], "bf16")] == [100.0]
+    with pytest.raises(SystemExit):
+        fp8_speedup.main(["--bf16", str(path), "--fp8", str(path)])
+    assert "bf16.json: a run without --fp8-format; pass it as --bf16" in capsys.readouterr().err
 
 
 def test_window_speedup_rows_come_from_the_right_side():
