@@ -3,19 +3,22 @@ count, and that every place reporting FLOPs or MFU calls that count."""
 
 import ast
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron.bench import ceiling, hf_peer
 from megatron.bench.e2e import config, summary
 from megatron.bench.models import MODELS
-from megatron.planner import Layout, Workload, cost_model, estimate, get_hardware
+from megatron.planner import Layout, Workload, cost_model, estimate, get_hardware, plan_layouts
 from megatron.planner.models import model_from_mapping
+from megatron.planner.plan import plan_from
 from megatron.shapes import (
     PRESETS,
     ModelShape,
@@ -29,6 +32,7 @@ from megatron.shapes.flags import shape_flags
 from megatron.shapes.window import is_window_layer
 from megatron.training import loop
 from megatron.training.cli import arguments
+from megatron.training.data import batch
 from megatron.training.observe import metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,6 +135,43 @@ def test_every_mfu_reporter_gives_the_one_count(name, monkeypatch):
         monkeypatch.setattr(module, "training_flops",
                             lambda shape, tokens, pairs: 7.0 * tokens / seq)
     assert flops_of() == pytest.approx(14.0)
+
+
+def test_a_window_is_one_count_for_the_planner_the_loop_and_bench_e2e():
+    """The 0.85B model with a window of 4096 on the layers ``[1,1,0,1]*4`` marks, 2 x 32K
+    tokens on 8 GPUs: the planner's FLOPs per step are the training loop's count for the run
+    of the plan's printed command (its RunConfig's ``model_window``, the batches' pairs, the
+    metrics' Throughput) and what bench_e2e takes from the loop's records."""
+    seq, gbs, gpus = 32768, 2, 8
+    shape = replace(PRESETS["llama-0.85b"], window_size=4096,
+                    window_attn_skip_freq=[1, 1, 0, 1] * 4)
+    result = plan_layouts(Workload(shape, seq, gpus, 8, global_batch_size=gbs), "h200", top=1)
+    plan = plan_from(result, result.best)
+    argv = shlex.split(plan.command())
+    flags = argv[argv.index("pretrain_gpt.py") + 1:] + [
+        "--lr", "1e-4", "--train-iters", "10", "--mock-data", "--eval-iters", "0",
+        "--vocab-size", str(shape.vocab_size)]
+    run = arguments.validate_args(arguments.parse_args(flags), gpus, cuda_available=True)
+    window, share = loop.model_window(run)
+    assert (window, share) == (4096, 0.75) and run.shape.window_marks() == (1, 1, 0, 1) * 4
+
+    micro = run.args.micro_batch_size
+    sample = {"tokens": torch.zeros(micro, seq, dtype=torch.int64)}
+    pairs = gbs // micro * batch.attention_pairs(sample, False, window, share)
+    throughput = metrics.Throughput(run.with_padded_vocab(shape.vocab_size).model_shape(), seq,
+                                    gbs, gpus, 989.0, loop.flops_count_label(run))
+    rates = throughput.of(1.0, pairs)
+    loop_flops = rates["tflops_per_gpu"] * gpus * 1e12
+    assert plan.estimate.model_flops_per_step == pytest.approx(loop_flops, rel=1e-12)
+    assert loop_flops < dense_training_flops(PRESETS["llama-0.85b"], seq, gbs)
+
+    records = [{"kind": "train", "iteration": i, "step_time_s": 1.0, **rates} for i in (1, 2)]
+    cfg = config.E2EConfig(seq_lens=[seq], splits=[(2, 2)], nproc_per_node=gpus, warmup=0,
+                           device="cpu")
+    res = summary.summarize(cfg, config.RunSpec(seq, 2, 2, "none", 2),
+                            config.RunOutcome("ok", 0, records, "l", []))
+    assert res.flops_per_iteration == pytest.approx(loop_flops, rel=1e-12)
+    assert res.flops_count == "dense causal, window 4096 on 12 of 16 layers"
 
 
 def test_no_module_counts_model_flops_on_its_own():
