@@ -423,6 +423,33 @@ def test_pipeline_stages_count_their_own_window_layers():
                                                runs[(0, 0, 1, 1)].time.total)
 
 
+def test_model_files_take_the_windows_flag_spellings(tmp_path):
+    base = dict(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=1000)
+    j = tmp_path / "w.json"
+    j.write_text(json.dumps(dict(base, window_size=[64, 0],
+                                 window_attn_skip_freq="([1]*3+[0]*1)*2")))
+    y = tmp_path / "w.yaml"
+    y.write_text("\n".join(f"{k}: {v}" for k, v in base.items())
+                 + '\nwindow_size: "(64,0)"\nwindow_attn_skip_freq: [1, 1, 1, 0, 1, 1, 1, 0]')
+    i = tmp_path / "i.json"
+    i.write_text(json.dumps(dict(base, window_size=64, window_attn_skip_freq=4)))
+    for path in (j, y, i):
+        m = load_model(str(path))
+        assert m.window_size == 64 and m.window_marks() == (1, 1, 1, 0) * 2, path
+    for fields, needle in (
+            (dict(window_size=[64, 2]), "window_size=(64,2): the right side must be 0 "
+                                        "(attention is causal); pass window_size=64"),
+            (dict(window_size=0), "window_size=0: the window must be at least 1"),
+            (dict(window_attn_skip_freq=2), "has no effect without window_size"),
+            (dict(window_size=64, window_attn_skip_freq="[1,0]"), "a list of 8 zeros and ones"),
+            (dict(window_size=64, window_attn_skip_freq=[1, 0]), "a list of 8 zeros and ones")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(dict(base, **fields)))
+        with pytest.raises(PlannerError) as err:
+            load_model(str(bad))
+        assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 # ============================================================================ rules
 
 
