@@ -128,7 +128,8 @@ def _list_presets() -> str:
     for name, m in sorted(PRESETS.items()):
         lines.append(f"  {name:<12} {m.total_params() / 1e9:6.2f}B  L={m.num_layers} "
                      f"h={m.hidden_size} heads={m.num_attention_heads}/{m.num_query_groups} "
-                     f"ffn={m.ffn_hidden_size} V={m.vocab_size}")
+                     f"ffn={m.ffn_hidden_size} V={m.vocab_size}"
+                     + (f" W={m.window_size}" if m.window_size is not None else ""))
     lines.append("hardware:")
     for name in sorted(HARDWARE_PRESETS):
         lines += ["  " + line for line in get_hardware(name).describe()]

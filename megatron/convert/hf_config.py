@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.errors import UsageError
 from megatron.shapes.rope import LLAMA3_FIXED, RopeScaling, yarn_mscale
+from megatron.shapes.window import window_flags, window_marks
 from megatron.training.cli.window_args import parse_skip_freq, parse_window_size
 
 # model_type -> the class transformers builds for it
@@ -320,11 +321,7 @@ def model_flags(model: PretrainedConfig, vocab_divisible_by: Optional[int] = Non
               "--make-vocab-size-divisible-by", str(divisor),
               "--vocab-size", str(model.vocab_size)]
     flags += ["--add-qkv-bias"] * model.qkv_bias + ["--qk-layernorm"] * model.qk_layernorm
-    if model.window_size is not None:
-        flags += ["--window-size", str(model.window_size)]
-        if model.window_layers is not None:
-            flags += ["--window-attn-skip-freq",
-                      "[" + ",".join(str(m) for m in model.window_layers) + "]"]
+    flags += window_flags(model.window_size, model.window_layers)
     if not model.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
     return flags
@@ -371,9 +368,7 @@ def _window_from_args(args: Dict[str, Any]) -> Dict[str, Any]:
     freq = args.get("window_attn_skip_freq")
     if freq is None:
         return {"window_size": left}
-    freq = parse_skip_freq(freq, args["num_layers"])
-    marks = (tuple(freq) if isinstance(freq, list) else
-             tuple(int(n % freq != 0) for n in range(1, args["num_layers"] + 1)))
+    marks = window_marks(left, parse_skip_freq(freq, args["num_layers"]), args["num_layers"])
     if not any(marks):
         return {}
     return {"window_size": left, "window_layers": None if all(marks) else marks}

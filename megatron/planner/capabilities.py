@@ -107,7 +107,7 @@ PRECISION_FLAGS = ["--bf16"]
 
 
 def model_flags(model: ModelShape, seq_length: int) -> List[str]:
-    """The model as ``pretrain_gpt.py`` flags: its shape and architecture
-    (:func:`megatron.shapes.flags.shape_flags`) and the sequence length; the vocabulary
-    comes from the tokenizer."""
+    """The model as ``pretrain_gpt.py`` flags: its shape and architecture, sliding window
+    included (:func:`megatron.shapes.flags.shape_flags`), and the sequence length; the
+    vocabulary comes from the tokenizer."""
     return shape_flags(model) + ["--seq-length", str(seq_length)]

@@ -22,6 +22,12 @@ Notation (per micro-batch):
                               fewer KV heads than U they are replicated up to U so that
                               every Ulysses rank receives the KV head its queries use
 
+Sliding window (the model's ``window_size`` ``W`` on the layers its
+``window_attn_skip_freq`` marks, :mod:`megatron.shapes.window`): a window layer computes the
+pairs inside its window (:func:`attention_flops_fwd`) and its ring moves only the window's
+halo (:func:`window_halo`), as ``megatron/usp/document_ring.py`` runs it; a window of
+``s - 1`` or more is a full layer. A stage sums its full and window layers.
+
 All byte counts are per GPU. Times are per GPU and combine as described in
 :func:`estimate`. Assumptions that are choices rather than facts (dtypes of buffers,
 which communication overlaps which compute) live in :class:`Assumptions`.
@@ -29,8 +35,9 @@ which communication overlaps which compute) live in :class:`Assumptions`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+import functools
+from dataclasses import asdict, dataclass, field, fields
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.planner.errors import PlannerError
 from megatron.planner.hardware import (
@@ -40,7 +47,15 @@ from megatron.planner.hardware import (
     peers_per_level,
 )
 from megatron.planner.models import check_model
-from megatron.shapes import ModelShape, attention_shape, dense_training_flops
+from megatron.shapes import (
+    ModelShape,
+    attention_shape,
+    causal_pairs,
+    shape_pairs,
+    training_flops,
+    window_pairs,
+)
+from megatron.shapes.window import effective_window
 from megatron.usp.parallel_dims import ParallelDims
 
 GIB = float(2**30)
@@ -237,15 +252,27 @@ def layer_matmul_flops_fwd(model: ModelShape, layout: Layout, sh: RankShapes) ->
     return qkv + proj, mlp
 
 
-def attention_flops_fwd(model: ModelShape, layout: Layout, b: int, s: int) -> float:
+def attention_flops_fwd(model: ModelShape, layout: Layout, b: int, s: int,
+                        window: Optional[int] = None) -> float:
     """Forward FLOPs of causal core attention for one layer on one rank.
 
     ``Q K^T`` and ``P V`` are ``2 * b * a * s^2 * d`` FLOPs each for the full square;
-    causal masking keeps half: ``2 * b * s^2 * h`` per layer. Heads split over ``t*U``
-    and the zigzag ring splits the sequence over ``R`` with equal work per rank, so a
-    rank does ``1/(t*C)`` of it. Backward is ``attention_bwd_factor`` (2.5) times this.
+    causal masking keeps half: ``2 * b * s^2 * h`` per layer, ``4*h`` per (query, key)
+    pair of :func:`~megatron.shapes.causal_pairs`. A window layer computes the pairs inside
+    its left ``window`` (:func:`~megatron.shapes.window_pairs`, the FLOP count's). Heads split
+    over ``t*U`` and the zigzag ring splits the sequence over ``R`` with equal work per rank,
+    so a rank does ``1/(t*C)`` of it. Backward is ``attention_bwd_factor`` (2.5) times this.
     """
-    return 2.0 * b * s * s * model.hidden_size / (layout.tp * layout.cp)
+    pairs = causal_pairs(s) if window is None else window_pairs([s], window)
+    return 4.0 * b * pairs * model.hidden_size / (layout.tp * layout.cp)
+
+
+def attention_kernel_tokens(s: int, ring: int, window: Optional[int] = None) -> float:
+    """The kernel length whose table rate a layer's attention runs at: ``s/R`` tokens, or for
+    a window layer at most ``2*window`` (a causal kernel of ``2W`` tokens has as many keys per
+    query on average as a window of ``W``)."""
+    tokens = s / ring
+    return tokens if window is None else min(tokens, 2.0 * window)
 
 
 def logits_flops_fwd(model: ModelShape, layout: Layout, sh: RankShapes) -> float:
@@ -278,14 +305,15 @@ def layer_elementwise_bytes_fwd(model: ModelShape, layout: Layout, sh: RankShape
 
 
 def usp_attention_elementwise_bytes_fwd(model: ModelShape, layout: Layout, sh: RankShapes,
-                                        a: Assumptions) -> float:
+                                        a: Assumptions, merges: Optional[float] = None) -> float:
     """HBM bytes of USP attention's own memory-bound work, forward, one rank, per token
     of the CP rank (``n`` tokens):
 
       * Ulysses (U > 1): q, k, v, o each packed before and unpacked after the
         all-to-all (megatron/usp/ulysses.py: one copy per direction), read + write:
         ``8 * (2h/t + 2*kv_u*d)`` (bf16);
-      * Ring (R > 1): ``R-1`` out/lse merges into an fp32 accumulator, ~10 bytes per
+      * Ring (R > 1): ``merges`` (default ``R-1``; a window layer's
+        :meth:`Halo.blocks_received`) out/lse merges into an fp32 accumulator, ~10 bytes per
         output element per merge: ``10 * (R-1) * h/t``.
     """
     h, d, t, ab = model.hidden_size, model.head_dim, layout.tp, a.act_bytes
@@ -293,17 +321,22 @@ def usp_attention_elementwise_bytes_fwd(model: ModelShape, layout: Layout, sh: R
     if layout.ulysses > 1:
         per_token += 8 * (2 * h / t + 2 * sh.kv_u * d) * ab / 2
     if layout.ring > 1:
-        per_token += 10 * (layout.ring - 1) * h / t
+        per_token += 10 * (layout.ring - 1 if merges is None else merges) * h / t
     return per_token * sh.n
 
 
-def ring_merge_bytes_bwd(model: ModelShape, layout: Layout, sh: RankShapes) -> float:
+def ring_merge_bytes_bwd(model: ModelShape, layout: Layout, sh: RankShapes,
+                         halo: Optional["Halo"] = None) -> float:
     """Ring backward: ``R-1`` accumulations of dq (fp32, read+write 8 bytes per element)
-    and of dk, dv into fp32 accumulators: ``8 * (R-1) * n * (h/t + 2*kv_u*d)``."""
+    and of dk, dv into fp32 accumulators: ``8 * (R-1) * n * (h/t + 2*kv_u*d)``; a window
+    layer accumulates dq over the blocks it received and dk, dv over the shares of the
+    blocks it sent (:class:`Halo`)."""
     if layout.ring == 1:
         return 0.0
-    return 8 * (layout.ring - 1) * sh.n * (model.hidden_size / layout.tp
-                                            + 2 * sh.kv_u * model.head_dim)
+    dq, dkv = model.hidden_size / layout.tp, 2 * sh.kv_u * model.head_dim
+    if halo is None:
+        return 8 * (layout.ring - 1) * sh.n * (dq + dkv)
+    return 8 * sh.n * (halo.blocks_received * dq + halo.blocks_sent * dkv)
 
 
 def loss_elementwise_bytes(model: ModelShape, layout: Layout, sh: RankShapes) -> float:
@@ -374,6 +407,68 @@ def ring_last_hop_bytes(model: ModelShape, layout: Layout, sh: RankShapes, a: As
     if layout.ring == 1:
         return 0.0
     return 2 * sh.n * sh.kv_u * model.head_dim * a.act_bytes
+
+
+@dataclass(frozen=True)
+class Halo:
+    """What one forward of a window layer moves round the ring, on the ring rank that moves
+    the most (:func:`window_halo`): ``sent`` and ``received`` sequence positions whose K/V
+    leave and reach it, out of the ``s/R`` positions a ring rank holds (``ring_tokens``). The
+    backward sends the same K/V again and returns the received positions' dK/dV."""
+
+    sent: int
+    received: int
+    ring_tokens: float
+
+    @property
+    def blocks_sent(self) -> float:
+        """``sent`` in ring blocks (the full ring sends ``R-1``)."""
+        return self.sent / self.ring_tokens
+
+    @property
+    def blocks_received(self) -> float:
+        return self.received / self.ring_tokens
+
+
+@functools.lru_cache(maxsize=4096)
+def window_halo(s: int, ring: int, window: int) -> Halo:
+    """The halo of a window layer without documents in the zigzag order (the plan of
+    ``megatron/usp/document_ring.py``, counted on chunks instead of positions).
+
+    Ring rank ``r`` holds the chunks ``r`` and ``2R-1-r`` of ``c = s/(2R)`` positions. A key at
+    position ``p`` of chunk ``k`` reaches ring rank ``r`` iff ``r``'s first query at or after
+    ``p`` (the start of its first chunk ``m > k``) is at most ``window`` after ``p``: chunk
+    ``k`` sends ``r`` its last ``min(c, max(0, window - (m-k-1)*c))`` positions. With
+    ``window <= c`` that is each rank's ``window`` last positions to the rank holding the next
+    chunk: ``n*window`` sent, ``n = 1`` on ring ranks 0 and R-1, 2 on the others
+    (docs/sliding_window.md). Returns the largest ``sent`` and ``received`` over the ranks.
+    """
+    c = s / (2 * ring)
+    chunks = [(r, 2 * ring - 1 - r) for r in range(ring)]
+    sent, received = [0.0] * ring, [0.0] * ring
+    for r in range(ring):
+        for j in range(ring):
+            if j == r:
+                continue
+            for k in chunks[j]:
+                later = [m for m in chunks[r] if m > k]
+                if not later:
+                    continue
+                gap = (min(later) - k - 1) * c
+                need = min(c, max(0.0, window - gap))
+                sent[j] += need
+                received[r] += need
+    return Halo(int(max(sent)), int(max(received)), s / ring)
+
+
+def halo_bytes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions,
+               halo: Halo) -> Tuple[float, float]:
+    """``(K/V sent, dK/dV returned)`` bytes of one window-layer pass on one rank: a position
+    costs what it costs in a ring block (:func:`ring_step_bytes`' forward, ``2*b*(kv_u/U)*d``
+    elements), so ``sent`` positions cost ``blocks_sent`` forward ring steps; the backward
+    returns the dK/dV of the ``received`` positions in the activation dtype."""
+    step_f = 2 * sh.n * sh.kv_u * model.head_dim * a.act_bytes
+    return halo.blocks_sent * step_f, halo.blocks_received * step_f
 
 
 def tp_collective_bytes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
@@ -610,6 +705,15 @@ def collective_time(bytes_moved: float, level: Optional[LinkLevel], calls: int) 
     return calls * level.latency_us * 1e-6 + bytes_moved / (level.collective_gbps * 1e9)
 
 
+def halo_pass_time(compute_s: float, send_bytes: float, level: Optional[LinkLevel]) -> float:
+    """A window layer's pass: its halo's K/V travel while the local block, nearly all of the
+    pass's compute, runs (each transfer is started before the block ahead of it computes), so
+    the pass takes the longer of the compute and ``latency + bytes / p2p bandwidth``."""
+    if level is None or send_bytes <= 0:
+        return compute_s
+    return max(compute_s, level.latency_us * 1e-6 + send_bytes / (level.p2p_gbps * 1e9))
+
+
 def p2p_time(bytes_sent: float, level: Optional[LinkLevel]) -> float:
     if level is None or bytes_sent <= 0:
         return 0.0
@@ -698,8 +802,9 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs (3x forward GEMMs + 3x forward causal attention, no recompute)
-        per second per GPU over the datasheet peak."""
+        """Model FLOPs (3x forward GEMMs + 3x forward causal attention, the pairs inside the
+        window on window layers, no recompute: the training loop's count) per second per GPU
+        over the datasheet peak."""
         return self.model_flops_per_step / self.time.total / self.layout.world_size / (
             self.peak_tflops * 1e12)
 
@@ -759,34 +864,49 @@ class AttentionTimes:
 
 def usp_attention_times(model: ModelShape, layout: Layout, sh: RankShapes, hw: HardwareSpec,
                         links: Dict[str, object], a: Assumptions, b: int, s: int,
-                        backward: bool = True, recompute_forward: bool = False) -> AttentionTimes:
+                        backward: bool = True, recompute_forward: bool = False,
+                        window: Optional[int] = None) -> AttentionTimes:
     """Core attention under U x R: all-to-alls, ring passes, kernels, copies.
 
     * Kernels: forward ``A`` (:func:`attention_flops_fwd`), backward ``2.5A``, at the
-      table rate for kernels of ``s/R`` tokens (the table's rate counts forward+backward
-      as 3.5x forward; the same rate is used for each pass). With R > 1 each pass runs as
-      a ring (:func:`ring_pass_time`); backward also sends the dK/dV accumulator home
-      (:func:`ring_last_hop_bytes`), exposed.
+      table rate for kernels of ``s/R`` tokens (:func:`attention_kernel_tokens`; the table's
+      rate counts forward+backward as 3.5x forward; the same rate is used for each pass).
+      With R > 1 each pass runs as a ring (:func:`ring_pass_time`); backward also sends the
+      dK/dV accumulator home (:func:`ring_last_hop_bytes`), exposed.
+    * A window layer (``window``: the left window; one of ``s - 1`` or more is a full layer)
+      computes its window's pairs and its ring moves the halo (:func:`window_halo`,
+      :func:`halo_bytes`) while the local block computes (:func:`halo_pass_time`); the
+      backward returns the halo's dK/dV, exposed.
     * All-to-all (U > 1): :func:`ulysses_a2a_bytes` per pass, never overlapped.
     * Copies: :func:`usp_attention_elementwise_bytes_fwd` forward, twice that plus
       :func:`ring_merge_bytes_bwd` backward, at the HBM rate.
     """
-    att = attention_flops_fwd(model, layout, b, s)
-    rate = hw.attention_rate_tflops(s / layout.ring) * 1e12
+    window = effective_window(window, s)
+    att = attention_flops_fwd(model, layout, b, s, window)
+    rate = hw.attention_rate_tflops(attention_kernel_tokens(s, layout.ring, window)) * 1e12
     t_f, t_b = att / rate, a.attention_bwd_factor * att / rate
-    step_f, step_b = ring_step_bytes(model, layout, sh, a)
     ring = links["ring"]
-    wall_f = ring_pass_time(t_f, step_f, layout.ring, ring)
+    halo = window_halo(s, layout.ring, window) if window is not None else None
+    if halo is None:
+        step_f, step_b = ring_step_bytes(model, layout, sh, a)
+        wall_f = ring_pass_time(t_f, step_f, layout.ring, ring)
+    else:
+        halo_kv, halo_dkv = halo_bytes(model, layout, sh, a, halo)
+        wall_f = halo_pass_time(t_f, halo_kv, ring)
     a2a = a2a_time(ulysses_a2a_bytes(model, layout, sh, a), links["ulysses_levels"],
                    layout.ulysses, a.a2a_calls_per_pass)
     hbm = hw.hbm_gbps * 1e9
-    ew_f = usp_attention_elementwise_bytes_fwd(model, layout, sh, a) / hbm
+    merges = None if halo is None else halo.blocks_received
+    ew_f = usp_attention_elementwise_bytes_fwd(model, layout, sh, a, merges) / hbm
     fwd = wall_f + a2a + ew_f
     if not backward:
         return AttentionTimes(t_f, wall_f, a2a, ew_f, fwd, 0.0)
-    wall_b = ring_pass_time(t_b, step_b, layout.ring, ring)
-    wall_b += p2p_time(ring_last_hop_bytes(model, layout, sh, a), ring)
-    ew_b = 2 * ew_f + ring_merge_bytes_bwd(model, layout, sh) / hbm
+    if halo is None:
+        wall_b = ring_pass_time(t_b, step_b, layout.ring, ring)
+        wall_b += p2p_time(ring_last_hop_bytes(model, layout, sh, a), ring)
+    else:
+        wall_b = halo_pass_time(t_b, halo_kv, ring) + p2p_time(halo_dkv, ring)
+    ew_b = 2 * ew_f + ring_merge_bytes_bwd(model, layout, sh, halo) / hbm
     bwd = wall_b + a2a + ew_b + (fwd if recompute_forward else 0.0)
     passes_f = 2 if recompute_forward else 1
     return AttentionTimes(
@@ -815,8 +935,9 @@ class _LayerTimes:
 
 
 def _layer_times(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes,
-                 a: Assumptions, links: Dict[str, object]) -> _LayerTimes:
-    """Forward, backward and recompute of one layer.
+                 a: Assumptions, links: Dict[str, object],
+                 window: Optional[int] = None) -> _LayerTimes:
+    """Forward, backward and recompute of one layer (a window layer with ``window``).
 
     * GEMMs: forward ``F``, backward ``2F``; full recompute adds ``F``, selective adds
       the MLP's forward.
@@ -833,7 +954,7 @@ def _layer_times(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes,
     t_mm_f = (mm_attn + mm_mlp) / mm_rate
     t_mm_b = (2 * (mm_attn + mm_mlp) + recompute_mm) / mm_rate
 
-    att = usp_attention_times(model, layout, sh, hw, links, a, b, s, True, full)
+    att = usp_attention_times(model, layout, sh, hw, links, a, b, s, True, full, window)
     passes_f = 2 if full else 1
     t_tp_pass = collective_time(4 * tp_collective_bytes(model, layout, sh, a), links["tp"], 4)
 
@@ -854,6 +975,19 @@ def _layer_times(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes,
         fwd=fwd,
         bwd=bwd,
     )
+
+
+def _sum_layers(parts: Sequence[Tuple[int, _LayerTimes]]) -> _LayerTimes:
+    """The field-wise sum of ``count`` layers of each kind."""
+    return _LayerTimes(**{f.name: sum(n * getattr(lt, f.name) for n, lt in parts)
+                          for f in fields(_LayerTimes)})
+
+
+def stage_window_layers(model: ModelShape, layout: Layout) -> List[int]:
+    """Window layers on each pipeline stage (stage ``i`` holds the layers ``i*L/p + 1`` to
+    ``(i+1)*L/p``, megatron's global layer numbers, which the window's rule reads)."""
+    marks, per = model.window_marks(), model.num_layers // layout.pp
+    return [sum(marks[i * per:(i + 1) * per]) for i in range(layout.pp)]
 
 
 def _resolve_links(gpus_per_node: int, layout: Layout, hw: HardwareSpec) -> Dict[str, object]:
@@ -922,23 +1056,30 @@ def estimate(w: Workload, layout: Layout, hw: HardwareSpec,
     links = _resolve_links(w.gpus_per_node, layout, hw)
     m = w.num_micro_batches(layout, a)
     gbs = w.global_batch(layout, a)
-    lt = _layer_times(w, layout, hw, sh, a, links)
+    window = effective_window(w.model.window_size, w.seq_length)
+    full = _layer_times(w, layout, hw, sh, a, links)
+    windowed = full if window is None else _layer_times(w, layout, hw, sh, a, links, window)
+    per_stage = stage_window_layers(w.model, layout) if window is not None else [0] * layout.pp
+    stages = [_sum_layers(((sh.layers - n, full), (n, windowed))) for n in per_stage]
     traffic = dp_traffic(layout.zero_stage, _heaviest_stage_params(w.model, layout),
                          layout.sharding_group_size, m, a)
+    time, slowest = _step_time(w, layout, hw, sh, a, links, stages, traffic, m)
     names, levels = _link_names_and_levels(hw, links)
     return Estimate(
         layout=layout,
-        time=_step_time(w, layout, hw, sh, a, links, lt, traffic, m),
+        time=time,
         memory=_memory(w, layout, sh, a, m),
         usable_memory_gib=hw.gpu_memory_gib * (1 - a.memory_fragmentation) - a.memory_reserve_gib,
         global_batch=gbs,
         num_micro_batches=m,
         tokens_per_step=gbs * w.seq_length,
-        model_flops_per_step=dense_training_flops(w.model, w.seq_length, gbs),  # no recompute
+        # the training loop's count: every sequence's pairs, the mean over the layers
+        model_flops_per_step=training_flops(w.model, gbs * w.seq_length,
+                                            gbs * shape_pairs(w.model, [w.seq_length])),
         peak_tflops=hw.peak_tflops,
         links=names,
         link_levels=levels,
-        volumes=_volumes(w.model, layout, sh, a, m, traffic),
+        volumes=_volumes(w, layout, sh, a, m, traffic, window, per_stage[slowest]),
         kv_replication=sh.kv_u / sh.kv_t if sh.kv_u > sh.kv_t else 1.0,
     )
 
@@ -950,57 +1091,80 @@ def _heaviest_stage_params(model: ModelShape, layout: Layout) -> float:
 
 
 def _step_time(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes, a: Assumptions,
-               links: Dict[str, object], lt: _LayerTimes, traffic: DPTraffic, m: int
-               ) -> TimeBreakdown:
-    """The step-time composition of :func:`estimate`."""
-    model, layers = w.model, sh.layers
+               links: Dict[str, object], stages: Sequence[_LayerTimes], traffic: DPTraffic,
+               m: int) -> Tuple[TimeBreakdown, int]:
+    """The step-time composition of :func:`estimate`, and the slowest stage: ``stages``
+    holds each pipeline stage's layers summed (their full and window layers)."""
+    model = w.model
     hbm = hw.hbm_gbps * 1e9
     # Output layer (GEMM fwd + 2x bwd) and loss, last stage only.
     t_logits = 3 * logits_flops_fwd(model, layout, sh) / (hw.matmul_tflops * 1e12)
     t_loss = loss_elementwise_bytes(model, layout, sh) / hbm
     t_pp = 2 * p2p_time(pp_send_bytes(model, sh, a), links["pp"]) if layout.pp > 1 else 0.0
-    stage = layers * (lt.fwd + lt.bwd) + t_pp + t_logits + t_loss  # the last is slowest
+    last = len(stages) - 1
+    times = [st.fwd + st.bwd + t_pp + (t_logits + t_loss if i == last else 0.0)
+             for i, st in enumerate(stages)]
+    # Ties go to the last stage (with the same layers it is the slowest: it has the loss).
+    slowest = max(range(len(stages)), key=lambda i: (times[i], i))
+    lt, stage = stages[slowest], times[slowest]
+    head = slowest == last
     pipe_total, bubble = pipeline_time(stage, m, layout.pp)
 
     t_grad = collective_time(traffic.grad_bytes, links["dp_cp"], 1)
     t_param = collective_time(traffic.param_bytes, links["dp_cp"], 1)
-    dp_exposed = (traffic.grad_times * max(0.0, t_grad - layers * lt.bwd)
-                  + traffic.param_times * max(0.0, t_param - layers * lt.fwd))
+    dp_exposed = (traffic.grad_times * max(0.0, t_grad - lt.bwd)
+                  + traffic.param_times * max(0.0, t_param - lt.fwd))
 
     n = layout.sharding_group_size
     local = _heaviest_stage_params(model, layout)
     shard = local / n if (layout.zero_stage >= 1 and n > 1) else local
     t_opt = optimizer_step_bytes(shard) / hbm
-    per_layer = m * layers
     return TimeBreakdown(
-        matmul=per_layer * lt.matmul + m * t_logits,
-        attention=per_layer * lt.attention,
-        elementwise=per_layer * lt.elementwise + m * t_loss,
-        tp_comm=per_layer * lt.tp,
-        a2a=per_layer * lt.a2a,
-        ring_exposed=per_layer * lt.ring_exposed,
-        ring_total=per_layer * lt.ring_total,
+        matmul=m * (lt.matmul + (t_logits if head else 0.0)),
+        attention=m * lt.attention,
+        elementwise=m * (lt.elementwise + (t_loss if head else 0.0)),
+        tp_comm=m * lt.tp,
+        a2a=m * lt.a2a,
+        ring_exposed=m * lt.ring_exposed,
+        ring_total=m * lt.ring_total,
         pp_p2p=m * t_pp,
         pp_bubble=bubble,
         dp_exposed=dp_exposed,
         dp_total=traffic.grad_times * t_grad + traffic.param_times * t_param,
         optimizer=t_opt,
         total=pipe_total + dp_exposed + t_opt,
-    )
+    ), slowest
 
 
-def _volumes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions, m: int,
-             traffic: DPTraffic) -> Dict[str, float]:
-    """Bytes one rank sends per step, by axis (full recompute repeats forward traffic)."""
+def _ring_bytes_per_layer(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions,
+                          s: int, window: Optional[int]) -> float:
+    """Ring bytes one rank sends for one layer and micro-batch (full recompute repeats the
+    forward): whole blocks round the ring, or a window layer's halo."""
+    passes_f = 2 if layout.recompute == "full" else 1
+    if window is None:
+        ring_f, ring_b = ring_step_bytes(model, layout, sh, a)
+        return (max(0, layout.ring - 1) * (passes_f * ring_f + ring_b)
+                + ring_last_hop_bytes(model, layout, sh, a))
+    if layout.ring == 1:
+        return 0.0
+    kv, dkv = halo_bytes(model, layout, sh, a, window_halo(s, layout.ring, window))
+    return (passes_f + 1) * kv + dkv
+
+
+def _volumes(w: Workload, layout: Layout, sh: RankShapes, a: Assumptions, m: int,
+             traffic: DPTraffic, window: Optional[int] = None, n_window: int = 0
+             ) -> Dict[str, float]:
+    """Bytes one rank sends per step, by axis (full recompute repeats forward traffic), on
+    the slowest stage (``n_window`` of its layers with the left ``window``)."""
+    model, s = w.model, w.seq_length
     full = layout.recompute == "full"
     per_layer = m * sh.layers
-    ring_f, ring_b = ring_step_bytes(model, layout, sh, a)
-    ring = (max(0, layout.ring - 1) * ((2 if full else 1) * ring_f + ring_b)
-            + ring_last_hop_bytes(model, layout, sh, a))
+    ring = ((sh.layers - n_window) * _ring_bytes_per_layer(model, layout, sh, a, s, None)
+            + n_window * _ring_bytes_per_layer(model, layout, sh, a, s, window))
     passes = 3 if full else 2
     return {
         "ulysses_a2a": per_layer * passes * ulysses_a2a_bytes(model, layout, sh, a),
-        "ring_p2p": per_layer * ring,
+        "ring_p2p": m * ring,
         "tp": per_layer * passes * 4 * tp_collective_bytes(model, layout, sh, a),
         "dp_zero": traffic.total,
         "pp": m * 2 * pp_send_bytes(model, sh, a) if layout.pp > 1 else 0.0,

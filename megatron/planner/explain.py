@@ -255,6 +255,13 @@ def format_rejections(result: SearchResult) -> List[str]:
     return lines
 
 
+def _window_words(m) -> str:
+    """``, window W on k of L layers`` (the training metrics' words), or nothing."""
+    if m.window_size is None:
+        return ""
+    return f", window {m.window_size} on {sum(m.window_marks())} of {m.num_layers} layers"
+
+
 def format_table(result: SearchResult) -> str:
     """The ranked table with a header describing the workload and hardware."""
     w = result.workload
@@ -262,7 +269,8 @@ def format_table(result: SearchResult) -> str:
     lines = [
         f"model {m.name}: {m.total_params() / 1e9:.2f}B params, {m.num_layers} layers, "
         f"hidden {m.hidden_size}, {m.num_attention_heads} heads / {m.num_query_groups} KV, "
-        f"ffn {m.ffn_hidden_size}{' SwiGLU' if m.swiglu else ''}, vocab {m.vocab_size}",
+        f"ffn {m.ffn_hidden_size}{' SwiGLU' if m.swiglu else ''}, vocab {m.vocab_size}"
+        + _window_words(m),
         f"sequence {w.seq_length}, micro-batch {w.micro_batch_size}, global batch "
         f"{w.global_batch_size if w.global_batch_size is not None else 'auto'}, "
         f"{w.world_size} GPUs ({w.gpus_per_node} per node)",

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Dict, Mapping
 
 from megatron.planner.errors import PlannerError
 from megatron.shapes import PRESETS, ModelShape
+from megatron.shapes.window import parse_skip_freq, parse_window_size
 
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 _OPTIONAL = ("num_query_groups", "ffn_hidden_size", "swiglu", "untied_embeddings", "name",
-             "normalization", "position_embedding_type", "add_bias_linear")
+             "normalization", "position_embedding_type", "add_bias_linear", "window_size",
+             "window_attn_skip_freq")
 _CHOICES = {"normalization": ("RMSNorm", "LayerNorm"),
             "position_embedding_type": ("rope", "learned_absolute")}
 
@@ -38,7 +40,11 @@ def model_from_mapping(data: Mapping[str, Any], name: str) -> ModelShape:
     SwiGLU width of :func:`megatron.shapes.default_ffn_hidden_size`), swiglu (default
     False, as megatron), untied_embeddings (default True), normalization (RMSNorm or
     LayerNorm), position_embedding_type (rope or learned_absolute), add_bias_linear
-    (default: the Llama-style RMSNorm, rope, no bias), name.
+    (default: the Llama-style RMSNorm, rope, no bias), name, and megatron-core's sliding
+    window: window_size (the left ``W``: ``4096``, ``[4096, 0]`` or ``"(4096,0)"``) and
+    window_attn_skip_freq (an int, a list of one 0 / 1 per layer, or Megatron-LM's list
+    expression as a string), spelled and checked as ``pretrain_gpt.py``'s flags are
+    (:mod:`megatron.shapes.window`).
     """
     allowed = set(_REQUIRED) | set(_OPTIONAL)
     unknown = sorted(set(data) - allowed)
@@ -56,6 +62,7 @@ def model_from_mapping(data: Mapping[str, Any], name: str) -> ModelShape:
     arch = {k: data[k] for k in _CHOICES if k in data}
     if "add_bias_linear" in data:
         arch["add_bias_linear"] = bool(data["add_bias_linear"])
+    arch.update(_window_fields(data, name))
     return check_model(ModelShape(
         name=str(data.get("name", name)),
         num_layers=data["num_layers"],
@@ -68,6 +75,27 @@ def model_from_mapping(data: Mapping[str, Any], name: str) -> ModelShape:
         untied_embeddings=bool(data.get("untied_embeddings", True)),
         **arch,
     ))
+
+
+def _window_fields(data: Mapping[str, Any], name: str) -> Dict[str, Any]:
+    """``window_size`` (the left ``W``) and ``window_attn_skip_freq`` of a model file, read
+    with the command line's spellings; the shape checks them against each other."""
+    out: Dict[str, Any] = {}
+    try:
+        size = data.get("window_size")
+        if size is not None:
+            if isinstance(size, (list, tuple)):
+                size = "(" + ",".join(str(v) for v in size) + ")"
+            out["window_size"] = parse_window_size(size, "window_size")[0]
+        freq = data.get("window_attn_skip_freq")
+        layers = data.get("num_layers")
+        if isinstance(freq, str) and isinstance(layers, int) and layers >= 1:
+            freq = parse_skip_freq(freq, layers, "window_attn_skip_freq")
+        if freq is not None:
+            out["window_attn_skip_freq"] = freq
+    except ValueError as exc:
+        raise PlannerError(f"model file {name}: {exc}") from None
+    return out
 
 
 def _read_structured_file(path: str) -> Any:

@@ -7,6 +7,7 @@ Top floor of the planner: it reads the search (:mod:`.search`) and its explanati
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -85,8 +86,9 @@ class Plan:
 
     def command(self) -> str:
         """The launch line: ``torchrun`` over the plan's nodes and ``pretrain_gpt.py`` with
-        :attr:`pretrain_flags` (model shape and architecture, precision, degrees, ZeRO,
-        recompute, loss, batch)."""
+        :attr:`pretrain_flags` (model shape and architecture with its sliding window,
+        precision, degrees, ZeRO, recompute, loss, batch), each quoted for a POSIX shell
+        (a window pattern ``[1,0,1,0]`` stays one word)."""
         if not self.pretrain_flags:
             return "(not runnable by pretrain_gpt.py in this installation)"
         world = (self.tensor_model_parallel_size * self.context_parallel_size
@@ -96,7 +98,7 @@ class Plan:
         launch = f"torchrun --nproc-per-node {per_node}"
         if nodes > 1:
             launch += f" --nnodes {nodes} --node-rank NODE_RANK --master-addr HOST --master-port PORT"
-        return f"{launch} pretrain_gpt.py {' '.join(self.pretrain_flags)}"
+        return f"{launch} pretrain_gpt.py {shlex.join(self.pretrain_flags)}"
 
     def to_dict(self) -> Dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "estimate"}

@@ -5,7 +5,8 @@
 * :mod:`.presets` :data:`PRESETS`, the one table of named models;
 * :mod:`.flops`   :func:`training_flops`, the one MFU numerator;
 * :mod:`.flags`   a shape as ``pretrain_gpt.py`` flags;
-* :mod:`.rope`    :class:`RopeScaling`, RoPE scaling for context extension.
+* :mod:`.rope`    :class:`RopeScaling`, RoPE scaling for context extension;
+* :mod:`.window`  the sliding window's fields, spellings, check and per-layer rule.
 
 Standard library only: nothing here imports torch or another package of this project.
 """
@@ -15,6 +16,8 @@ from megatron.shapes.flops import (
     dense_training_flops,
     document_pairs,
     full_pairs,
+    layer_mean_pairs,
+    shape_pairs,
     training_flops,
     window_pairs,
 )
@@ -38,7 +41,9 @@ __all__ = [
     "document_pairs",
     "full_pairs",
     "get_preset",
+    "layer_mean_pairs",
     "padded_vocab_size",
+    "shape_pairs",
     "training_flops",
     "window_pairs",
 ]

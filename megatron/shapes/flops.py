@@ -17,7 +17,11 @@ computed: ``Q.K^T`` and ``P.V`` are ``2*a*d`` FLOPs each, so ``4*a*d`` per pair 
 A dense causal sequence of ``S`` tokens has ``S^2/2`` pairs (:func:`causal_pairs`; the
 diagonal's ``S/2`` is left out, as Megatron-LM's convention halved), a full one ``S^2``
 (:func:`full_pairs`); packed documents have the sum of ``n^2/2`` over their documents, and a
-sliding-window layer the pairs inside its window (:func:`window_pairs`).
+sliding-window layer the pairs inside its window (:func:`window_pairs`). A model whose
+layers differ counts their mean (:func:`layer_mean_pairs`): with a share ``w`` of its layers
+windowed (:meth:`ModelShape.window_share`), ``(1 - w)`` of the causal pairs plus ``w`` of
+the windowed ones; the training loop (per micro-batch) and the planner (per sequence of the
+plan) both count so.
 Backward costs twice the forward, so an iteration of ``T`` tokens and ``P`` pairs costs::
 
     3 * ( T * (L * (2hd(a+2g) + 2adh + 2hf*m) + 2hV)  +  L * 4ad * P )
@@ -73,6 +77,21 @@ def window_pairs(lengths, window: int) -> float:
         exact = head * (head + 1) / 2 + (n - head) * (w + 1)
         total += exact - n / 2
     return total
+
+
+def layer_mean_pairs(lengths, window=None, window_share: float = 0.0) -> float:
+    """Attention pairs per layer, the mean over a model's layers, of causal documents (or
+    sequences) of the given token counts when ``window_share`` of the layers use the left
+    ``window``: ``(1 - share) *`` :func:`document_pairs` ``+ share *`` :func:`window_pairs`."""
+    pairs = document_pairs(lengths)
+    if window is None or window_share <= 0:
+        return pairs
+    return (1.0 - window_share) * pairs + window_share * window_pairs(lengths, window)
+
+
+def shape_pairs(shape: ModelShape, lengths) -> float:
+    """:func:`layer_mean_pairs` of ``shape``'s own window and share of window layers."""
+    return layer_mean_pairs(lengths, shape.window_size, shape.window_share())
 
 
 def dense_flops_per_token(shape: ModelShape) -> float:

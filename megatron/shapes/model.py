@@ -11,6 +11,10 @@ biases, RMSNorm weights only):
 * two norms of ``h`` per layer; embeddings ``V*h``, plus ``V*h`` again when the output
   layer is untied; a final norm of ``h``.
 
+A sliding window (megatron-core's ``window_size`` and ``window_attn_skip_freq``,
+:mod:`megatron.shapes.window`) changes which attention pairs the layers compute, not their
+parameters.
+
 Standard library only: every floor of the codebase may import it.
 """
 
@@ -18,7 +22,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from megatron.shapes.window import window_marks, window_problems
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -60,6 +66,11 @@ class ModelShape:
         position_embedding_type: ``rope`` (Llama) or ``learned_absolute`` (GPT: a table of
             positions x ``h``, sized by the run's sequence length, so not counted here).
         add_bias_linear: biases on the linear layers (GPT) or none (Llama).
+        window_size: the sliding window's left ``W`` (megatron-core's ``window_size = (W,
+            0)``: a query sees itself and the ``W`` keys before it); None: full attention.
+        window_attn_skip_freq: megatron-core's pattern of window layers: None (every layer),
+            an int ``N`` (layers with ``layer_number % N != 0``) or one 0 / 1 per layer
+            (1: window), kept as a tuple (the shape is frozen); only with ``window_size``.
 
     Only the defaults are filled in here; whether the numbers fit together is asked of
     :meth:`problems` (the layout rules report bad head counts naming the flag instead).
@@ -78,6 +89,8 @@ class ModelShape:
     normalization: str = "RMSNorm"
     position_embedding_type: str = "rope"
     add_bias_linear: bool = False
+    window_size: Optional[int] = None
+    window_attn_skip_freq: Optional[Union[int, Tuple[int, ...]]] = None
 
     def __post_init__(self) -> None:
         # Megatron's defaults, filled in once so that every reader sees the same numbers.
@@ -86,6 +99,8 @@ class ModelShape:
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
             object.__setattr__(self, "ffn_hidden_size",
                                default_ffn_hidden_size(self.hidden_size, self.swiglu))
+        if isinstance(self.window_attn_skip_freq, list):
+            object.__setattr__(self, "window_attn_skip_freq", tuple(self.window_attn_skip_freq))
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -101,6 +116,17 @@ class ModelShape:
     def kv_ratio(self) -> float:
         """``g/a``: KV projection width relative to the query width."""
         return self.num_query_groups / self.num_attention_heads
+
+    def window_marks(self) -> Tuple[int, ...]:
+        """One mark per layer, first layer first: 1 where the layer has the sliding window
+        (megatron-core's rule, :func:`megatron.shapes.window.is_window_layer`)."""
+        return window_marks(self.window_size, self.window_attn_skip_freq, self.num_layers)
+
+    def window_share(self) -> float:
+        """The share of the layers that have the sliding window (0.0 without one)."""
+        if self.window_size is None:
+            return 0.0
+        return sum(self.window_marks()) / self.num_layers
 
     def problems(self) -> List[str]:
         """What makes this shape unusable for counting, one message per problem (empty: fine)."""
@@ -119,6 +145,7 @@ class ModelShape:
             out.append(f"num_attention_heads {self.num_attention_heads} is not divisible by "
                        f"num_query_groups {self.num_query_groups}; use a divisor of "
                        f"{self.num_attention_heads}")
+        out += window_problems(self.window_size, self.window_attn_skip_freq, self.num_layers)
         return out
 
     # ------------------------------------------------------------------ parameters

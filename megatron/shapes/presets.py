@@ -3,7 +3,9 @@
 Public model cards (the Hugging Face ``config.json`` of each model), the Llama-style
 models this project benchmarks and its examples train, and two tiny CPU models. GPT-1.2B
 is the GPT shape DeepSpeed-Ulysses and Megatron use for their 1.2B runs (24 x 2048, GELU
-MLP of 4h, tied embeddings).
+MLP of 4h, tied embeddings). Mistral-7B-v0.1 windows every layer: its ``sliding_window`` of
+4096 counts the query itself, so ``window_size`` (the keys before it) is 4095
+(docs/sliding_window.md).
 
 ``tools/plan_parallel.py --model``, ``tools/bench_e2e.py --model`` (the Llama-style ones
 it can train) and ``tools/model_flags.py`` (the examples' model flags) read this table.
@@ -41,6 +43,7 @@ PRESETS: Dict[str, ModelShape] = {
         _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000),
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
+        _llama("mistral-7b-v0.1", 32, 4096, 32, 8, 14336, 32000, window_size=4095),
         _gpt("gpt-1.2b", 24, 2048, 16, 50304),
         _gpt("gpt-7b", 32, 4096, 32, 50304),
         # A few-second CPU smoke model of the benchmark's structure.

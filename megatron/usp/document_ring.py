@@ -49,6 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron.shapes.window import effective_window
 from megatron.usp import token_order
 from megatron.usp.document_kernels import (
     DocumentBlock,
@@ -247,11 +248,6 @@ class DocumentRingPlan:
     def skipped_kv_messages(self) -> int:
         """K/V messages of one forward the zigzag ring sends and this schedule does not."""
         return self.ring_size * (self.ring_size - 1) - self.kv_messages()
-
-
-def effective_window(window: Optional[int], seq_len: int) -> Optional[int]:
-    """``window``, or None when it reaches the whole sequence (full causal attention)."""
-    return None if window is None or window >= seq_len - 1 else int(window)
 
 
 def build_document_ring_plan(segments: np.ndarray, ring_rank: int, ring_size: int,

@@ -5,6 +5,7 @@ planner."""
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -172,15 +173,21 @@ TINY_MODELS = {
     "gpt": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512,
             "untied_embeddings": False, "normalization": "LayerNorm",
             "position_embedding_type": "learned_absolute", "add_bias_linear": True},
+    # window layers 1 and 3 of 4: the pattern is a shell glob unless the command quotes it
+    "window": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+               "num_query_groups": 2, "ffn_hidden_size": 128, "vocab_size": 512, "swiglu": True,
+               "window_size": 16, "window_attn_skip_freq": [1, 0, 1, 0]},
 }
 
 
-@pytest.mark.parametrize("name,gpus", [("llama", 2), ("gpt", 1)])
+@pytest.mark.parametrize("name,gpus", [("llama", 2), ("gpt", 1), ("window", 2)])
 def test_the_printed_command_trains_the_planned_model(tmp_path, capsys, name, gpus):
     """A model file through the planner: its printed command (on the CPU without --bf16,
     which needs a GPU; plus the data and LR flags it leaves to the user) passes validation
     and trains a step, and the model it builds has the parameters the plan counted, so no
-    architecture flag (norm, positions, biases, GQA, SwiGLU, tied output) is missing."""
+    architecture flag (norm, positions, biases, GQA, SwiGLU, tied output) is missing; a
+    windowed model trains with the window the plan costed (the metrics' FLOP count says
+    which layers have it)."""
     import dataclasses
     import re
 
@@ -188,14 +195,17 @@ def test_the_printed_command_trains_the_planned_model(tmp_path, capsys, name, gp
 
     model_file = tmp_path / f"{name}.json"
     model_file.write_text(json.dumps(TINY_MODELS[name]))
+    ring = ["--ring-degree", "2"] if name == "window" else []     # the halo ring runs
     rc, out, _ = run_cli(capsys, "--model", str(model_file), "--seq-length", "128",
-                         "--gpus", str(gpus), "--gpus-per-node", "8", "--top", "1")
+                         "--gpus", str(gpus), "--gpus-per-node", "8", "--top", "1", *ring)
     assert rc == 0
-    command = out.split("run #1 (add the data, LR and output flags):\n")[1].split()
+    command = shlex.split(out.split("run #1 (add the data, LR and output flags):\n")[1])
     assert command[:3] == ["torchrun", "--nproc-per-node", str(gpus)] and "--bf16" in command
+    assert " ".join(ring) in " ".join(command)
     flags = [f for f in command[command.index("pretrain_gpt.py") + 1:] if f != "--bf16"]
     run = flags + ["--lr", "1e-3", "--train-iters", "1", "--mock-data", "--vocab-size", "512",
-                   "--eval-iters", "0", "--num-workers", "0", "--device", "cpu"]
+                   "--eval-iters", "0", "--num-workers", "0", "--device", "cpu",
+                   "--metrics-file", str(tmp_path / "metrics.jsonl")]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -209,3 +219,7 @@ def test_the_printed_command_trains_the_planned_model(tmp_path, capsys, name, gp
                                   vocab_size=padded_vocab_size(513, 128, 1))  # 512 + EOD
     positions = 128 * 64 if name == "gpt" else 0
     assert built == planned.total_params() + positions
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    counted = {r["flops_count"] for r in records if r.get("kind") == "train"}
+    assert counted == {"dense causal, window 16 on 2 of 4 layers" if name == "window"
+                       else "dense causal"}

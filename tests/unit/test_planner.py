@@ -33,7 +33,7 @@ from megatron.planner.hardware import bottleneck_level, peers_per_level
 from megatron.planner.plan import result_to_json
 from megatron.planner.search import rank_attention_layouts
 from megatron.planner.validate import MEASUREMENTS_SCHEMA, validate_measurements
-from megatron.shapes import PRESETS, ModelShape
+from megatron.shapes import PRESETS, ModelShape, window_pairs
 from megatron.usp.parallel_dims import ParallelDims
 
 M = PRESETS
@@ -354,6 +354,100 @@ def test_estimate_moves_the_right_way():
     # Same tokens per GPU: SP and TP-sp hold the same activations (the paper's A/N).
     assert tp.memory.activations == pytest.approx(
         estimate(w, Layout.of(1, 1, 8, 1, 1, 1, "none"), hw).memory.activations, rel=0.02)
+
+
+# ============================================================================ windows
+
+MISTRAL = ModelShape(name="mistral-shaped", num_layers=32, hidden_size=4096,
+                     num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+                     vocab_size=32000)
+
+
+def test_a_window_layer_counts_its_pairs_and_sends_its_halo():
+    """Attention FLOPs of a window layer are its window's pairs; its ring sends each
+    successor the window's last keys (docs/sliding_window.md: n*W*2*b*(hk/U)*d*2 bytes,
+    n = 2 on a middle ring rank), not the whole K/V blocks."""
+    model, s, W = M["llama3-8b"], 65536, 4096
+    lay = Layout.of(1, 2, 4, 1, 1, 1, "none")
+    assert cm.attention_flops_fwd(model, lay, 1, s, W) == (
+        4 * model.hidden_size * window_pairs([s], W) / 8)
+    assert cm.attention_flops_fwd(model, lay, 1, s, s) == cm.attention_flops_fwd(model, lay, 1, s)
+    halo = cm.window_halo(s, 4, W)                      # chunks of 8192 >= W
+    assert (halo.sent, halo.received) == (2 * W, 2 * W)
+    w = Workload(replace(model, window_size=W), s, 8, 8)
+    e = estimate(w, lay, get_hardware("h200"))
+    kv = 2 * W * 2 * 1 * (8 // 2) * model.head_dim * 2  # K and V, 2 successors, bf16
+    assert e.volumes["ring_p2p"] == pytest.approx(model.num_layers * 3 * kv)  # fwd, bwd, dK/dV
+    full = estimate(Workload(model, s, 8, 8), lay, get_hardware("h200"))
+    assert e.volumes["ring_p2p"] < full.volumes["ring_p2p"] / 5
+    assert e.memory.total == full.memory.total          # activations do not shrink
+    # A window reaching the whole sequence is full attention.
+    whole = estimate(Workload(replace(model, window_size=s - 1), s, 8, 8), lay,
+                     get_hardware("h200"))
+    assert whole.time.total == full.time.total and whole.volumes == full.volumes
+
+
+def test_windows_cut_the_mistral_shaped_step_by_the_attention_share():
+    """Mistral-7B's shape at 128K on 8 H200s: a window of 4096 on every layer cuts the
+    predicted step by about the attention it removes; a hybrid (every second layer full)
+    lands in between, on one layout and on each model's best."""
+    hw, s = get_hardware("h200"), 131072
+    models = [MISTRAL, replace(MISTRAL, window_size=4096, window_attn_skip_freq=2),
+              replace(MISTRAL, window_size=4096)]
+    lay = Layout.of(1, 4, 2, 1, 1, 1, "full")
+    full, hybrid, window = (estimate(Workload(m, s, 8, 8), lay, hw) for m in models)
+    assert full.time.total > hybrid.time.total > window.time.total
+    saved = full.time.attention - window.time.attention
+    assert full.time.total - window.time.total == pytest.approx(saved, rel=0.1)
+    assert full.time.attention > 0.7 * full.time.total   # 128K: attention dominates
+    assert full.model_flops_per_step > hybrid.model_flops_per_step > window.model_flops_per_step
+    best = [plan_layouts(Workload(m, s, 8, 8), hw, top=1).best.estimate.time.total
+            for m in models]
+    assert best[0] > best[1] > best[2] and best[2] < best[0] / 2
+
+
+def test_pipeline_stages_count_their_own_window_layers():
+    """The same window layers in a different order: with PP = 2 the stage holding both
+    full layers sets the pace, so alternating them is faster at the same FLOPs."""
+    hw, s = get_hardware("h200"), 65536
+    lay = Layout.of(1, 2, 1, 1, 2, 1, "none")
+    base = replace(M["llama-0.85b"], num_layers=4)
+    runs = {freq: estimate(Workload(replace(base, window_size=1024, window_attn_skip_freq=freq),
+                                    s, 4, 8, global_batch_size=8), lay, hw)
+            for freq in ((1, 1, 0, 0), (0, 0, 1, 1), (1, 0, 1, 0))}
+    assert cm.stage_window_layers(replace(base, window_size=1024,
+                                          window_attn_skip_freq=(1, 1, 0, 0)), lay) == [2, 0]
+    flops = {e.model_flops_per_step for e in runs.values()}
+    assert len(flops) == 1
+    assert runs[(1, 0, 1, 0)].time.total < min(runs[(1, 1, 0, 0)].time.total,
+                                               runs[(0, 0, 1, 1)].time.total)
+
+
+def test_model_files_take_the_windows_flag_spellings(tmp_path):
+    base = dict(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=1000)
+    j = tmp_path / "w.json"
+    j.write_text(json.dumps(dict(base, window_size=[64, 0],
+                                 window_attn_skip_freq="([1]*3+[0]*1)*2")))
+    y = tmp_path / "w.yaml"
+    y.write_text("\n".join(f"{k}: {v}" for k, v in base.items())
+                 + '\nwindow_size: "(64,0)"\nwindow_attn_skip_freq: [1, 1, 1, 0, 1, 1, 1, 0]')
+    i = tmp_path / "i.json"
+    i.write_text(json.dumps(dict(base, window_size=64, window_attn_skip_freq=4)))
+    for path in (j, y, i):
+        m = load_model(str(path))
+        assert m.window_size == 64 and m.window_marks() == (1, 1, 1, 0) * 2, path
+    for fields, needle in (
+            (dict(window_size=[64, 2]), "window_size=(64,2): the right side must be 0 "
+                                        "(attention is causal); pass window_size=64"),
+            (dict(window_size=0), "window_size=0: the window must be at least 1"),
+            (dict(window_attn_skip_freq=2), "has no effect without window_size"),
+            (dict(window_size=64, window_attn_skip_freq="[1,0]"), "a list of 8 zeros and ones"),
+            (dict(window_size=64, window_attn_skip_freq=[1, 0]), "a list of 8 zeros and ones")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(dict(base, **fields)))
+        with pytest.raises(PlannerError) as err:
+            load_model(str(bad))
+        assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 # ============================================================================ rules

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 from dataclasses import replace
 
 import pytest
@@ -24,7 +25,8 @@ from megatron.training.cli.arguments import parse_args, validate_args
 # (model, sequence, GPUs, GPUs per node, hardware): the issue's Llama-3-8B at 128K on 8
 # GPUs (whose rows 1-4 were ZeRO-2), the 0.85B benchmark model, a 2-node 7B.
 CASES = [("llama3-8b", 131072, 8, 8, "h200"), ("llama-0.85b", 65536, 2, 8, "h200"),
-         ("llama2-7b", 32768, 16, 8, "h100"), ("llama2-7b", 262144, 8, 8, "l20")]
+         ("llama2-7b", 32768, 16, 8, "h100"), ("llama2-7b", 262144, 8, 8, "l20"),
+         ("mistral-7b-v0.1", 131072, 8, 8, "h200")]
 RUN = ["--lr", "1e-4", "--train-iters", "10", "--mock-data", "--eval-iters", "0"]
 
 
@@ -50,7 +52,26 @@ def test_every_ranked_layout_passes_pretrain_validation(model, seq, gpus, per_no
         assert (dims.ulysses, dims.ring, dims.dp) == (
             plan.ulysses_degree, plan.ring_degree, plan.data_parallel_size)
         assert plan.command().startswith(f"torchrun --nproc-per-node {min(per_node, gpus)}")
-        assert plan.command().endswith(" ".join(flags))
+        assert plan.command().endswith(shlex.join(flags))
+
+
+def test_a_windowed_plan_prints_the_window_it_costed():
+    """A hybrid pattern given as a list survives the printed command (quoted for the shell)
+    and ``pretrain_gpt.py`` builds exactly the planned shape from it, window included."""
+    model = replace(PRESETS["llama-0.85b"], window_size=4096,
+                    window_attn_skip_freq=[1, 0, 1, 1] * 4)
+    result = plan_layouts(Workload(model, 65536, 8, 8), "h200", top=5)
+    for ranked in result.ranked:
+        plan = plan_from(result, ranked)
+        assert "'[1,0,1,1,1,0,1,1,1,0,1,1,1,0,1,1]'" in plan.command()
+        argv = shlex.split(plan.command())
+        assert argv[argv.index("pretrain_gpt.py") + 1:] == plan.pretrain_flags
+        vocab = ["--vocab-size", str(model.vocab_size)]
+        config = validate_args(parse_args(plan.pretrain_flags + RUN + vocab), 8,
+                               cuda_available=True)
+        assert replace(config.with_padded_vocab(model.vocab_size).model_shape(),
+                       name=model.name, kv_channels=None) == model
+        assert config.window_attn_skip_freq == [1, 0, 1, 1] * 4
 
 
 def test_capability_table_refuses_what_has_no_flag():

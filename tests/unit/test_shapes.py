@@ -3,18 +3,22 @@ count, and that every place reporting FLOPs or MFU calls that count."""
 
 import ast
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron.bench import ceiling, hf_peer
 from megatron.bench.e2e import config, summary
 from megatron.bench.models import MODELS
-from megatron.planner import Layout, Workload, cost_model, estimate, get_hardware
+from megatron.planner import Layout, Workload, cost_model, estimate, get_hardware, plan_layouts
 from megatron.planner.models import model_from_mapping
+from megatron.planner.plan import plan_from
 from megatron.shapes import (
     PRESETS,
     ModelShape,
@@ -25,7 +29,10 @@ from megatron.shapes import (
     training_flops,
 )
 from megatron.shapes.flags import shape_flags
+from megatron.shapes.window import is_window_layer
+from megatron.training import loop
 from megatron.training.cli import arguments
+from megatron.training.data import batch
 from megatron.training.observe import metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,6 +137,43 @@ def test_every_mfu_reporter_gives_the_one_count(name, monkeypatch):
     assert flops_of() == pytest.approx(14.0)
 
 
+def test_a_window_is_one_count_for_the_planner_the_loop_and_bench_e2e():
+    """The 0.85B model with a window of 4096 on the layers ``[1,1,0,1]*4`` marks, 2 x 32K
+    tokens on 8 GPUs: the planner's FLOPs per step are the training loop's count for the run
+    of the plan's printed command (its RunConfig's ``model_window``, the batches' pairs, the
+    metrics' Throughput) and what bench_e2e takes from the loop's records."""
+    seq, gbs, gpus = 32768, 2, 8
+    shape = replace(PRESETS["llama-0.85b"], window_size=4096,
+                    window_attn_skip_freq=[1, 1, 0, 1] * 4)
+    result = plan_layouts(Workload(shape, seq, gpus, 8, global_batch_size=gbs), "h200", top=1)
+    plan = plan_from(result, result.best)
+    argv = shlex.split(plan.command())
+    flags = argv[argv.index("pretrain_gpt.py") + 1:] + [
+        "--lr", "1e-4", "--train-iters", "10", "--mock-data", "--eval-iters", "0",
+        "--vocab-size", str(shape.vocab_size)]
+    run = arguments.validate_args(arguments.parse_args(flags), gpus, cuda_available=True)
+    window, share = loop.model_window(run)
+    assert (window, share) == (4096, 0.75) and run.shape.window_marks() == (1, 1, 0, 1) * 4
+
+    micro = run.args.micro_batch_size
+    sample = {"tokens": torch.zeros(micro, seq, dtype=torch.int64)}
+    pairs = gbs // micro * batch.attention_pairs(sample, False, window, share)
+    throughput = metrics.Throughput(run.with_padded_vocab(shape.vocab_size).model_shape(), seq,
+                                    gbs, gpus, 989.0, loop.flops_count_label(run))
+    rates = throughput.of(1.0, pairs)
+    loop_flops = rates["tflops_per_gpu"] * gpus * 1e12
+    assert plan.estimate.model_flops_per_step == pytest.approx(loop_flops, rel=1e-12)
+    assert loop_flops < dense_training_flops(PRESETS["llama-0.85b"], seq, gbs)
+
+    records = [{"kind": "train", "iteration": i, "step_time_s": 1.0, **rates} for i in (1, 2)]
+    cfg = config.E2EConfig(seq_lens=[seq], splits=[(2, 2)], nproc_per_node=gpus, warmup=0,
+                           device="cpu")
+    res = summary.summarize(cfg, config.RunSpec(seq, 2, 2, "none", 2),
+                            config.RunOutcome("ok", 0, records, "l", []))
+    assert res.flops_per_iteration == pytest.approx(loop_flops, rel=1e-12)
+    assert res.flops_count == "dense causal, window 4096 on 12 of 16 layers"
+
+
 def test_no_module_counts_model_flops_on_its_own():
     """Outside megatron/shapes, nothing defines a whole-model FLOP count again."""
     suspects = []
@@ -141,6 +185,66 @@ def test_no_module_counts_model_flops_on_its_own():
                     r"(model|training)_flops|flops_per_iteration", node.name):
                 suspects.append(f"{path.relative_to(REPO)}:{node.name}")
     assert suspects == [], suspects
+
+
+# --------------------------------------------------------------------------- the window
+PATTERNS = [None, 1, 2, 3, 4, 7, [1, 0, 1, 1, 0, 0, 1, 1], [0] * 8, [1] * 8]
+
+
+@pytest.mark.parametrize("freq", PATTERNS, ids=str)
+def test_window_layers_are_megatron_cores_rule(freq):
+    """One rule: the shape's marks are megatron-core's ``is_layer_window_attention``."""
+    shape = ModelShape(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=64,
+                       window_size=16, window_attn_skip_freq=freq)
+    want = tuple(int(is_layer_window_attention((16, 0), freq, n)) for n in range(1, 9))
+    assert shape.window_marks() == want
+    assert all(is_window_layer(16, shape.window_attn_skip_freq, n) == bool(m)
+               for n, m in enumerate(want, 1))
+    assert shape.window_share() == sum(want) / 8
+    assert replace(shape, window_size=None).window_marks() == (0,) * 8
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"window_size": 0}, "window_size=0: the window must be at least 1 key, e.g. "
+                         "window_size=4096"),
+    ({"window_size": "4096"}, "window_size='4096' is not a window"),
+    ({"window_size": True}, "is not a window"),
+    ({"window_attn_skip_freq": 2}, "window_attn_skip_freq=2 has no effect without "
+                                   "window_size; add window_size=4096"),
+    ({"window_size": 16, "window_attn_skip_freq": 0}, "window_attn_skip_freq=0 must be >= 1, "
+                                                      "e.g. window_attn_skip_freq=2"),
+    ({"window_size": 16, "window_attn_skip_freq": [1, 0]},
+     "is neither an int >= 1 nor a list of 4 zeros and ones"),
+    ({"window_size": 16, "window_attn_skip_freq": [1, 2, 0, 1]},
+     "e.g. window_attn_skip_freq=[1,1,1,0]"),
+])
+def test_a_bad_window_is_refused_in_one_line_naming_the_field(fields, needle):
+    shape = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=64,
+                       **fields)
+    problems = shape.problems()
+    assert len(problems) == 1 and needle in problems[0] and "\n" not in problems[0], problems
+
+
+def test_a_window_pattern_is_kept_as_a_tuple():
+    """The shape is frozen and hashable, with the pattern given as a list."""
+    shape = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=64,
+                       window_size=16, window_attn_skip_freq=[1, 0, 1, 0])
+    assert shape.window_attn_skip_freq == (1, 0, 1, 0) and hash(shape) == hash(replace(shape))
+    assert shape.problems() == []
+    assert shape_flags(shape)[-4:] == ["--window-size", "16", "--window-attn-skip-freq",
+                                       "[1,0,1,0]"]
+
+
+def test_training_puts_the_window_in_the_shape():
+    """``--window-size`` / ``--window-attn-skip-freq`` reach the run's shape as well as
+    megatron-core's fields, so ``--ulysses-degree auto`` plans the window too."""
+    flags = (shape_flags(PRESETS["tiny"], vocab=True)
+             + ["--window-size", "(16,0)", "--window-attn-skip-freq", "([1]*1+[0]*1)",
+                "--seq-length", "64", "--train-iters", "1", "--lr", "1e-3", "--mock-data"])
+    run = arguments.validate_args(arguments.parse_args(flags), 1, cuda_available=False)
+    assert (run.window_size, run.window_attn_skip_freq) == ((16, 0), [1, 0])
+    assert (run.shape.window_size, run.shape.window_attn_skip_freq) == (16, (1, 0))
+    assert loop.model_window(run) == (16, run.shape.window_share())
 
 
 # --------------------------------------------------------------------------- SwiGLU rule

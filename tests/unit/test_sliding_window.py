@@ -4,7 +4,8 @@ The window's tiles cover exactly the visible pairs; the window kernel's masked p
 a float64 masked softmax in flash's bottom-right convention; the ring plan is counted: every
 visible (query, key) pair is computed by exactly one block on exactly one rank, and the halo
 bytes grow with the window and not with the sequence (zero when no window crosses a ring
-rank); megatron-core's per-layer rule decides which layers are windowed.
+rank), and the planner counts the same halo; megatron-core's per-layer rule decides which
+layers are windowed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron.planner.cost_model import window_halo
 from megatron.training.data.batch import BatchContext, _document_params
 from megatron.usp import window_kernel as wk
 from megatron.usp.core_attention import USPAttention, layer_window
@@ -142,6 +144,20 @@ def test_halo_spans_several_predecessors_when_the_window_exceeds_a_chunk():
     sources = [plan.source(i) for i in range(1, ring) if plan.receives(i)]
     assert len(sources) == 3                            # every other ring rank
     assert plan.kv_tokens_sent() > 2 * chunk
+
+
+@pytest.mark.parametrize("ring", [2, 3, 4, 8])
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40, 90])
+def test_the_planners_halo_is_the_plans(ring, window):
+    """The planner's halo (counted on chunks) is the ring plan's on its busiest rank: the
+    tokens it sends and the tokens it receives in a forward, for windows within a chunk,
+    one chunk, and several."""
+    seq = 192
+    plans = [window_ring_plan(seq, 1, r, ring, window) for r in range(ring)]
+    received = [sum(p.recv_tokens(i) for i in range(1, ring) if p.receives(i)) for p in plans]
+    halo = window_halo(seq, ring, window)
+    assert (halo.sent, halo.received) == (max(p.kv_tokens_sent() for p in plans), max(received))
+    assert halo.ring_tokens == seq / ring
 
 
 def test_no_ring_traffic_when_no_window_crosses_a_ring_rank():

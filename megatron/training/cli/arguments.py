@@ -513,7 +513,9 @@ def _model_sizes(args) -> Dict[str, int]:
                 untied_embeddings=args.untie_embeddings_and_output_weights,
                 normalization=args.normalization,
                 position_embedding_type=args.position_embedding_type,
-                add_bias_linear=not args.disable_bias_linear)}
+                add_bias_linear=not args.disable_bias_linear,
+                window_size=window_size[0] if window_size else None,
+                window_attn_skip_freq=window_attn_skip_freq)}
 
 
 def _validate_overlap_chunks(args, dims: ParallelDims, shape: ModelShape) -> None:

@@ -57,7 +57,8 @@ class RunConfig:
         padded_vocab_size: the tokenizer's vocabulary padded (:meth:`with_padded_vocab`,
             once the tokenizer is known); None before.
         window_size / window_attn_skip_freq: megatron-core's sliding-window fields from
-            ``--window-size`` / ``--window-attn-skip-freq`` (None: full attention).
+            ``--window-size`` / ``--window-attn-skip-freq`` (None: full attention); ``shape``
+            carries them too (its ``window_size`` is the left ``W``).
         fp8: the float8 flags (:class:`~megatron.layers.float8_options.Float8Options`);
             None without ``--fp8-format``.
     """

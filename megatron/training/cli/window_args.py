@@ -6,14 +6,16 @@
 a full-attention layer (layers with ``layer_number % N != 0`` are windowed), a list such as
 ``[1,1,0,1]`` (or Megatron-LM's ``([1]*3+[0]*1)``) marks each layer (1: window). Without it every layer is windowed. megatron-core's
 ``is_layer_window_attention`` decides per layer (:func:`megatron.usp.core_attention.layer_window`).
+The spellings and their checks are :mod:`megatron.shapes.window`'s, shared with the model
+files of the planner; the model shape carries the window too.
 """
 
 from __future__ import annotations
 
-import ast
-import re
 from typing import List, Optional, Tuple, Union
 
+import megatron.shapes.window as shape_window
+from megatron.shapes.window import SKIP_FREQ_FLAG, WINDOW_FLAG
 from megatron.training.cli.errors import ArgumentsError
 
 SkipFreq = Union[int, List[int]]
@@ -32,65 +34,30 @@ def add_window_args(group) -> None:
 
 
 def parse_window_size(text: str) -> Tuple[int, int]:
-    """``"4096"`` or ``"(4096,0)"`` -> (4096, 0); raises ArgumentsError naming the flag."""
-    match = re.fullmatch(r"\s*\(?\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)?\s*", str(text))
-    if match is None:
-        raise ArgumentsError(f"--window-size {text!r} is not a window; pass the keys before "
-                             f"each query, e.g. --window-size 4096 (or \"(4096,0)\")")
-    left, right = int(match.group(1)), int(match.group(2) or 0)
-    if right != 0:
-        raise ArgumentsError(f"--window-size {text}: the right side must be 0 (attention is "
-                             f"causal); pass --window-size {left if left > 0 else 4096}")
-    if left <= 0:
-        raise ArgumentsError(f"--window-size {text}: the window must be at least 1 key, e.g. "
-                             f"--window-size 4096 (drop the flag for full attention)")
-    return left, 0
-
-
-def _list_expression(node):
-    """The value of an int, a list of ints, or ``+`` / ``*`` of them (Megatron-LM's
-    ``([1]*3+[0]*1)*3``); ValueError for anything else (nothing is executed)."""
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.List):
-        return [_list_expression(e) for e in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _list_expression(node.left), _list_expression(node.right)
-        if isinstance(node.op, ast.Add) and type(left) is type(right):
-            return left + right
-        if isinstance(node.op, ast.Mult) and isinstance(right, int) and not isinstance(left, int):
-            return left * right
-    raise ValueError("not an int or a list expression")
+    """``"4096"`` or ``"(4096,0)"`` -> (4096, 0); raises ArgumentsError naming the flag
+    (:func:`megatron.shapes.window.parse_window_size`)."""
+    try:
+        return shape_window.parse_window_size(text, WINDOW_FLAG)
+    except ValueError as exc:
+        raise ArgumentsError(str(exc)) from None
 
 
 def parse_skip_freq(text: str, num_layers: int) -> SkipFreq:
     """``"2"`` -> 2; ``"[1,1,0,1]"`` or Megatron-LM's ``"([1]*3+[0]*1)"`` -> a list of one
-    0 / 1 per layer."""
+    0 / 1 per layer (:func:`megatron.shapes.window.parse_skip_freq`)."""
     try:
-        value = _list_expression(ast.parse(str(text).strip(), mode="eval").body)
-    except (ValueError, SyntaxError, RecursionError):
-        value = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise ArgumentsError(f"--window-attn-skip-freq {text} must be >= 1, e.g. "
-                                 f"--window-attn-skip-freq 2 (every second layer full)")
-        return value
-    if isinstance(value, (list, tuple)) and all(v in (0, 1) for v in value) \
-            and len(value) == num_layers:
-        return [int(v) for v in value]
-    example = ",".join(["1"] * (num_layers - 1) + ["0"]) if num_layers > 1 else "1"
-    raise ArgumentsError(f"--window-attn-skip-freq {text} is neither an int >= 1 nor a list "
-                         f"of {num_layers} zeros and ones (one per layer, 1: window), e.g. "
-                         f"--window-attn-skip-freq [{example}]")
+        return shape_window.parse_skip_freq(text, num_layers, SKIP_FREQ_FLAG)
+    except ValueError as exc:
+        raise ArgumentsError(str(exc)) from None
 
 
 def window_from_args(args) -> Tuple[Optional[Tuple[int, int]], Optional[SkipFreq]]:
     """(window_size, window_attn_skip_freq) for megatron-core's ``TransformerConfig``."""
     if args.window_size is None:
-        if args.window_attn_skip_freq is not None:
-            raise ArgumentsError(f"--window-attn-skip-freq {args.window_attn_skip_freq} has no "
-                                 f"effect without --window-size; add --window-size 4096 or "
-                                 f"drop it")
+        problems = shape_window.window_problems(None, args.window_attn_skip_freq,
+                                                args.num_layers, (WINDOW_FLAG, SKIP_FREQ_FLAG))
+        if problems:
+            raise ArgumentsError(problems[0])
         return None, None
     window = parse_window_size(args.window_size)
     if args.window_attn_skip_freq is None:

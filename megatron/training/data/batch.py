@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from megatron.shapes import document_pairs, window_pairs
+from megatron.shapes import layer_mean_pairs
 from megatron.training.data.config import DataConfigError
 from megatron.training.data.errors import BatchMismatchError
 from megatron.usp.document_kernels import pinned_to_device
@@ -188,16 +188,13 @@ def attention_pairs(full: Dict[str, torch.Tensor], documents: bool,
     """Causal (query, key) pairs of a full micro-batch [b, S], per layer on average: ``n^2/2``
     per document with documents (``segment_ids``), else ``S^2/2`` per sequence (the FLOP
     count's convention, :mod:`megatron.shapes.flops`); on the ``window_share`` of the layers
-    that use the left ``window``, the pairs inside it (:func:`~megatron.shapes.window_pairs`)."""
+    that use the left ``window``, the pairs inside it (:func:`~megatron.shapes.window_pairs`);
+    the mean over the layers is :func:`~megatron.shapes.layer_mean_pairs`, the planner's too."""
     b, s = full["tokens"].shape
     seg = full.get("segment_ids") if documents else None
     rows = ([[s]] * b if seg is None else
             [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in seg])
-    pairs = sum(document_pairs(lengths) for lengths in rows)
-    if window is None or window_share <= 0:
-        return pairs
-    windowed = sum(window_pairs(lengths, window) for lengths in rows)
-    return (1.0 - window_share) * pairs + window_share * windowed
+    return sum(layer_mean_pairs(lengths, window, window_share) for lengths in rows)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor,
