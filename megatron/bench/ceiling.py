@@ -8,7 +8,10 @@ shapes, on this GPU, in this run:
   ``[N, nd] x [nd, H]``, FC1 ``[N, H] x [H, 2F]`` (SwiGLU), FC2 ``[N, F] x [F, H]``), each as
   its forward GEMM plus the two backward GEMMs (data and weight gradients);
 * per layer, the causal attention forward and backward through USP's local kernel
-  (:func:`megatron.usp.kernels.get_kernel`, cuDNN on H100/H200) over the whole sequence;
+  (:func:`megatron.usp.kernels.get_kernel`, cuDNN on H100/H200) over the whole sequence; a
+  layer with the model's sliding window (``--window-size``, ``--window-attn-skip-freq``:
+  megatron-core's rule) through the window kernel (:mod:`megatron.usp.window_kernel`: the
+  flash op's own window) instead;
 * once, the output layer ``[N, H] x [H, V]`` forward and backward.
 
 With documents (``--doc-lengths FILE``, what ``tools/bench_e2e.py --docs`` passes: the
@@ -19,8 +22,9 @@ those documents instead: each single-GPU document kernel
 ceiling is the mean over the sequences; its FLOP count is the documents' pairs
 (:func:`megatron.shapes.document_pairs`).
 
-``ceiling_s = L * (linears + attention) + output layer``, and the ceiling MFU is the step's
-FLOP count (:func:`megatron.shapes.dense_training_flops`, the training loop's too) over
+``ceiling_s = L * (linears + attention) + output layer`` (attention summed over full and
+window layers), and the ceiling MFU is the step's FLOP count
+(:func:`megatron.shapes.training_flops` of the layers' pairs, the training loop's too) over
 ``ceiling_s`` and the peak. Norms, RoPE, the activation, the loss, the optimizer and every
 copy count as overhead, so ``share = ceiling_s / measured step time`` is the fraction of
 the ideal a stack reaches. Timings are medians of CUDA-event timed repeats on random bf16
@@ -34,6 +38,7 @@ training runs so that none of its memory stays allocated.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -48,8 +53,16 @@ from megatron.bench.flops import FWD_BWD_FACTOR, attention_fwd_bwd_flops
 from megatron.bench.models import MODELS
 from megatron.bench.timing import median_ms_alone
 from megatron.planner.hardware import peak_tflops_for_device
-from megatron.shapes import dense_training_flops, document_pairs, training_flops
+from megatron.shapes import document_pairs, shape_pairs, training_flops
+from megatron.shapes.window import (
+    SKIP_FREQ_FLAG,
+    WINDOW_FLAG,
+    effective_window,
+    parse_skip_freq,
+    parse_window_size,
+)
 from megatron.usp.kernels import get_kernel
+from megatron.usp.window_kernel import window_backward, window_forward
 
 # The single-GPU document kernels a documents ceiling takes the fastest of.
 CEILING_DOC_KERNELS = ("tiles", "varlen", "per-document", "packed")
@@ -70,7 +83,8 @@ class Ceiling:
     ceiling_mfu: Optional[float]
     gemm_tflops: float               # achieved rate of the timed matmuls
     attention_tflops: float          # fwd+bwd, 3.5x-forward convention (useful pairs)
-    attention: str = "dense causal"  # or "documents": the fastest document kernel
+    attention: str = "dense causal"  # "documents": the fastest document kernel; or the window
+    window_attention_ms_per_layer: Optional[float] = None     # a window layer's, if any
     dense_attention_ms_per_layer: Optional[float] = None      # documents: for reference
     document_kernels_ms: Optional[Dict[str, float]] = None    # mean per kernel over sequences
     fastest_kernels: Optional[Dict[str, int]] = None          # sequences each kernel won
@@ -93,8 +107,9 @@ def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats
 
 
 def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int, device,
-                         dtype, repeats: int) -> float:
-    """USP's local kernel, causal, forward then backward, batch 1, ``[b, h, S, d]``."""
+                         dtype, repeats: int, window: Optional[int] = None) -> float:
+    """USP's local kernel, causal, forward then backward, batch 1, ``[b, h, S, d]``; with a
+    left ``window``, the window kernel."""
     kernel = get_kernel("auto")
     q = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype)
     k = torch.randn(1, kv_heads, seq_len, head_dim, device=device, dtype=dtype)
@@ -103,8 +118,12 @@ def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int,
     scale = head_dim ** -0.5
 
     def step():
-        out, lse = kernel.forward(q, k, v, True, scale)
-        kernel.backward(dout, q, k, v, out, lse, True, scale)
+        if window is None:
+            out, lse = kernel.forward(q, k, v, True, scale)
+            kernel.backward(dout, q, k, v, out, lse, True, scale)
+        else:
+            out, lse = window_forward(q, k, v, True, window, scale)
+            window_backward(dout, q, k, v, out, lse, True, window, scale)
 
     return median_ms_alone(step, warmup=2, iters=repeats)
 
@@ -140,8 +159,13 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
                     repeats: int = 5,
                     documents: Optional[Sequence[Sequence[int]]] = None) -> Ceiling:
     """Time the step's matmuls and attention for ``shape`` (a
-    :class:`megatron.shapes.ModelShape`) at ``seq_len``; with ``documents`` (each sequence's
-    document lengths, adding up to ``seq_len``) the attention is theirs (module docstring)."""
+    :class:`megatron.shapes.ModelShape`, its sliding window included) at ``seq_len``; with
+    ``documents`` (each sequence's document lengths, adding up to ``seq_len``) the attention
+    is theirs (module docstring)."""
+    window = effective_window(shape.window_size, seq_len)
+    if window is not None and documents:
+        raise BenchConfigError("the documents ceiling times the document kernels without a "
+                               "sliding window; run a windowed model with --ceiling off")
     device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     h, n, g, d = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, \
         shape.head_dim
@@ -150,8 +174,16 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
     lin_ms = sum(linear_fwd_bwd_ms(seq_len, a, b, device, dtype, repeats) for a, b in linears)
     attn_ms = attention_fwd_bwd_ms(seq_len, n, g, d, device, dtype, repeats)
     out_ms = linear_fwd_bwd_ms(seq_len, h, v, device, dtype, repeats)
-    flops = dense_training_flops(shape, seq_len, 1)
+    flops = training_flops(shape, seq_len, shape_pairs(shape, [seq_len]))
     attn_flops = attention_fwd_bwd_flops(1, n, seq_len, d, True)
+    window_ms, label = None, "dense causal"
+    if window is not None:
+        window_ms = attention_fwd_bwd_ms(seq_len, n, g, d, device, dtype, repeats, window)
+        share = shape.window_share()
+        attn_ms = (1 - share) * attn_ms + share * window_ms        # per layer, the mean
+        attn_flops = FWD_BWD_FACTOR * 4.0 * n * d * shape_pairs(shape, [seq_len])
+        label = (f"dense causal, window {window} on {sum(shape.window_marks())} of "
+                 f"{shape.num_layers} layers")
     docs = None
     if documents:
         docs = document_attention_ms(shape, documents, device, dtype, repeats)
@@ -171,7 +203,7 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
         ceiling_mfu=tflops / peak_tflops if peak_tflops else None,
         gemm_tflops=gemm_flops / ((shape.num_layers * lin_ms + out_ms) / 1e3) / 1e12,
         attention_tflops=attn_flops / (attn_ms / 1e3) / 1e12,
-        attention="documents" if docs else "dense causal",
+        attention="documents" if docs else label, window_attention_ms_per_layer=window_ms,
         dense_attention_ms_per_layer=dense_attn_ms if docs else None,
         document_kernels_ms=docs["kernels_ms"] if docs else None,
         fastest_kernels=docs["wins"] if docs else None,
@@ -188,6 +220,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", required=True)
+    p.add_argument(WINDOW_FLAG, default=None, metavar="W",
+                   help="the model's sliding window (pretrain_gpt.py's flag): its layers' "
+                        "attention through the window kernel")
+    p.add_argument(SKIP_FREQ_FLAG, default=None, metavar="N|LIST",
+                   help="which layers have the window (pretrain_gpt.py's flag)")
     p.add_argument("--doc-lengths", default=None,
                    help="JSON {seq_len: [[document lengths of a sequence], ...]}: the "
                         "attention of those documents at the fastest document kernel")
@@ -199,9 +236,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     layers = MODELS[ns.model].shape.num_layers
     if ns.num_layers is not None and not 1 <= ns.num_layers <= layers:
         p.error(f"--num-layers {ns.num_layers}: a slice of {ns.model} has 1 to {layers} layers")
+    shape = MODELS[ns.model].sliced(ns.num_layers).shape
+    if ns.window_attn_skip_freq is not None and ns.window_size is None:
+        p.error(f"{SKIP_FREQ_FLAG} needs {WINDOW_FLAG}, e.g. {WINDOW_FLAG} 4096")
+    if ns.window_size is not None:
+        try:
+            left, _ = parse_window_size(ns.window_size)
+            skip = (None if ns.window_attn_skip_freq is None else
+                    parse_skip_freq(ns.window_attn_skip_freq, shape.num_layers))
+        except ValueError as exc:
+            p.error(str(exc))
+        shape = dataclasses.replace(shape, window_size=left, window_attn_skip_freq=(
+            tuple(skip) if isinstance(skip, list) else skip))
     if not torch.cuda.is_available():
         p.error("the ceiling is measured on a CUDA GPU; none is visible")
-    shape = MODELS[ns.model].sliced(ns.num_layers).shape
     documents = {}
     if ns.doc_lengths:
         with open(ns.doc_lengths) as fh:

@@ -689,6 +689,9 @@ def test_num_layers_reaches_the_peer_and_the_ceiling(tmp_path, monkeypatch):
     commands.clear()
     peers.run_peer(dataclasses.replace(cfg, num_layers=None), "hf", 8192, "none")
     assert "--num-layers" not in commands[0]
+    commands.clear()                              # the runs' window reaches the ceiling
+    ceilings.run_ceiling(dataclasses.replace(cfg, extra_args=["--window-size", "4096"]))
+    assert commands[0][-2:] == ["--window-size", "4096"]
 
 
 def test_hf_peer_and_ceiling_time_the_slice(tmp_path, monkeypatch):
@@ -726,6 +729,49 @@ def test_hf_peer_and_ceiling_time_the_slice(tmp_path, monkeypatch):
     assert row["flops_per_iteration"] == shapes.dense_training_flops(sliced, 8192, 1)
     with pytest.raises(SystemExit):
         ceiling.main(argv + ["--num-layers", "0"])
+
+
+def test_the_ceiling_times_window_layers_through_the_window_kernel(tmp_path, monkeypatch):
+    """A windowed model's ceiling: its window layers' attention is the window kernel's, the
+    rest the causal kernel's, and its FLOPs are the training loop's count of those layers'
+    pairs; bench_e2e passes the window of its --extra-args to the ceiling's process."""
+    timed = []
+
+    def attention(seq_len, heads, kv_heads, head_dim, device, dtype, repeats, window=None):
+        timed.append(window)
+        return 10.0 if window is None else 2.0
+
+    monkeypatch.setattr(ceiling.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ceiling.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ceiling, "linear_fwd_bwd_ms", lambda *a: 1.0)
+    monkeypatch.setattr(ceiling, "attention_fwd_bwd_ms", attention)
+    out = tmp_path / "ceiling.json"
+    argv = ["--model", "llama-0.85b", "--seq-lens", "8k", "--peak-tflops", "989",
+            "--out", str(out), "--window-size", "1024", "--window-attn-skip-freq", "4"]
+    assert ceiling.main(argv) == 0
+    (row,) = json.loads(out.read_text())
+    shape = models.MODELS["llama-0.85b"].shape                    # 16 layers: 12 windowed
+    assert timed == [None, 1024]
+    assert row["attention"] == "dense causal, window 1024 on 12 of 16 layers"
+    # per layer four linears, then 4 full layers' attention and 12 window layers', the output
+    assert row["ceiling_ms"] == pytest.approx(16 * 4 + 4 * 10 + 12 * 2 + 1)
+    pairs = 0.25 * 8192 ** 2 / 2 + 0.75 * shapes.window_pairs([8192], 1024)
+    assert row["flops_per_iteration"] == pytest.approx(shapes.training_flops(shape, 8192, pairs))
+    assert row["window_attention_ms_per_layer"] == 2.0
+    timed.clear()                                   # a window over the whole sequence: none
+    assert ceiling.main(argv[:8] + ["--window-size", "8191"]) == 0
+    assert timed == [None] and json.loads(out.read_text())[0]["attention"] == "dense causal"
+    for bad in (["--window-attn-skip-freq", "2"], ["--window-size", "(8,2)"],
+                ["--window-size", "8", "--window-attn-skip-freq", "[1,0]"]):
+        with pytest.raises(SystemExit):
+            ceiling.main(argv[:8] + bad)
+    with pytest.raises(ceiling.BenchConfigError, match="--ceiling off"):
+        ceiling.measure_ceiling(dataclasses.replace(shape, window_size=64), 8192, 989.0, 1,
+                                [[4096, 4096]])
+    assert ceilings.window_args(["--num-workers", "0", "--window-size", "4096",
+                                 "--window-attn-skip-freq=[1,0]", "--window-size=512"]) == [
+        "--window-size", "512", "--window-attn-skip-freq", "[1,0]"]
+    assert ceilings.window_args(["--seq-length", "8"]) == []
 
 
 def test_hf_peer_config_takes_the_rope_base():

@@ -1,7 +1,9 @@
 """The zero-overhead ceiling of each length (:mod:`megatron.bench.ceiling`, timed in a
 process of its own before the training runs) and its place in the report rows. With
 ``--docs`` it is the documents ceiling: the attention of the documents the measured
-iterations train, at the fastest single-GPU document kernel."""
+iterations train, at the fastest single-GPU document kernel. A sliding window in
+``--extra-args`` (``--window-size``, ``--window-attn-skip-freq``) reaches it too: its layers
+are timed through the window kernel."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Sequence
 
 from megatron.bench.e2e.config import PROGRESS_PREFIX, E2EConfig, E2EResult, RunSpec
 from megatron.bench.e2e.launch import run_to_end, trained_batches_of
+from megatron.shapes.window import SKIP_FREQ_FLAG, WINDOW_FLAG
 
 
 def run_ceiling(cfg: E2EConfig) -> Dict[int, dict]:
@@ -27,6 +30,7 @@ def run_ceiling(cfg: E2EConfig) -> Dict[int, dict]:
         cmd += ["--num-layers", str(cfg.num_layers)]
     if cfg.peak_tflops is not None:
         cmd += ["--peak-tflops", str(cfg.peak_tflops)]
+    cmd += window_args(cfg.extra_args)
     if cfg.docs is not None:
         lengths = log_dir / "ceiling_documents.json"
         lengths.write_text(json.dumps(measured_documents(cfg)))
@@ -37,6 +41,20 @@ def run_ceiling(cfg: E2EConfig) -> Dict[int, dict]:
         print(f"{PROGRESS_PREFIX} ceiling measurement failed (log {log_path})", flush=True)
         return {}
     return {int(c["seq_len"]): c for c in json.loads(out.read_text())}
+
+
+def window_args(extra_args: Sequence[str]) -> List[str]:
+    """The sliding-window flags of the training runs' ``--extra-args`` (the last of each, as
+    the training's parser takes them), ``--flag value`` or ``--flag=value``."""
+    found: Dict[str, str] = {}
+    for i, arg in enumerate(extra_args):
+        for flag in (WINDOW_FLAG, SKIP_FREQ_FLAG):
+            if arg == flag and i + 1 < len(extra_args):
+                found[flag] = extra_args[i + 1]
+            elif arg.startswith(flag + "="):
+                found[flag] = arg[len(flag) + 1:]
+    return [x for flag in (WINDOW_FLAG, SKIP_FREQ_FLAG) if flag in found
+            for x in (flag, found[flag])]
 
 
 def measured_documents(cfg: E2EConfig) -> Dict[int, list]:
