@@ -73,9 +73,9 @@ def _count_builds(rank, world_size, layout, out_dir):
         counts["blocks"] += 1
         return real[1](*a, **k)
 
-    def packed_plan(lengths, causal, costs, device=None):
+    def packed_plan(lengths, causal, costs, device=None, window=None):
         counts["packed"] += 1
-        result = real[2](lengths, causal, costs, device)
+        result = real[2](lengths, causal, costs, device, window)
         packed.append(([list(r) for r in lengths], causal, result.segments))
         return result
 
