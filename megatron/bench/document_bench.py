@@ -275,7 +275,7 @@ def usp_case(sweep, cfg, seq_len: int, mix: str, split, groups) -> DocCaseResult
     if seg is None:
         res.status, res.note = "skipped", "the embedded corpus is not built here"
         return res
-    choice = lb.balance_chunks(lb.token_work(seg), u, r)
+    choice = lb.balance_chunks(seg, u, r)
     assignment = None if (choice.is_zigzag or cfg.chunk_assignment == "zigzag") else \
         choice.assignment
     res.chunk_assignment = "zigzag" if assignment is None else f"balanced m={assignment.group_chunks}"
@@ -532,7 +532,7 @@ def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write
 def ring_rank_blocks(cfg, seg: np.ndarray, ulysses: int, ring: int, device) -> List:
     """The blocks ring rank 0 of a ``ulysses`` x ``ring`` split computes for segment ids
     ``seg`` [b, S], under the assignment USP mode uses (balanced, or zigzag)."""
-    choice = lb.balance_chunks(lb.token_work(seg), ulysses, ring)
+    choice = lb.balance_chunks(seg, ulysses, ring)
     zigzag = choice.is_zigzag or getattr(cfg, "chunk_assignment", "auto") == "zigzag"
     plan = build_document_ring_plan(seg, 0, ring, None if zigzag else choice.assignment, True,
                                     device)
@@ -679,7 +679,7 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
             for u, r in splits:
                 zig, bal, ms, skipped, bytes_skipped = [], [], [], [], []
                 for row in seg:
-                    choice = lb.balance_chunks(lb.token_work(row), u, r)
+                    choice = lb.balance_chunks(row, u, r)
                     zig.append(choice.zigzag_spread)
                     bal.append(choice.spread)
                     ms.append(0 if choice.is_zigzag else choice.assignment.group_chunks)

@@ -38,7 +38,7 @@ def _segments(mix, seq_len, batch=1, seed=1234):
 def _assignment(seg, ring, kind):
     if kind == "zigzag":
         return None
-    return lb.balance_chunks(lb.token_work(seg), 1, ring).assignment
+    return lb.balance_chunks(seg, 1, ring).assignment
 
 
 @pytest.mark.parametrize("seq_len,ring", CASES)

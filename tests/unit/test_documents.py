@@ -263,25 +263,27 @@ def _corpus_lengths(small_corpus):
                                    (1, 8, 131072)])
 def test_balance_within_five_percent(small_corpus, u, r, s):
     """Deliverable: every ring rank's work within 5 % of the mean for the embedded corpus's
-    own document lengths and for a lognormal mix with a long tail (zigzag is not)."""
+    own document lengths and for a lognormal mix with a long tail (zigzag is not); above
+    zigzag's spread only within the target (there it may move fewer keys)."""
     rng = np.random.default_rng(1)
     mixes = {"corpus": _corpus_lengths(small_corpus),
              "lognormal": np.maximum(1, rng.lognormal(np.log(2048), 1.2, 4000).astype(int))}
     for name, lengths in mixes.items():
         for sample in range(3):
             shifted = np.roll(lengths, -37 * sample)
-            work = lb.token_work(lb.segments_from_lengths(shifted, s, 1))
-            choice = lb.balance_chunks(work, u, r)
+            seg = lb.segments_from_lengths(shifted, s, 1)
+            work = lb.token_work(seg)
+            choice = lb.balance_chunks(seg, u, r)
             assert choice.spread <= 0.05, (name, sample, choice)
-            assert choice.spread <= choice.zigzag_spread
+            assert choice.spread <= max(lb.BALANCE_TARGET, choice.zigzag_spread)
             assert lb.spread(lb.ring_rank_work(work, choice.assignment)) == choice.spread
 
 
 def test_zigzag_is_kept_when_it_is_not_worse():
-    work = lb.token_work(np.zeros((1, 256), dtype=int))   # one document: zigzag is exact
-    choice = lb.balance_chunks(work, 2, 2)
+    seg = np.zeros((1, 256), dtype=int)          # one document: zigzag is exact
+    choice = lb.balance_chunks(seg, 2, 2)
     assert choice.is_zigzag and choice.spread == 0
-    assert lb.balance_chunks(work, 2, 1).is_zigzag
+    assert lb.balance_chunks(seg, 2, 1).is_zigzag
 
 
 # --------------------------------------------------------------------------- the data loader
