@@ -31,8 +31,9 @@ documents back to back, the last one cut at the sample end as megatron-core's da
 
 * **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
   of zigzag and of the balanced assignment for every mix, length and ``--splits`` U x R (any
-  size, not the world's), over ``--balance-samples`` consecutive samples of the packed document
-  stream: :func:`balance_report`.
+  size, not the world's), and the ring K/V messages and bytes the document ring skips under
+  each, over ``--balance-samples`` consecutive samples of the packed document stream:
+  :func:`balance_report`.
 
 Useful FLOPs: forward ``4 * b * h * d * P`` with ``P`` the visible (query, key) pairs (a causal
 document of ``L`` tokens has ``L(L+1)/2``), forward+backward 3.5x that; the dense ceiling counts
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -665,8 +666,9 @@ def check_document_config(cfg, world: int) -> None:
 def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, samples: int,
                    seed: int = 1234) -> List[dict]:
     """Work spread of zigzag and of :func:`~megatron.usp.load_balance.balance_chunks` per
-    (mix, S, U x R), over ``samples`` consecutive samples of the mix's document stream (a
-    document cut at a sample end continues in the next one). Pure computation."""
+    (mix, S, U x R), and the share of the zigzag ring's K/V messages and bytes the document
+    ring skips under each, over ``samples`` consecutive samples of the mix's document stream
+    (a document cut at a sample end continues in the next one). Pure computation."""
     rows = []
     for mix in mixes:
         for seq_len in seq_lens:
@@ -677,20 +679,18 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                 continue
             seg = lb.segments_from_lengths(lengths, seq_len, samples)
             for u, r in splits:
-                zig, bal, ms, skipped, bytes_skipped = [], [], [], [], []
+                zig, bal, ms, skipped, bytes_skipped, zig_bytes = [], [], [], [], [], []
                 for row in seg:
                     choice = lb.balance_chunks(row, u, r)
                     zig.append(choice.zigzag_spread)
                     bal.append(choice.spread)
                     ms.append(0 if choice.is_zigzag else choice.assignment.group_chunks)
                     assignment = None if choice.is_zigzag else choice.assignment
-                    halo = halo_matrix(row[None], ring_positions(seq_len, r, assignment), None)
-                    needs = needs_from_halo(halo)
-                    pairs = [(a, b) for a in range(r) for b in range(r) if a != b and needs[a][b]]
-                    tokens = sum(seq_len // r if halo[a][b] is None else halo[a][b].size
-                                 for a, b in pairs)
-                    skipped.append(1 - len(pairs) / (r * (r - 1)) if r > 1 else 1.0)
-                    bytes_skipped.append(1 - tokens / ((r - 1) * seq_len) if r > 1 else 1.0)
+                    msgs, moved = _ring_skipped(row, r, assignment)
+                    skipped.append(msgs)
+                    bytes_skipped.append(moved)
+                    zig_bytes.append(moved if assignment is None else
+                                     _ring_skipped(row, r, None)[1])
                 rows.append(dict(mix=mix, seq_len=seq_len, ulysses=u, ring=r, samples=samples,
                                  documents=int(sum(row.max() + 1 for row in seg)),
                                  zigzag_spread_max=max(zig), zigzag_spread_mean=float(
@@ -699,19 +699,33 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                                  zigzag_kept=sum(m == 0 for m in ms),
                                  group_chunks=sorted(set(m for m in ms if m)),
                                  kv_messages_skipped_mean=float(np.mean(skipped)),
-                                 kv_bytes_skipped_mean=float(np.mean(bytes_skipped))))
+                                 kv_bytes_skipped_mean=float(np.mean(bytes_skipped)),
+                                 zigzag_kv_bytes_skipped_mean=float(np.mean(zig_bytes))))
     return rows
+
+
+def _ring_skipped(row: np.ndarray, ring: int, assignment) -> Tuple[float, float]:
+    """Fractions of the zigzag ring's K/V messages and bytes the document ring skips for one
+    sample's segment ids under ``assignment`` (None: zigzag), counted from the halo plan."""
+    if ring == 1:
+        return 1.0, 1.0
+    seq_len = row.size
+    halo = halo_matrix(row[None], ring_positions(seq_len, ring, assignment), None)
+    needs = needs_from_halo(halo)
+    pairs = [(a, b) for a in range(ring) for b in range(ring) if a != b and needs[a][b]]
+    tokens = sum(seq_len // ring if halo[a][b] is None else halo[a][b].size for a, b in pairs)
+    return 1 - len(pairs) / (ring * (ring - 1)), 1 - tokens / ((ring - 1) * seq_len)
 
 
 def balance_markdown(rows: Sequence[dict]) -> str:
     headers = ["docs", "S", "U x R", "samples", "documents", "zigzag spread max / mean",
                "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped",
-               "ring K/V bytes skipped"]
+               "ring K/V bytes skipped", "zigzag's K/V bytes skipped"]
     table = []
     for r in rows:
         if r.get("status") == "skipped":
             table.append([r["mix"], seq_label(r["seq_len"]), "", "", "", r["note"], "", "", "",
-                          "", ""])
+                          "", "", ""])
             continue
         table.append([r["mix"], seq_label(r["seq_len"]), f"{r['ulysses']}x{r['ring']}",
                       r["samples"], r["documents"],
@@ -719,5 +733,6 @@ def balance_markdown(rows: Sequence[dict]) -> str:
                       f"{100 * r['spread_max']:.2f}% / {100 * r['spread_mean']:.2f}%",
                       r["zigzag_kept"], ",".join(map(str, r["group_chunks"])) or "-",
                       f"{100 * r['kv_messages_skipped_mean']:.0f}%",
-                      f"{100 * r['kv_bytes_skipped_mean']:.0f}%"])
+                      f"{100 * r['kv_bytes_skipped_mean']:.0f}%",
+                      f"{100 * r['zigzag_kv_bytes_skipped_mean']:.0f}%"])
     return report.markdown_table(headers, table)
