@@ -31,9 +31,9 @@ documents back to back, the last one cut at the sample end as megatron-core's da
 
 * **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
   of zigzag and of the balanced assignment for every mix, length and ``--splits`` U x R (any
-  size, not the world's), and the ring K/V messages and bytes the document ring skips under
-  each, over ``--balance-samples`` consecutive samples of the packed document stream:
-  :func:`balance_report`.
+  size, not the world's), and the ring K/V messages and bytes the document ring skips (bytes
+  also under zigzag and under the work balanced alone), over ``--balance-samples``
+  consecutive samples of the packed document stream: :func:`balance_report`.
 
 Useful FLOPs: forward ``4 * b * h * d * P`` with ``P`` the visible (query, key) pairs (a causal
 document of ``L`` tokens has ``L(L+1)/2``), forward+backward 3.5x that; the dense ceiling counts
@@ -667,8 +667,10 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                    seed: int = 1234) -> List[dict]:
     """Work spread of zigzag and of :func:`~megatron.usp.load_balance.balance_chunks` per
     (mix, S, U x R), and the share of the zigzag ring's K/V messages and bytes the document
-    ring skips under each, over ``samples`` consecutive samples of the mix's document stream
-    (a document cut at a sample end continues in the next one). Pure computation."""
+    ring skips under the balanced assignment (bytes also under zigzag and under
+    :func:`~megatron.usp.load_balance.work_balance`, the work balanced alone), over
+    ``samples`` consecutive samples of the mix's document stream (a document cut at a
+    sample end continues in the next one). Pure computation."""
     rows = []
     for mix in mixes:
         for seq_len in seq_lens:
@@ -679,7 +681,8 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                 continue
             seg = lb.segments_from_lengths(lengths, seq_len, samples)
             for u, r in splits:
-                zig, bal, ms, skipped, bytes_skipped, zig_bytes = [], [], [], [], [], []
+                zig, bal, ms, skipped, bytes_skipped = [], [], [], [], []
+                zig_bytes, work_bytes = [], []
                 for row in seg:
                     choice = lb.balance_chunks(row, u, r)
                     zig.append(choice.zigzag_spread)
@@ -691,6 +694,9 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                     bytes_skipped.append(moved)
                     zig_bytes.append(moved if assignment is None else
                                      _ring_skipped(row, r, None)[1])
+                    alone = lb.work_balance(lb.token_work(row), u, r)
+                    work_bytes.append(_ring_skipped(
+                        row, r, None if alone.is_zigzag else alone.assignment)[1])
                 rows.append(dict(mix=mix, seq_len=seq_len, ulysses=u, ring=r, samples=samples,
                                  documents=int(sum(row.max() + 1 for row in seg)),
                                  zigzag_spread_max=max(zig), zigzag_spread_mean=float(
@@ -700,7 +706,8 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                                  group_chunks=sorted(set(m for m in ms if m)),
                                  kv_messages_skipped_mean=float(np.mean(skipped)),
                                  kv_bytes_skipped_mean=float(np.mean(bytes_skipped)),
-                                 zigzag_kv_bytes_skipped_mean=float(np.mean(zig_bytes))))
+                                 zigzag_kv_bytes_skipped_mean=float(np.mean(zig_bytes)),
+                                 work_only_kv_bytes_skipped_mean=float(np.mean(work_bytes))))
     return rows
 
 
@@ -720,12 +727,13 @@ def _ring_skipped(row: np.ndarray, ring: int, assignment) -> Tuple[float, float]
 def balance_markdown(rows: Sequence[dict]) -> str:
     headers = ["docs", "S", "U x R", "samples", "documents", "zigzag spread max / mean",
                "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped",
-               "ring K/V bytes skipped", "zigzag's K/V bytes skipped"]
+               "ring K/V bytes skipped", "zigzag's K/V bytes skipped",
+               "work-only's K/V bytes skipped"]
     table = []
     for r in rows:
         if r.get("status") == "skipped":
             table.append([r["mix"], seq_label(r["seq_len"]), "", "", "", r["note"], "", "", "",
-                          "", "", ""])
+                          "", "", "", ""])
             continue
         table.append([r["mix"], seq_label(r["seq_len"]), f"{r['ulysses']}x{r['ring']}",
                       r["samples"], r["documents"],
@@ -734,5 +742,6 @@ def balance_markdown(rows: Sequence[dict]) -> str:
                       r["zigzag_kept"], ",".join(map(str, r["group_chunks"])) or "-",
                       f"{100 * r['kv_messages_skipped_mean']:.0f}%",
                       f"{100 * r['kv_bytes_skipped_mean']:.0f}%",
-                      f"{100 * r['zigzag_kv_bytes_skipped_mean']:.0f}%"])
+                      f"{100 * r['zigzag_kv_bytes_skipped_mean']:.0f}%",
+                      f"{100 * r['work_only_kv_bytes_skipped_mean']:.0f}%"])
     return report.markdown_table(headers, table)
