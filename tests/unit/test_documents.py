@@ -312,9 +312,9 @@ def _mix_segments(small_corpus, mix, seq_len, batch, seed):
                                    (2, 4, 65536)])
 @pytest.mark.parametrize("mix", ["lognormal", "uniform:4k", "fixed:3000", "corpus"])
 def test_documents_stay_local_without_losing_the_balance(small_corpus, mix, u, r, s):
-    """Against balancing the work alone (the assignment before documents were kept local):
-    within the target whenever it was (else no worse), and never more ring K/V tokens,
-    counted independently; one and two samples per micro-batch."""
+    """Against balancing the work alone (``work_balance``, documents not kept local): within
+    the target whenever it is (else no worse), and never more ring K/V tokens, counted
+    independently; one and two samples per micro-batch."""
     for seed, batch in ((0, 1), (1, 1), (2, 2)):
         seg = _mix_segments(small_corpus, mix, s, batch, seed)
         work = lb.token_work(seg)
@@ -329,7 +329,8 @@ def test_documents_stay_local_without_losing_the_balance(small_corpus, mix, u, r
 
 def test_lognormal_documents_move_fewer_keys_at_32k_over_four_ring_ranks():
     """The case the locality search is for: each sample's K/V tokens no more than when
-    balancing the work alone, and in all at most 80 % of them (about 70 % today)."""
+    balancing the work alone, and in all at most 80 % of them (about 70 % on these
+    samples)."""
     seg = lb.segments_from_lengths(mix_lengths("lognormal", 8 * 32768, 1234), 32768, 8)
     ours = alone = 0
     for row in seg:
