@@ -5,6 +5,9 @@
 * ``tiny_gpt_flags(**overrides)``: ``pretrain_gpt.py`` flags of the tiny Llama-style model
   the CPU runs train (2 layers, hidden 64, 4 heads in 2 query groups, 64 tokens).
 * ``document_offsets(segment_ids)``: the position of each token inside its document.
+* ``ring_owners``, ``ring_tokens_needed``: the ring rank holding each position under a chunk
+  assignment, and the keys each ring rank's queries see on every other (the document ring's
+  traffic counted from the segment ids alone).
 * ``gpt_config``, ``attention_config``, ``swiglu_mlp_config``: megatron-core
   ``TransformerConfig`` objects for the same tiny model, for one core-attention module and
   for one SwiGLU MLP, initialised on the CPU in float64 unless overridden.
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import socket
 from typing import Any, Dict, List, Optional
+
+import numpy as np
 
 
 def free_port() -> int:
@@ -152,3 +157,33 @@ def document_offsets(segment_ids):
     first = torch.where(starts, idx, torch.zeros_like(idx))
     first = torch.cummax(first, dim=-1).values
     return idx - first
+
+
+def ring_owners(seq_len, ring, assignment):
+    """Ring rank holding each position (int64 ``[seq_len]``): zigzag (``assignment`` None)
+    gives rank j chunks j and 2R-1-j of 2R; an assignment lists each ring rank's chunks."""
+    if assignment is None:
+        chunk_owner = np.concatenate([np.arange(ring), np.arange(ring)[::-1]])
+    else:
+        chunk_owner = np.empty(assignment.num_chunks, dtype=np.int64)
+        for j, chunks in enumerate(assignment.ring_chunks):
+            chunk_owner[list(chunks)] = j
+    return np.repeat(chunk_owner, seq_len // chunk_owner.size)
+
+
+def ring_tokens_needed(seg, owner, ring):
+    """``n[r][j]``: keys of ring rank j some query of ring rank r sees (r != j; a key at
+    position p is seen iff r holds a position q >= p of p's document in some sample of
+    ``seg`` [b, s])."""
+    pos = np.arange(seg.shape[1])
+    n = np.zeros((ring, ring), dtype=np.int64)
+    for r in range(ring):
+        seen = np.zeros(seg.shape[1], dtype=bool)
+        for row in seg:
+            last = np.full(row.max() + 1, -1)             # r's last position in each document
+            np.maximum.at(last, row[owner == r], pos[owner == r])
+            seen |= pos <= last[row]
+        for j in range(ring):
+            if j != r:
+                n[r, j] = int((seen & (owner == j)).sum())
+    return n

@@ -31,8 +31,9 @@ documents back to back, the last one cut at the sample end as megatron-core's da
 
 * **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
   of zigzag and of the balanced assignment for every mix, length and ``--splits`` U x R (any
-  size, not the world's), over ``--balance-samples`` consecutive samples of the packed document
-  stream: :func:`balance_report`.
+  size, not the world's), and the ring K/V messages and bytes the document ring skips (bytes
+  also under zigzag and under the work balanced alone), over ``--balance-samples``
+  consecutive samples of the packed document stream: :func:`balance_report`.
 
 Useful FLOPs: forward ``4 * b * h * d * P`` with ``P`` the visible (query, key) pairs (a causal
 document of ``L`` tokens has ``L(L+1)/2``), forward+backward 3.5x that; the dense ceiling counts
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -275,7 +276,7 @@ def usp_case(sweep, cfg, seq_len: int, mix: str, split, groups) -> DocCaseResult
     if seg is None:
         res.status, res.note = "skipped", "the embedded corpus is not built here"
         return res
-    choice = lb.balance_chunks(lb.token_work(seg), u, r)
+    choice = lb.balance_chunks(seg, u, r)
     assignment = None if (choice.is_zigzag or cfg.chunk_assignment == "zigzag") else \
         choice.assignment
     res.chunk_assignment = "zigzag" if assignment is None else f"balanced m={assignment.group_chunks}"
@@ -532,7 +533,7 @@ def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write
 def ring_rank_blocks(cfg, seg: np.ndarray, ulysses: int, ring: int, device) -> List:
     """The blocks ring rank 0 of a ``ulysses`` x ``ring`` split computes for segment ids
     ``seg`` [b, S], under the assignment USP mode uses (balanced, or zigzag)."""
-    choice = lb.balance_chunks(lb.token_work(seg), ulysses, ring)
+    choice = lb.balance_chunks(seg, ulysses, ring)
     zigzag = choice.is_zigzag or getattr(cfg, "chunk_assignment", "auto") == "zigzag"
     plan = build_document_ring_plan(seg, 0, ring, None if zigzag else choice.assignment, True,
                                     device)
@@ -665,8 +666,11 @@ def check_document_config(cfg, world: int) -> None:
 def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, samples: int,
                    seed: int = 1234) -> List[dict]:
     """Work spread of zigzag and of :func:`~megatron.usp.load_balance.balance_chunks` per
-    (mix, S, U x R), over ``samples`` consecutive samples of the mix's document stream (a
-    document cut at a sample end continues in the next one). Pure computation."""
+    (mix, S, U x R), and the share of the zigzag ring's K/V messages and bytes the document
+    ring skips under the balanced assignment (bytes also under zigzag and under
+    :func:`~megatron.usp.load_balance.work_balance`, the work balanced alone), over
+    ``samples`` consecutive samples of the mix's document stream (a document cut at a
+    sample end continues in the next one). Pure computation."""
     rows = []
     for mix in mixes:
         for seq_len in seq_lens:
@@ -678,19 +682,21 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
             seg = lb.segments_from_lengths(lengths, seq_len, samples)
             for u, r in splits:
                 zig, bal, ms, skipped, bytes_skipped = [], [], [], [], []
+                zig_bytes, work_bytes = [], []
                 for row in seg:
-                    choice = lb.balance_chunks(lb.token_work(row), u, r)
+                    choice = lb.balance_chunks(row, u, r)
                     zig.append(choice.zigzag_spread)
                     bal.append(choice.spread)
                     ms.append(0 if choice.is_zigzag else choice.assignment.group_chunks)
                     assignment = None if choice.is_zigzag else choice.assignment
-                    halo = halo_matrix(row[None], ring_positions(seq_len, r, assignment), None)
-                    needs = needs_from_halo(halo)
-                    pairs = [(a, b) for a in range(r) for b in range(r) if a != b and needs[a][b]]
-                    tokens = sum(seq_len // r if halo[a][b] is None else halo[a][b].size
-                                 for a, b in pairs)
-                    skipped.append(1 - len(pairs) / (r * (r - 1)) if r > 1 else 1.0)
-                    bytes_skipped.append(1 - tokens / ((r - 1) * seq_len) if r > 1 else 1.0)
+                    msgs, moved = _ring_skipped(row, r, assignment)
+                    skipped.append(msgs)
+                    bytes_skipped.append(moved)
+                    zig_bytes.append(moved if assignment is None else
+                                     _ring_skipped(row, r, None)[1])
+                    alone = lb.work_balance(lb.token_work(row), u, r)
+                    work_bytes.append(_ring_skipped(
+                        row, r, None if alone.is_zigzag else alone.assignment)[1])
                 rows.append(dict(mix=mix, seq_len=seq_len, ulysses=u, ring=r, samples=samples,
                                  documents=int(sum(row.max() + 1 for row in seg)),
                                  zigzag_spread_max=max(zig), zigzag_spread_mean=float(
@@ -699,19 +705,35 @@ def balance_report(mixes: Sequence[str], seq_lens: Sequence[int], splits, sample
                                  zigzag_kept=sum(m == 0 for m in ms),
                                  group_chunks=sorted(set(m for m in ms if m)),
                                  kv_messages_skipped_mean=float(np.mean(skipped)),
-                                 kv_bytes_skipped_mean=float(np.mean(bytes_skipped))))
+                                 kv_bytes_skipped_mean=float(np.mean(bytes_skipped)),
+                                 zigzag_kv_bytes_skipped_mean=float(np.mean(zig_bytes)),
+                                 work_only_kv_bytes_skipped_mean=float(np.mean(work_bytes))))
     return rows
+
+
+def _ring_skipped(row: np.ndarray, ring: int, assignment) -> Tuple[float, float]:
+    """Fractions of the zigzag ring's K/V messages and bytes the document ring skips for one
+    sample's segment ids under ``assignment`` (None: zigzag), counted from the halo plan."""
+    if ring == 1:
+        return 1.0, 1.0
+    seq_len = row.size
+    halo = halo_matrix(row[None], ring_positions(seq_len, ring, assignment), None)
+    needs = needs_from_halo(halo)
+    pairs = [(a, b) for a in range(ring) for b in range(ring) if a != b and needs[a][b]]
+    tokens = sum(seq_len // ring if halo[a][b] is None else halo[a][b].size for a, b in pairs)
+    return 1 - len(pairs) / (ring * (ring - 1)), 1 - tokens / ((ring - 1) * seq_len)
 
 
 def balance_markdown(rows: Sequence[dict]) -> str:
     headers = ["docs", "S", "U x R", "samples", "documents", "zigzag spread max / mean",
                "balanced spread max / mean", "zigzag kept", "m used", "ring K/V msgs skipped",
-               "ring K/V bytes skipped"]
+               "ring K/V bytes skipped", "zigzag's K/V bytes skipped",
+               "work-only's K/V bytes skipped"]
     table = []
     for r in rows:
         if r.get("status") == "skipped":
             table.append([r["mix"], seq_label(r["seq_len"]), "", "", "", r["note"], "", "", "",
-                          "", ""])
+                          "", "", "", ""])
             continue
         table.append([r["mix"], seq_label(r["seq_len"]), f"{r['ulysses']}x{r['ring']}",
                       r["samples"], r["documents"],
@@ -719,5 +741,7 @@ def balance_markdown(rows: Sequence[dict]) -> str:
                       f"{100 * r['spread_max']:.2f}% / {100 * r['spread_mean']:.2f}%",
                       r["zigzag_kept"], ",".join(map(str, r["group_chunks"])) or "-",
                       f"{100 * r['kv_messages_skipped_mean']:.0f}%",
-                      f"{100 * r['kv_bytes_skipped_mean']:.0f}%"])
+                      f"{100 * r['kv_bytes_skipped_mean']:.0f}%",
+                      f"{100 * r['zigzag_kv_bytes_skipped_mean']:.0f}%",
+                      f"{100 * r['work_only_kv_bytes_skipped_mean']:.0f}%"])
     return report.markdown_table(headers, table)

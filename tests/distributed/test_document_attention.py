@@ -155,7 +155,7 @@ def run_case(groups, case, seq_len, batch=2):
     rng = np.random.default_rng(case["seed"])
     seg = np.stack([document_segments(p, seq_len, cp, R, rng) for p in case["patterns"]])
     if case["assignment"] == "balanced":
-        assignment = load_balance.balance_chunks(load_balance.token_work(seg), U, R).assignment
+        assignment = load_balance.balance_chunks(seg, U, R).assignment
     elif case["assignment"] == "random":
         assignment = random_assignment(U, R, 2, rng)
     else:

@@ -75,7 +75,7 @@ def run_case(groups, case, seq_len):
     seg = np.stack([_segments(rng, seq_len) for _ in range(BATCH)]) if case["docs"] else None
     assignment = None
     if case["docs"] == "balanced":
-        assignment = load_balance.balance_chunks(load_balance.token_work(seg), U, R).assignment
+        assignment = load_balance.balance_chunks(seg, U, R).assignment
     gen = torch.Generator().manual_seed(case["seed"])
 
     def rand(h):

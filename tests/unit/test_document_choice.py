@@ -62,7 +62,7 @@ def mix_segments(mix, seq_len):
 
 def blocks_of(seg, ring):
     """Every block the ring ranks of a ring of ``ring`` compute (balanced assignment)."""
-    choice = lb.balance_chunks(lb.token_work(seg), 2, ring)
+    choice = lb.balance_chunks(seg, 2, ring)
     assignment = None if choice.is_zigzag else choice.assignment
     return [b for r in range(ring)
             for b in build_document_ring_plan(seg, r, ring, assignment, True).blocks

@@ -3,9 +3,10 @@ queries see, never more than the whole blocks it needs.
 
 The document mixes of the attention bench (fixed length, lognormal, uniform) packed into
 sequences of S tokens, in the zigzag order and the balanced chunk assignment, at a few
-(S, R). The expected traffic is counted here from the segment ids and each ring rank's
-chunks alone (a key at position p of ring rank j goes to ring rank r iff r holds a position
-q >= p of p's document), independent of the plan's own search; no process group. A
+(S, R). The expected traffic is counted from the segment ids and each ring rank's chunks
+alone (``tests.helpers.ring_tokens_needed``: a key at position p of ring rank j goes to ring
+rank r iff r holds a position q >= p of p's document), independent of the plan's own search;
+no process group. A
 block on the halo's keys gives the whole block's numbers (bit for bit with the tile kernel).
 """
 
@@ -24,37 +25,10 @@ from megatron.usp.document_kernels import (
 )
 from megatron.usp.document_ring import build_document_ring_plan, halo_matrix, ring_positions
 from megatron.usp.kernels import get_kernel
+from tests.helpers import ring_owners, ring_tokens_needed
 
 CASES = [(8 * 1024, 2), (32 * 1024, 4), (16 * 1024, 8)]
 MIXES = ("fixed:2k", "fixed:3000", "lognormal", "uniform:4k")
-
-
-def owners(seq_len, ring, assignment):
-    """Ring rank holding each position: zigzag gives rank j chunks j and 2R-1-j of 2R;
-    an assignment lists each ring rank's chunks."""
-    if assignment is None:
-        chunk_owner = np.concatenate([np.arange(ring), np.arange(ring)[::-1]])
-    else:
-        chunk_owner = np.empty(assignment.num_chunks, dtype=np.int64)
-        for j, chunks in enumerate(assignment.ring_chunks):
-            chunk_owner[list(chunks)] = j
-    return np.repeat(chunk_owner, seq_len // chunk_owner.size)
-
-
-def tokens_needed(seg, owner, ring):
-    """``n[r][j]``: keys of ring rank j some query of ring rank r sees (r != j; any sample)."""
-    pos = np.arange(seg.shape[1])
-    n = np.zeros((ring, ring), dtype=np.int64)
-    for r in range(ring):
-        seen = np.zeros(seg.shape[1], dtype=bool)
-        for row in seg:
-            last = np.full(row.max() + 1, -1)             # r's last position in each document
-            np.maximum.at(last, row[owner == r], pos[owner == r])
-            seen |= pos <= last[row]
-        for j in range(ring):
-            if j != r:
-                n[r, j] = int((seen & (owner == j)).sum())
-    return n
 
 
 def _segments(mix, seq_len, batch=1, seed=1234):
@@ -64,7 +38,7 @@ def _segments(mix, seq_len, batch=1, seed=1234):
 def _assignment(seg, ring, kind):
     if kind == "zigzag":
         return None
-    return lb.balance_chunks(lb.token_work(seg), 1, ring).assignment
+    return lb.balance_chunks(seg, 1, ring).assignment
 
 
 @pytest.mark.parametrize("seq_len,ring", CASES)
@@ -75,7 +49,7 @@ def test_sliced_bytes_equal_the_dense_count_and_never_exceed_whole_blocks(seq_le
     seg = _segments(mix, seq_len)
     assignment = _assignment(seg, ring, order)
     plan = build_document_ring_plan(seg, 0, ring, assignment)
-    n = tokens_needed(seg, owners(seq_len, ring, assignment), ring)
+    n = ring_tokens_needed(seg, ring_owners(seq_len, ring, assignment), ring)
     whole = int((n > 0).sum()) * (seq_len // ring)
     assert plan.ring_kv_tokens() == int(n.sum()) <= whole
     assert plan.kv_messages() == int((n > 0).sum())

@@ -7,8 +7,9 @@ Megatron-LM's flags, Megatron-LM's meaning:
 * ``--reset-attention-mask``: a token attends only to its own document (EOD-delimited; the EOD
   closes its document). The batch carries ``segment_ids [b, s]``
   (:func:`megatron.usp.document_mask.segment_ids_from_tokens`) instead of a dense mask, and a
-  ``chunk_assignment`` chosen here to balance the causal work over the ring ranks
-  (:func:`megatron.usp.load_balance.balance_chunks`; ``--chunk-assignment zigzag`` keeps the
+  ``chunk_assignment`` chosen here to balance the causal work over the ring ranks with few
+  documents cut between them (:func:`megatron.usp.load_balance.balance_chunks`, from the segment
+  ids; ``--chunk-assignment zigzag`` keeps the
   zigzag token order). Every sequence key of the batch is then sharded through that one
   assignment (:func:`megatron.training.data.batch.shard_batch_for_cp`).
 * ``--eod-mask-loss``: loss mask 0 on EOD tokens (megatron-core's dataset).
@@ -31,7 +32,7 @@ from megatron.training.cli.document_args import (  # noqa: F401  (re-exported)
 )
 from megatron.training.data.loader import collate_samples
 from megatron.usp.document_mask import segment_ids_from_tokens
-from megatron.usp.load_balance import balance_chunks, token_work
+from megatron.usp.load_balance import balance_chunks
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class DocumentBatching:
         batch["segment_ids"] = seg
         batch["chunk_assignment"] = None
         if self.balance == "auto" and self.ring > 1:
-            choice = balance_chunks(token_work(seg.numpy()), self.ulysses, self.ring)
+            choice = balance_chunks(seg.numpy(), self.ulysses, self.ring)
             if not choice.is_zigzag:
                 batch["chunk_assignment"] = choice.assignment
         return batch
