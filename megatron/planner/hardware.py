@@ -595,6 +595,22 @@ def parse_calibration(data: Any, path: str = "<dict>") -> Calibration:
     return cal
 
 
+def attention_bench_mask_problem(config: Dict[str, Any]) -> Optional[str]:
+    """Why a ``tools/bench_attention.py`` file's timings are not the dense causal attention
+    the planner models (a sliding window, packed documents, a full mask), or None."""
+    if config.get("causal") is False:
+        return "timed without the causal mask; rerun tools/bench_attention.py causal"
+    if config.get("window"):
+        return (f"timed with --window {config['window']} (sliding-window attention), not the "
+                f"dense causal kernel the planner's rates are; rerun tools/bench_attention.py "
+                f"without --window")
+    if config.get("docs"):
+        return (f"timed on packed documents (--docs {','.join(map(str, config['docs']))}), not "
+                f"the dense causal kernel the planner's rates are; rerun "
+                f"tools/bench_attention.py without --docs")
+    return None
+
+
 def calibration_from_attention_bench(data: Dict[str, Any], path: str) -> Calibration:
     """The kernel part of a ``tools/bench_attention.py`` results file.
 
@@ -603,10 +619,9 @@ def calibration_from_attention_bench(data: Dict[str, Any], path: str) -> Calibra
     (forward ``4*b*h*S^2*d``, half when causal, forward+backward 3.5x). The device's name
     and memory come from the file's metadata.
     """
-    config = data.get("config") or {}
-    if not config.get("causal", True):
-        raise PlannerError(f"calibration {path}: a non-causal attention benchmark cannot "
-                           f"calibrate the causal attention rates; rerun it causal")
+    problem = attention_bench_mask_problem(data.get("config") or {})
+    if problem:
+        raise PlannerError(f"calibration {path}: {problem}")
     meta = data.get("metadata") or {}
     device = meta.get("device") or {}
     label = (f"calibration {path} (bench_attention single-gpu-kernel"

@@ -33,6 +33,7 @@ from megatron.planner.errors import PlannerError
 from megatron.planner.hardware import (
     HardwareSpec,
     apply_calibration,
+    attention_bench_mask_problem,
     get_hardware,
     load_calibration,
     read_json,
@@ -326,8 +327,9 @@ def validate_attention_bench(path: str, data: Dict[str, Any],
     2xH200 preset) or its calibration. What is validated is the communication and
     overlap model on top of the measured kernel.
     """
-    if data.get("config", {}).get("causal") is False:
-        raise PlannerError(f"--validate {path}: the planner models causal attention only")
+    problem = attention_bench_mask_problem(data.get("config") or {})
+    if problem:
+        raise PlannerError(f"--validate {path}: {problem}")
     hw = get_hardware(hardware if hardware is not None else "h200-measured")
     try:
         hw = apply_calibration(hw, load_calibration(path))

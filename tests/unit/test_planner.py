@@ -4,6 +4,7 @@ training script uses. Pure Python; no process group."""
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -716,6 +717,24 @@ def _bench_attention_file(tmp_path, usp_ms):
            "config": {"heads": 32, "kv_heads": 8, "head_dim": 128, "batch": 1, "causal": True},
            "results": cases}
     return _write(tmp_path / "attention.json", doc)
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({"window": 4096}, "--window 4096 (sliding-window attention)"),
+    ({"docs": ["lognormal", "fixed:2k"]}, "--docs lognormal,fixed:2k"),
+    ({"causal": False}, "without the causal mask"),
+])
+def test_bench_attention_results_of_another_mask_are_refused(tmp_path, config, needle):
+    """A window, packed documents or a full mask time other work than the dense causal
+    attention the planner models: neither calibration nor validation takes such a file."""
+    path = _bench_attention_file(tmp_path, (1.0, 1.0))
+    doc = json.loads(open(path).read())
+    doc["config"].update(config)
+    path = _write(tmp_path / "masked.json", doc)
+    with pytest.raises(PlannerError, match=f"calibration {path}: .*{re.escape(needle)}"):
+        load_calibration(path)
+    with pytest.raises(PlannerError, match=f"--validate {path}: .*{re.escape(needle)}"):
+        validate_measurements(path)
 
 
 def test_bench_attention_results_calibrate_and_validate(tmp_path):
