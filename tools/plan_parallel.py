@@ -4,6 +4,7 @@ a sequence length and a cluster; or compare predictions with measured step times
 
     python tools/plan_parallel.py --model llama3-8b --seq-length 131072 --gpus 64 \\
         --gpus-per-node 8 --hardware h200 [--calibration calib.json] [--top 10] [--json]
+    python tools/plan_parallel.py --model llama-0.85b --seq-length 131072 --gpus 8 --docs lognormal
     python tools/plan_parallel.py --validate measured.json
 
 Exit status: 0 with a plan (or all validated runs within tolerance), 1 when validated
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-GPU bandwidth inside a node, GB/s (all link kinds)")
     p.add_argument("--inter-node-bw", type=float, metavar="GBPS",
                    help="per-GPU bandwidth between nodes, GB/s (all link kinds)")
+    p.add_argument("--docs", metavar="MIX",
+                   help="packed documents (--reset-attention-mask --reset-position-ids): the "
+                        "document mix the plan is costed on, as bench_e2e --docs: fixed:N, "
+                        "uniform:N, lognormal or corpus")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--global-batch-size", type=int)
     p.add_argument("--tensor-model-parallel-size", type=_degree, default=None, metavar="N|auto")
@@ -162,7 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if missing:
             parser.error(f"missing {', '.join(missing)} (or use --validate FILE / --list-presets)")
         workload = Workload(load_model(args.model), args.seq_length, args.gpus,
-                            args.gpus_per_node, args.micro_batch_size, args.global_batch_size)
+                            args.gpus_per_node, args.micro_batch_size, args.global_batch_size,
+                            args.docs)
         result = plan_layouts(workload, hardware_from_args(args), fixed_from_args(args),
                               top=args.top, assumptions=assumptions_from_args(args))
     except PlannerError as exc:

@@ -12,9 +12,11 @@ Modules, one concern each:
 * :mod:`.plan`       the chosen :class:`Plan`, :func:`choose_layout`, the search as JSON.
 * :mod:`.validate`   predicted vs measured step times.
 * :mod:`.capabilities` what ``pretrain_gpt.py`` can run here, and the flags that run a plan.
+* :mod:`.documents`  ``--docs``: packed samples of a document mix, their pairs and ring.
 * :mod:`.errors`     :class:`PlannerError`, the planner's one error.
 
-Pure Python: nothing here imports torch. Entry points: ``tools/plan_parallel.py`` and
+Pure Python: nothing here imports torch at import time (``--docs`` imports the mixes and the
+chunk assignment, which do, inside :mod:`.documents`' functions). Entry points: ``tools/plan_parallel.py`` and
 ``pretrain_gpt.py --ulysses-degree auto --ring-degree auto`` (via :func:`choose_layout`).
 """
 

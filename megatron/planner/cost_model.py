@@ -28,6 +28,19 @@ pairs inside its window (:func:`attention_flops_fwd`) and its ring moves only th
 halo (:func:`window_halo`), as ``megatron/usp/document_ring.py`` runs it; a window of
 ``s - 1`` or more is a full layer. A stage sums its full and window layers.
 
+Packed documents (the workload's ``documents``, a ``--docs`` mix; :mod:`.documents`): a layer
+computes its documents' pairs (:func:`~megatron.shapes.document_pairs`, with a window
+:func:`~megatron.shapes.window_pairs`), the mean over representative packed samples, on the
+busiest ring rank of the data loader's chunk assignment (``1 + spread`` of the mean). Its
+kernels run at the rate table's value for the pair-weighted mean document length
+(``sum n^3 / sum n^2``), capped at ``s/R`` (and ``2*window`` on a window layer): the
+assumption is that a document ring's kernels are as fast as one dense causal kernel of that
+length. Its ring moves, like a window layer's, only the keys some query sees
+(:class:`Halo` of the busiest ring rank: the K/V tokens the assignment makes it send and
+receive, :func:`megatron.usp.load_balance.ring_rank_kv_tokens`; on a window layer the
+smaller of that and the window's halo). The model FLOPs are the training loop's count of the
+same documents.
+
 All byte counts are per GPU. Times are per GPU and combine as described in
 :func:`estimate`. Assumptions that are choices rather than facts (dtypes of buffers,
 which communication overlaps which compute) live in :class:`Assumptions`.
@@ -39,6 +52,15 @@ import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.planner.documents import (
+    check_mix,
+    document_ring,
+    kernel_tokens,
+    layer_pairs,
+    mean_shape_pairs,
+    plan_samples,
+    sample_lengths,
+)
 from megatron.planner.errors import PlannerError
 from megatron.planner.hardware import (
     HardwareSpec,
@@ -123,9 +145,12 @@ class Workload:
     gpus_per_node: int
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None
+    documents: Optional[str] = None   # a --docs mix: packed documents (:mod:`.documents`)
 
     def __post_init__(self) -> None:
         check_model(self.model)
+        if self.documents is not None:
+            check_mix(self.documents)
         for key, flag in (("seq_length", "--seq-length"), ("world_size", "--gpus"),
                           ("gpus_per_node", "--gpus-per-node"),
                           ("micro_batch_size", "--micro-batch-size")):
@@ -253,7 +278,7 @@ def layer_matmul_flops_fwd(model: ModelShape, layout: Layout, sh: RankShapes) ->
 
 
 def attention_flops_fwd(model: ModelShape, layout: Layout, b: int, s: int,
-                        window: Optional[int] = None) -> float:
+                        window: Optional[int] = None, pairs: Optional[float] = None) -> float:
     """Forward FLOPs of causal core attention for one layer on one rank.
 
     ``Q K^T`` and ``P V`` are ``2 * b * a * s^2 * d`` FLOPs each for the full square;
@@ -262,8 +287,10 @@ def attention_flops_fwd(model: ModelShape, layout: Layout, b: int, s: int,
     its left ``window`` (:func:`~megatron.shapes.window_pairs`, the FLOP count's). Heads split
     over ``t*U`` and the zigzag ring splits the sequence over ``R`` with equal work per rank,
     so a rank does ``1/(t*C)`` of it. Backward is ``attention_bwd_factor`` (2.5) times this.
+    ``pairs`` (packed documents): the pairs per sequence instead.
     """
-    pairs = causal_pairs(s) if window is None else window_pairs([s], window)
+    if pairs is None:
+        pairs = causal_pairs(s) if window is None else window_pairs([s], window)
     return 4.0 * b * pairs * model.hidden_size / (layout.tp * layout.cp)
 
 
@@ -469,6 +496,37 @@ def halo_bytes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions
     returns the dK/dV of the ``received`` positions in the activation dtype."""
     step_f = 2 * sh.n * sh.kv_u * model.head_dim * a.act_bytes
     return halo.blocks_sent * step_f, halo.blocks_received * step_f
+
+
+@dataclass(frozen=True)
+class DocumentLayer:
+    """A layer over packed documents (module docstring): ``pairs`` per sequence, the kernel
+    length of its rate, the busiest ring rank's ``halo`` and the assignment's work ``spread``."""
+
+    pairs: float
+    kernel_tokens: float
+    halo: Halo
+    spread: float
+
+
+def document_layers(w: "Workload", layout: Layout, window: Optional[int]
+                    ) -> Tuple[Optional[DocumentLayer], Optional[DocumentLayer]]:
+    """``(full layer, window layer)`` of ``w``'s documents under ``layout`` (the window layer
+    None without a window); ``(None, None)`` without documents."""
+    if w.documents is None:
+        return None, None
+    s, R = w.seq_length, layout.ring
+    rows = sample_lengths(w.documents, s, plan_samples(w.micro_batch_size))
+    ring = document_ring(w.documents, s, w.micro_batch_size, layout.ulysses, R)
+    halo = Halo(int(round(ring.sent)), int(round(ring.received)), s / R)
+    tokens = kernel_tokens(rows)
+    full = DocumentLayer(layer_pairs(rows), tokens, halo, ring.spread)
+    if window is None:
+        return full, None
+    wh = window_halo(s, R, window)
+    return full, DocumentLayer(layer_pairs(rows, window), tokens,
+                               Halo(min(halo.sent, wh.sent), min(halo.received, wh.received),
+                                    s / R), ring.spread)
 
 
 def tp_collective_bytes(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions) -> float:
@@ -783,6 +841,7 @@ class Estimate:
     link_levels: Dict[str, int] = field(default_factory=dict)  # axis -> level index (0 fastest)
     volumes: Dict[str, float] = field(default_factory=dict)    # bytes per step per rank
     kv_replication: float = 1.0
+    flops_count: str = "dense causal"   # or "documents": the training metrics' words
 
     @property
     def fits(self) -> bool:
@@ -803,7 +862,8 @@ class Estimate:
     @property
     def mfu(self) -> float:
         """Model FLOPs (3x forward GEMMs + 3x forward causal attention, the pairs inside the
-        window on window layers, no recompute: the training loop's count) per second per GPU
+        window on window layers, the documents' pairs with packed documents, no recompute:
+        the training loop's count) per second per GPU
         over the datasheet peak."""
         return self.model_flops_per_step / self.time.total / self.layout.world_size / (
             self.peak_tflops * 1e12)
@@ -824,6 +884,7 @@ class Estimate:
             "links": dict(self.links),
             "volumes_gb_per_step": {k: v / 1e9 for k, v in self.volumes.items()},
             "kv_replication": self.kv_replication,
+            "flops_count": self.flops_count,
         }
 
 
@@ -865,7 +926,8 @@ class AttentionTimes:
 def usp_attention_times(model: ModelShape, layout: Layout, sh: RankShapes, hw: HardwareSpec,
                         links: Dict[str, object], a: Assumptions, b: int, s: int,
                         backward: bool = True, recompute_forward: bool = False,
-                        window: Optional[int] = None) -> AttentionTimes:
+                        window: Optional[int] = None,
+                        docs: Optional[DocumentLayer] = None) -> AttentionTimes:
     """Core attention under U x R: all-to-alls, ring passes, kernels, copies.
 
     * Kernels: forward ``A`` (:func:`attention_flops_fwd`), backward ``2.5A``, at the
@@ -877,16 +939,25 @@ def usp_attention_times(model: ModelShape, layout: Layout, sh: RankShapes, hw: H
       computes its window's pairs and its ring moves the halo (:func:`window_halo`,
       :func:`halo_bytes`) while the local block computes (:func:`halo_pass_time`); the
       backward returns the halo's dK/dV, exposed.
+    * A layer over packed documents (``docs``) computes its documents' pairs on the busiest
+      ring rank (``1 + spread`` of the mean), at the rate of ``docs.kernel_tokens`` capped as
+      above, and moves its halo as a window layer does.
     * All-to-all (U > 1): :func:`ulysses_a2a_bytes` per pass, never overlapped.
     * Copies: :func:`usp_attention_elementwise_bytes_fwd` forward, twice that plus
       :func:`ring_merge_bytes_bwd` backward, at the HBM rate.
     """
     window = effective_window(window, s)
-    att = attention_flops_fwd(model, layout, b, s, window)
-    rate = hw.attention_rate_tflops(attention_kernel_tokens(s, layout.ring, window)) * 1e12
+    kernel = attention_kernel_tokens(s, layout.ring, window)
+    if docs is None:
+        att = attention_flops_fwd(model, layout, b, s, window)
+        halo = window_halo(s, layout.ring, window) if window is not None else None
+    else:
+        att = attention_flops_fwd(model, layout, b, s, window, docs.pairs) * (1 + docs.spread)
+        kernel = min(kernel, docs.kernel_tokens)
+        halo = docs.halo
+    rate = hw.attention_rate_tflops(kernel) * 1e12
     t_f, t_b = att / rate, a.attention_bwd_factor * att / rate
     ring = links["ring"]
-    halo = window_halo(s, layout.ring, window) if window is not None else None
     if halo is None:
         step_f, step_b = ring_step_bytes(model, layout, sh, a)
         wall_f = ring_pass_time(t_f, step_f, layout.ring, ring)
@@ -936,7 +1007,8 @@ class _LayerTimes:
 
 def _layer_times(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes,
                  a: Assumptions, links: Dict[str, object],
-                 window: Optional[int] = None) -> _LayerTimes:
+                 window: Optional[int] = None,
+                 docs: Optional[DocumentLayer] = None) -> _LayerTimes:
     """Forward, backward and recompute of one layer (a window layer with ``window``).
 
     * GEMMs: forward ``F``, backward ``2F``; full recompute adds ``F``, selective adds
@@ -954,7 +1026,7 @@ def _layer_times(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes,
     t_mm_f = (mm_attn + mm_mlp) / mm_rate
     t_mm_b = (2 * (mm_attn + mm_mlp) + recompute_mm) / mm_rate
 
-    att = usp_attention_times(model, layout, sh, hw, links, a, b, s, True, full, window)
+    att = usp_attention_times(model, layout, sh, hw, links, a, b, s, True, full, window, docs)
     passes_f = 2 if full else 1
     t_tp_pass = collective_time(4 * tp_collective_bytes(model, layout, sh, a), links["tp"], 4)
 
@@ -1057,8 +1129,10 @@ def estimate(w: Workload, layout: Layout, hw: HardwareSpec,
     m = w.num_micro_batches(layout, a)
     gbs = w.global_batch(layout, a)
     window = effective_window(w.model.window_size, w.seq_length)
-    full = _layer_times(w, layout, hw, sh, a, links)
-    windowed = full if window is None else _layer_times(w, layout, hw, sh, a, links, window)
+    docs = document_layers(w, layout, window)
+    full = _layer_times(w, layout, hw, sh, a, links, None, docs[0])
+    windowed = full if window is None else _layer_times(w, layout, hw, sh, a, links, window,
+                                                        docs[1])
     per_stage = stage_window_layers(w.model, layout) if window is not None else [0] * layout.pp
     stages = [_sum_layers(((sh.layers - n, full), (n, windowed))) for n in per_stage]
     traffic = dp_traffic(layout.zero_stage, _heaviest_stage_params(w.model, layout),
@@ -1073,15 +1147,27 @@ def estimate(w: Workload, layout: Layout, hw: HardwareSpec,
         global_batch=gbs,
         num_micro_batches=m,
         tokens_per_step=gbs * w.seq_length,
-        # the training loop's count: every sequence's pairs, the mean over the layers
+        # the training loop's count: every sequence's pairs (its documents' with --docs),
+        # the mean over the layers
         model_flops_per_step=training_flops(w.model, gbs * w.seq_length,
-                                            gbs * shape_pairs(w.model, [w.seq_length])),
+                                            gbs * sequence_pairs(w)),
+        flops_count="dense causal" if w.documents is None else "documents",
         peak_tflops=hw.peak_tflops,
         links=names,
         link_levels=levels,
-        volumes=_volumes(w, layout, sh, a, m, traffic, window, per_stage[slowest]),
+        volumes=_volumes(w, layout, sh, a, m, traffic, window, per_stage[slowest], docs),
         kv_replication=sh.kv_u / sh.kv_t if sh.kv_u > sh.kv_t else 1.0,
     )
+
+
+def sequence_pairs(w: Workload) -> float:
+    """Attention pairs per sequence of the FLOP count, the mean over the model's layers: the
+    training loop's :func:`~megatron.shapes.shape_pairs` of a dense sequence, or of the packed
+    samples' documents (the mean over the samples) with ``w.documents``."""
+    if w.documents is None:
+        return shape_pairs(w.model, [w.seq_length])
+    return mean_shape_pairs(w.model, sample_lengths(w.documents, w.seq_length,
+                                                    plan_samples(w.micro_batch_size)))
 
 
 def _heaviest_stage_params(model: ModelShape, layout: Layout) -> float:
@@ -1137,10 +1223,16 @@ def _step_time(w: Workload, layout: Layout, hw: HardwareSpec, sh: RankShapes, a:
 
 
 def _ring_bytes_per_layer(model: ModelShape, layout: Layout, sh: RankShapes, a: Assumptions,
-                          s: int, window: Optional[int]) -> float:
+                          s: int, window: Optional[int],
+                          docs: Optional[DocumentLayer] = None) -> float:
     """Ring bytes one rank sends for one layer and micro-batch (full recompute repeats the
-    forward): whole blocks round the ring, or a window layer's halo."""
+    forward): whole blocks round the ring, or a window layer's or a document layer's halo."""
     passes_f = 2 if layout.recompute == "full" else 1
+    if docs is not None:
+        if layout.ring == 1:
+            return 0.0
+        kv, dkv = halo_bytes(model, layout, sh, a, docs.halo)
+        return (passes_f + 1) * kv + dkv
     if window is None:
         ring_f, ring_b = ring_step_bytes(model, layout, sh, a)
         return (max(0, layout.ring - 1) * (passes_f * ring_f + ring_b)
@@ -1152,15 +1244,16 @@ def _ring_bytes_per_layer(model: ModelShape, layout: Layout, sh: RankShapes, a: 
 
 
 def _volumes(w: Workload, layout: Layout, sh: RankShapes, a: Assumptions, m: int,
-             traffic: DPTraffic, window: Optional[int] = None, n_window: int = 0
+             traffic: DPTraffic, window: Optional[int] = None, n_window: int = 0,
+             docs: Tuple[Optional[DocumentLayer], Optional[DocumentLayer]] = (None, None)
              ) -> Dict[str, float]:
     """Bytes one rank sends per step, by axis (full recompute repeats forward traffic), on
     the slowest stage (``n_window`` of its layers with the left ``window``)."""
     model, s = w.model, w.seq_length
     full = layout.recompute == "full"
     per_layer = m * sh.layers
-    ring = ((sh.layers - n_window) * _ring_bytes_per_layer(model, layout, sh, a, s, None)
-            + n_window * _ring_bytes_per_layer(model, layout, sh, a, s, window))
+    ring = ((sh.layers - n_window) * _ring_bytes_per_layer(model, layout, sh, a, s, None, docs[0])
+            + n_window * _ring_bytes_per_layer(model, layout, sh, a, s, window, docs[1]))
     passes = 3 if full else 2
     return {
         "ulysses_a2a": per_layer * passes * ulysses_a2a_bytes(model, layout, sh, a),

@@ -273,7 +273,9 @@ def format_table(result: SearchResult) -> str:
         + _window_words(m),
         f"sequence {w.seq_length}, micro-batch {w.micro_batch_size}, global batch "
         f"{w.global_batch_size if w.global_batch_size is not None else 'auto'}, "
-        f"{w.world_size} GPUs ({w.gpus_per_node} per node)",
+        f"{w.world_size} GPUs ({w.gpus_per_node} per node)"
+        + (f", packed documents --docs {w.documents} (FLOPs: the documents' pairs)"
+           if w.documents is not None else ""),
     ]
     lines += result.hardware.describe()
     if result.fixed:

@@ -21,6 +21,7 @@ from megatron.planner.capabilities import (
     runnable,
 )
 from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, Assumptions, Estimate, Workload
+from megatron.planner.documents import DOCUMENT_FLAGS
 from megatron.planner.explain import reasons_for
 from megatron.planner.hardware import HardwareSpec
 from megatron.planner.search import RankedLayout, SearchResult, plan_layouts
@@ -87,7 +88,8 @@ class Plan:
     def command(self) -> str:
         """The launch line: ``torchrun`` over the plan's nodes and ``pretrain_gpt.py`` with
         :attr:`pretrain_flags` (model shape and architecture with its sliding window,
-        precision, degrees, ZeRO, recompute, loss, batch), each quoted for a POSIX shell
+        precision, degrees, ZeRO, recompute, loss, batch, the document flags of a ``--docs``
+        plan), each quoted for a POSIX shell
         (a window pattern ``[1,0,1,0]`` stays one word)."""
         if not self.pretrain_flags:
             return "(not runnable by pretrain_gpt.py in this installation)"
@@ -112,7 +114,8 @@ class Plan:
 
 def plan_flags(result: SearchResult, e: Estimate) -> List[str]:
     """``pretrain_gpt.py`` flags that run estimate ``e`` of ``result``: everything the cost
-    model counted (model and architecture, ``--bf16``, layout, loss, and the global batch
+    model counted (model and architecture, ``--bf16``, layout, loss, the document flags
+    with packed documents, and the global batch
     it assumed); the data, LR and output flags are the user's."""
     w, a, lay = result.workload, result.assumptions, e.layout
     if runnable(lay, installed_capabilities()):
@@ -120,6 +123,7 @@ def plan_flags(result: SearchResult, e: Estimate) -> List[str]:
     return (model_flags(w.model, w.seq_length) + PRECISION_FLAGS
             + layout_flags(lay, a.selective_recompute_modules, a.tp_sequence_parallel)
             + loss_flags(a.loss_chunk_tokens)
+            + (list(DOCUMENT_FLAGS) if w.documents is not None else [])
             + ["--micro-batch-size", str(w.micro_batch_size),
                "--global-batch-size", str(w.global_batch(lay, a))])
 
@@ -184,6 +188,7 @@ def result_to_json(result: SearchResult) -> Dict[str, Any]:
             "gpus_per_node": w.gpus_per_node,
             "micro_batch_size": w.micro_batch_size,
             "global_batch_size": w.global_batch_size,
+            "documents": w.documents,
         },
         "hardware": {
             "name": result.hardware.name,

@@ -211,6 +211,33 @@ def gap_tokens(ends: np.ndarray, num_chunks: int) -> np.ndarray:
     return gaps
 
 
+def ring_rank_kv_tokens(segment_ids: np.ndarray, ring: int,
+                        assignment: Optional[ChunkAssignment] = None) -> np.ndarray:
+    """:func:`ring_kv_tokens` split by ring rank: ``[2, R]`` int64, row 0 the tokens whose K/V
+    each ring rank sends in one forward, row 1 those it receives (each row sums to
+    :func:`ring_kv_tokens`). Receiver ``r``'s chunk ``k`` after its chunk ``p`` gets the
+    tokens of chunks ``p+1 .. k-1`` whose document reaches ``k``, each from its chunk's owner."""
+    assignment = assignment or zigzag_assignment(1, ring)
+    if ring == 1:
+        return np.zeros((2, 1), dtype=np.int64)
+    ends = document_ends(segment_ids)
+    n = assignment.num_chunks
+    if ends.size % n:
+        raise ValueError(f"{ends.size} tokens do not cut into {n} equal chunks")
+    chunk = ends.size // n
+    # reach[c, k]: tokens of chunk c whose document reaches chunk k (k > c)
+    count = np.bincount(np.arange(ends.size) // chunk * n + ends // chunk, minlength=n * n)
+    reach = np.triu(np.cumsum(count.reshape(n, n)[:, ::-1], axis=1)[:, ::-1], 1)
+    owner = _owners(assignment)
+    _, _, prev, _ = _neighbours(owner, ring)
+    idx = np.arange(n)
+    moved = reach * ((idx[:, None] > prev[None, :]) & (owner[:, None] != owner[None, :]))
+    out = np.zeros((2, ring), dtype=np.int64)
+    out[0] = np.bincount(owner, weights=moved.sum(axis=1), minlength=ring).astype(np.int64)
+    out[1] = np.bincount(owner, weights=moved.sum(axis=0), minlength=ring).astype(np.int64)
+    return out
+
+
 def _owners(assignment: ChunkAssignment) -> np.ndarray:
     owner = np.empty(assignment.num_chunks, dtype=np.int64)
     for r, chunks in enumerate(assignment.ring_chunks):
