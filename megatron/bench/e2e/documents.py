@@ -39,7 +39,7 @@ MIX_HINT = ("mock (megatron-core's mock documents), uniform:4k, fixed:N (e.g. fi
 
 def parse_docs(text: Optional[str]) -> Optional[str]:
     """``--docs``: one mix, or None without the flag."""
-    from megatron.bench.document_bench import parse_doc_mixes  # torch-free module
+    from megatron.bench.document_bench import parse_doc_mixes  # torch only when called
 
     if text is None:
         return None
@@ -82,7 +82,7 @@ def data_flags(docs: Optional[str], log_dir: str) -> List[str]:
 def lengths_for_tokens(mix: str, tokens: int, seed: int) -> np.ndarray:
     """Document lengths of ``mix`` adding up to at least ``tokens`` (the generator's own
     lengths, repeated when it gives fewer, cut after the first that reaches ``tokens``)."""
-    from megatron.bench.document_bench import mix_lengths  # torch-free module
+    from megatron.bench.document_bench import mix_lengths  # torch only when called
 
     lengths = mix_lengths(mix, tokens, seed)
     if lengths is None:
@@ -98,8 +98,8 @@ def write_documents(prefix: str, lengths: np.ndarray, eod: int, seed: int) -> in
     """An indexed dataset (``PREFIX.bin/.idx``, megatron-core's ``IndexedDatasetBuilder``):
     one document per length, ``n - 1`` random ids in ``[0, eod)`` and then ``eod``.
     Returns the tokens written."""
-    import torch  # torch-free module
-    from megatron.core.datasets.indexed_dataset import (  # torch-free module
+    import torch  # torch only when called
+    from megatron.core.datasets.indexed_dataset import (  # torch only when called
         DType,
         IndexedDatasetBuilder,
     )
@@ -154,9 +154,9 @@ class TrainedBatches:
 def sample_lengths(tokens: np.ndarray, eod: int) -> np.ndarray:
     """Document lengths of one sample ``[S]`` as the data loader cuts it: an EOD closes its
     document, and the sample's ends cut the first and last ones."""
-    import torch  # torch-free module
+    import torch  # torch only when called
 
-    from megatron.usp.document_mask import segment_ids_from_tokens  # torch-free module
+    from megatron.usp.document_mask import segment_ids_from_tokens  # torch only when called
 
     seg = segment_ids_from_tokens(torch.from_numpy(np.asarray(tokens)), eod).numpy()
     return np.bincount(seg)
@@ -175,13 +175,13 @@ def trained_batches(pretrain_args: Sequence[str], world: int, cuda: bool) -> Tra
 
 
 def _rebuild(pretrain_args: List[str], world: int, cuda: bool) -> TrainedBatches:
-    from megatron.training.data.loader import build_gpt_datasets  # torch-free module
+    from megatron.training.data.loader import build_gpt_datasets  # torch only when called
     from megatron.training.initialize import (
         build_tokenizer_for,
         data_config_from_args,
         resolve_data_source,
-    )  # torch-free module
-    from megatron.training.loop import dataset_sizes  # torch-free module
+    )  # torch only when called
+    from megatron.training.loop import dataset_sizes  # torch only when called
 
     config = validate_args(parse_args(pretrain_args), world, cuda_available=cuda)
     args = config.args
