@@ -104,12 +104,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))
     print("\n".join(summary_lines(rows)))
     if args.out:
-        from megatron.bench.report import run_metadata, write_json  # torch: only when writing
+        from megatron.bench.report import write_summary  # torch: only when writing
 
-        meta = run_metadata(["python", "-m", "megatron.bench.fp8_speedup", *args_list], None, 1)
-        with open(args.bf16[0]) as f:
-            meta["device"] = json.load(f).get("metadata", {}).get("device")
-        write_json(args.out, {"tool": "fp8_speedup", "lengths": rows, "metadata": meta})
+        write_summary(args.out, "fp8_speedup", {"lengths": rows}, args_list, args.bf16[0])
     return 0
 
 

@@ -119,6 +119,17 @@ def write_json(path: str, payload: Dict[str, Any]) -> None:
     tmp.replace(target)
 
 
+def write_summary(path: str, tool: str, fields: Dict[str, Any], argv: Sequence[str],
+                  runs_path: str) -> None:
+    """The result of a summary step (``python -m megatron.bench.TOOL``, which reads
+    ``tools/bench_e2e.py`` outputs and trains nothing) as JSON with its own metadata; the
+    device is the runs' (that of ``runs_path``, one of the files it read)."""
+    meta = run_metadata(["python", "-m", f"megatron.bench.{tool}", *argv], None, 1)
+    with open(runs_path) as f:
+        meta["device"] = json.load(f).get("metadata", {}).get("device")
+    write_json(path, {"tool": tool, **fields, "metadata": meta})
+
+
 def write_text(path: str, text: str) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -88,17 +88,6 @@ def _load(paths: Sequence[str], seq_len: int, windowed: bool) -> List[dict]:
     return rows
 
 
-def _write(path: str, fields: dict, argv: Sequence[str], full_path: str) -> None:
-    """The result as JSON with this step's metadata; the device is the runs' (their first
-    file's), as this step trains nothing."""
-    from megatron.bench.report import run_metadata, write_json  # torch: only when writing
-
-    meta = run_metadata(["python", "-m", "megatron.bench.window_speedup", *argv], None, 1)
-    with open(full_path) as f:
-        meta["device"] = json.load(f).get("metadata", {}).get("device")
-    write_json(path, {"tool": "window_speedup", **fields, "metadata": meta})
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron.bench.window_speedup",
                                      description=__doc__.split("\n\n")[0])
@@ -119,8 +108,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.out:
-        _write(args.out, {"seq_len": seq_len, "full": args.full, "hybrid": args.hybrid,
-                          **result}, args_list, args.full[0])
+        from megatron.bench.report import write_summary  # torch: only when writing
+
+        write_summary(args.out, "window_speedup", {"seq_len": seq_len, "full": args.full,
+                                                   "hybrid": args.hybrid, **result},
+                      args_list, args.full[0])
     print(summary_line(result))
     return 0
 
