@@ -194,18 +194,24 @@ def document_ends(segment_ids: np.ndarray) -> np.ndarray:
     return ends
 
 
-def gap_tokens(ends: np.ndarray, num_chunks: int) -> np.ndarray:
-    """``gaps[i, k]`` (``[N + 1, N + 1]`` int64, ``N = num_chunks``): the tokens of chunks
-    ``i .. k-1`` whose document reaches chunk ``k`` in some sample (``ends``:
-    :func:`document_ends`); zero for ``i >= k`` and in column ``N`` (no chunk)."""
-    n = num_chunks
+def _reach(ends: np.ndarray, n: int) -> np.ndarray:
+    """``reach[c, k]`` (``[n, n]`` int64): the tokens of chunk ``c`` whose document reaches
+    chunk ``k > c`` in some sample (zero for ``k <= c``: a chunk's own tokens never move to
+    it), the sequence cut into ``n`` equal chunks (``ends``: :func:`document_ends`)."""
     if ends.size % n:
         raise ValueError(f"{ends.size} tokens do not cut into {n} equal chunks")
     chunk = ends.size // n
     last = ends // chunk                              # chunk of each token's document end
     count = np.bincount(np.arange(ends.size) // chunk * n + last, minlength=n * n)
-    reach = np.cumsum(count.reshape(n, n)[:, ::-1], axis=1)[:, ::-1]   # [c, k]: reach >= k
-    reach = np.triu(reach, 1)                         # a chunk's own tokens never move to it
+    return np.triu(np.cumsum(count.reshape(n, n)[:, ::-1], axis=1)[:, ::-1], 1)
+
+
+def gap_tokens(ends: np.ndarray, num_chunks: int) -> np.ndarray:
+    """``gaps[i, k]`` (``[N + 1, N + 1]`` int64, ``N = num_chunks``): the tokens of chunks
+    ``i .. k-1`` whose document reaches chunk ``k`` in some sample (``ends``:
+    :func:`document_ends`); zero for ``i >= k`` and in column ``N`` (no chunk)."""
+    n = num_chunks
+    reach = _reach(ends, n)
     gaps = np.zeros((n + 1, n + 1), dtype=np.int64)
     gaps[:n, :n] = np.cumsum(reach[::-1], axis=0)[::-1]
     return gaps
@@ -220,14 +226,8 @@ def ring_rank_kv_tokens(segment_ids: np.ndarray, ring: int,
     assignment = assignment or zigzag_assignment(1, ring)
     if ring == 1:
         return np.zeros((2, 1), dtype=np.int64)
-    ends = document_ends(segment_ids)
     n = assignment.num_chunks
-    if ends.size % n:
-        raise ValueError(f"{ends.size} tokens do not cut into {n} equal chunks")
-    chunk = ends.size // n
-    # reach[c, k]: tokens of chunk c whose document reaches chunk k (k > c)
-    count = np.bincount(np.arange(ends.size) // chunk * n + ends // chunk, minlength=n * n)
-    reach = np.triu(np.cumsum(count.reshape(n, n)[:, ::-1], axis=1)[:, ::-1], 1)
+    reach = _reach(document_ends(segment_ids), n)
     owner = _owners(assignment)
     _, _, prev, _ = _neighbours(owner, ring)
     idx = np.arange(n)
