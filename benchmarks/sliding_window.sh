@@ -11,8 +11,8 @@
 #   HEADS=16 KV_HEADS=4 bash benchmarks/sliding_window.sh        # (a) at the 0.85B model's heads
 #   MODEL=tiny SEQ_LEN=256 WINDOW=32 HEADS=4 KV_HEADS=2 HEAD_DIM=16 ROUNDS=1 ITERS=3 WARMUP=1 \
 #       bash benchmarks/sliding_window.sh --extra-args "--num-workers 0"   # a CPU check
-# Environment: SEQ_LEN (128k) WINDOW (4096) SKIP_FREQ (2) ROUNDS (2) ITERS (6) WARMUP (2)
-# MODEL (llama-0.85b; tiny for a CPU check) HEADS (32) KV_HEADS (8) HEAD_DIM (128) of (a)
+# Environment: PARTS (kernel,train: (a) and (b); or one of them) SEQ_LEN (128k) WINDOW (4096)
+# SKIP_FREQ (2) ROUNDS (2) ITERS (6) WARMUP (2) MODEL (llama-0.85b; tiny for a CPU check) HEADS (32) KV_HEADS (8) HEAD_DIM (128) of (a)
 # OUT_DIR (benchmarks/out; each run's logs in OUT_DIR/logs/NAME). Extra arguments go to every
 # bench_e2e run (an --extra-args among them adds to the windowed runs' own).
 set -euo pipefail
@@ -28,11 +28,17 @@ HEADS=${HEADS:-32}
 KV_HEADS=${KV_HEADS:-8}
 HEAD_DIM=${HEAD_DIM:-128}
 OUT_DIR=${OUT_DIR:-benchmarks/out}
+PARTS=${PARTS:-kernel,train}
+case ",$PARTS," in *,kernel,*|*,train,*) ;; *)
+    echo "error: PARTS=$PARTS: name kernel, train or both, e.g. PARTS=kernel,train" >&2; exit 2;; esac
 mkdir -p "$OUT_DIR"
+if [[ ",$PARTS," == *,kernel,* ]]; then
 python tools/bench_attention.py --seq-lens "$SEQ_LEN" --heads "$HEADS" --kv-heads "$KV_HEADS" \
     --head-dim "$HEAD_DIM" --dtype bf16 --window "$WINDOW" --peers none --no-sdpa-anchor \
     --check --iters 5 --warmup 2 \
     --out "$OUT_DIR/window_kernel_$SEQ_LEN.json" --markdown "$OUT_DIR/window_kernel_$SEQ_LEN.md"
+fi
+[[ ",$PARTS," == *,train,* ]] || exit 0
 
 e2e() {  # e2e NAME [bench_e2e flags]: one run, written to $OUT_DIR/NAME.json and .md
     local name=$1; shift

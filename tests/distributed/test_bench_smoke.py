@@ -397,6 +397,22 @@ def _e2e_row(path, stack="megatron-usp"):
     return payload, row
 
 
+def test_sliding_window_recipe_runs_the_parts_asked_for(tmp_path):
+    """PARTS=kernel runs (a) alone; a PARTS naming neither part is refused in one line."""
+    out = tmp_path / "window"
+    env = _recipe_env(MODEL="tiny", SEQ_LEN="256", WINDOW="32", HEADS="4", KV_HEADS="2",
+                      HEAD_DIM="16", OUT_DIR=str(out), PARTS="kernel")
+    _run_recipe("sliding_window.sh", env)
+    assert sorted(p.name for p in out.iterdir()) == ["window_kernel_256.json",
+                                                     "window_kernel_256.md"]
+    bad = subprocess.run(["bash", str(REPO / "benchmarks" / "sliding_window.sh")], cwd=REPO,
+                         env=_recipe_env(PARTS="kernels", OUT_DIR=str(tmp_path / "bad")),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert bad.stderr.strip() == ("error: PARTS=kernels: name kernel, train or both, "
+                                  "e.g. PARTS=kernel,train")
+
+
 def test_sliding_window_recipe_on_the_cpu(tmp_path):
     """benchmarks/sliding_window.sh with the tiny model at 256 tokens, W = 32 on one layer of
     two, one round: the window layer's attention against the window kernel (--check), the
