@@ -25,7 +25,13 @@ from megatron.usp.document_kernels import (
 )
 from megatron.usp.document_ring import build_document_ring_plan
 from megatron.usp.kernels import get_kernel
-from megatron.usp.packed_documents import PackedDocumentAttention, costs_for, packed_plan_for
+from megatron.usp.packed_documents import (
+    _ALWAYS_BATCHED,
+    PackedDocumentAttention,
+    build_packed_plan,
+    costs_for,
+    packed_plan_for,
+)
 from megatron.usp.window_kernel import (
     _masked_backward,
     _masked_forward,
@@ -89,8 +95,12 @@ def test_windowed_kernels_on_a_ring_block_match_math(name):
 
 
 @pytest.mark.gpu
-def test_windowed_documents_in_place_match_math():
-    lengths = [300, 1500, 40, 40, 1200, 1024]                  # 4104 tokens, two cut
+@pytest.mark.parametrize("choice", ["auto", "batched"])
+def test_windowed_documents_in_place_match_math(choice):
+    """Documents read in place under a window: the plan ``auto``'s timed costs give, and one
+    with every run of equal documents in its own batched call (the documents the window cuts
+    on the batched window kernel, the others plain causal)."""
+    lengths = [300, 1500, 40, 40, 1200, 1024]                  # 4104 tokens, three cut
     seq, window, scale = sum(lengths), 512, 128 ** -0.5
     seg = np.repeat(np.arange(len(lengths)), lengths)[None]
     pos = np.arange(seq)[None]
@@ -101,10 +111,16 @@ def test_windowed_documents_in_place_match_math():
     k, v = (torch.randn(seq, 1, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
             for _ in range(2))
     kernel = get_kernel("auto")
-    plan = packed_plan_for(block, kernel, q, k)
-    assert plan is not None and plan.window == window
     assert costs_for(kernel, q, k, True).has_varlen
-    assert {plan.segment_window(s) for s in plan.segments[0]} == {None, window}
+    if choice == "auto":
+        plan = packed_plan_for(block, kernel, q, k)
+    else:
+        plan = build_packed_plan([lengths], True, _ALWAYS_BATCHED, "cuda", window)
+        assert [s.lengths for s in plan.segments[0]] == [(300,), (1500,), (40, 40), (1200,),
+                                                          (1024,)]
+    assert plan is not None and plan.window == window
+    for s in plan.segments[0]:                     # the window where a document is cut
+        assert plan.segment_window(s) == (window if max(s.lengths) > window + 1 else None)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = PackedDocumentAttention.apply(*leaves, plan, kernel, scale)
     got = (out,) + torch.autograd.grad(out, leaves, dout)
