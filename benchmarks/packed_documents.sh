@@ -16,5 +16,6 @@ python tools/bench_e2e.py --nproc-per-node 1 --splits 1x1 --recompute lean --doc
     --out "$OUT_DIR/docs_$DOCS$SEQ_LEN.json" --markdown "$OUT_DIR/docs_$DOCS$SEQ_LEN.md"
 python tools/bench_attention.py --docs uniform:4k,fixed:2k,fixed:8k,lognormal,corpus \
     --seq-lens "$SEQ_LEN" --heads 32 --kv-heads 8 --head-dim 128 \
-    --doc-kernels dense,tiles,varlen,per-document,auto,packed --iters 5 --warmup 2 \
+    --doc-kernels dense,tiles,varlen,per-document,auto,packed,auto-recurring,packed-recurring \
+    --iters 5 --warmup 2 \
     --out "$OUT_DIR/doc_kernels_$SEQ_LEN.json"

@@ -21,7 +21,12 @@ documents back to back, the last one cut at the sample end as megatron-core's da
   ``packed`` (what one GPU runs: the documents read in place on megatron's ``[s, b, h, d]``
   tensors by measured-cost segments, :mod:`megatron.usp.packed_documents`; the record says how
   many documents each kind took) and, when asked for, ``flex`` (``flex_attention`` with a
-  compiled BlockMask, reference only). Every record carries ``auto_choice``, what ``auto``
+  compiled BlockMask, reference only). ``auto`` and ``packed`` choose as on a micro-batch's
+  first use, when every batched shape still pays its plan build; ``auto-recurring`` and
+  ``packed-recurring`` choose as once the sample's shapes have recurred (:func:`recurring`:
+  what training does when every micro-batch brings the same shapes, e.g. equal documents),
+  the way the other kernels are timed, with their plans built. Every record carries
+  ``auto_choice``, what ``auto``
   runs there (``packed``'s: its documents per kind), printed beside each kernel, so the choice
   can be read against the fastest kernel. Each kernel's output is compared with ``tiles``'s
   (relative L2, recorded, never asserted: correctness is tests/gpu's job).
@@ -62,7 +67,11 @@ from megatron.training.data.indexed_files import inspect_indexed_dataset
 from megatron.usp import flash_varlen
 from megatron.usp import load_balance as lb
 from megatron.usp.attention import usp_attention
-from megatron.usp.document_choice import AutoDocumentKernel
+from megatron.usp.document_choice import (
+    AutoDocumentKernel,
+    block_candidates,
+    choose_block_kernel,
+)
 from megatron.usp.document_kernels import (
     TileDocumentKernel,
     VarlenDocumentKernel,
@@ -75,14 +84,21 @@ from megatron.usp.document_ring import (
     ring_positions,
 )
 from megatron.usp.kernels import get_kernel
-from megatron.usp.packed_documents import PackedDocumentAttention, packed_plan_for
+from megatron.usp.packed_documents import (
+    KernelCosts,
+    PackedDocumentAttention,
+    build_packed_plan,
+    costs_for,
+    documents_in_order,
+    packed_plan_for,
+)
 from megatron.usp.ring_attention import ring_accum_dtype
 from megatron.usp.token_order import shard_for_cp_rank
 
 Tensor = torch.Tensor
 PROGRESS_PREFIX = "[bench_attention --docs]"
 DOC_KERNELS = ("dense", "tiles", "tiles-copy", "varlen", "per-document", "auto", "packed",
-               "flex")
+               "auto-recurring", "packed-recurring", "flex")
 LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA = 2048, 1.2
 
 
@@ -343,12 +359,31 @@ def _per_document(kernel, block):
     return fwd, bwd
 
 
-def _packed(kernel, block, x, scale):
+def recurring(costs: KernelCosts, choose: Callable[[], object]):
+    """What ``choose()`` returns once the shapes it records in ``costs`` have been seen
+    ``costs.reuse_before_build`` times, as when every micro-batch brings the same shapes; the
+    table's sightings are left as they were, so later choices see no difference."""
+    saved = costs.sightings()
+    try:
+        for _ in range(costs.reuse_before_build):
+            choose()
+        return choose()
+    finally:
+        costs.restore_sightings(saved)
+
+
+def _packed(kernel, block, x, scale, recur: bool = False):
     """fwd, fwd_bwd and the segment counts of the in-place path on [s, b, h, d] copies of x
-    (the fwd returns head-major out, to compare with the other kernels)."""
+    (the fwd returns head-major out, to compare with the other kernels); ``recur``: its plan
+    as once the sample's shapes have recurred (:func:`recurring`)."""
     q, k, v, dout = (x[n].permute(2, 0, 1, 3).contiguous() for n in ("q", "k", "v", "dout"))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    plan = packed_plan_for(block, kernel, q, k)
+    if recur:
+        costs = costs_for(kernel, q, k, block.causal)
+        plan = recurring(costs, lambda: build_packed_plan(
+            documents_in_order(block), block.causal, costs, q.device, block.window))
+    else:
+        plan = packed_plan_for(block, kernel, q, k)
 
     def fwd():
         return PackedDocumentAttention.apply(q, k, v, plan, kernel, scale).permute(1, 2, 0, 3)
@@ -376,7 +411,7 @@ def _flex(block, x, scale):
     return run
 
 
-WHOLE_SEQUENCE_ONLY = ("per-document", "packed", "flex")
+WHOLE_SEQUENCE_ONLY = ("per-document", "packed", "packed-recurring", "flex")
 
 
 def _block_calls(kern, block):
@@ -430,12 +465,22 @@ def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
         def fwd_bwd():
             return torch.autograd.grad(fwd(), (qg, kg, vg), dout)
         flops = 4.0 * heads * cfg.head_dim * res.useful_pairs
-    elif name == "packed":
-        fwd, fwd_bwd, res.auto_choice = _packed(local, block, x, scale)
+    elif name in ("packed", "packed-recurring"):
+        fwd, fwd_bwd, res.auto_choice = _packed(local, block, x, scale,
+                                                recur=name == "packed-recurring")
         flops = 4.0 * heads * cfg.head_dim * res.useful_pairs
     else:
         if name == "per-document":
             steps = [_per_document(local, block)]
+        elif name == "auto-recurring":
+            auto = AutoDocumentKernel(local)
+            costs = auto.costs(q, k, block.causal)
+            candidates = block_candidates(q.device.type, q.dtype, flash_varlen.available())
+            chosen = [recurring(costs, lambda blk=blk: choose_block_kernel(blk, costs,
+                                                                           candidates))
+                      for blk in blocks]
+            res.auto_choice = ",".join(chosen)
+            steps = [_block_calls(auto.kernels[c], blk) for c, blk in zip(chosen, blocks)]
         else:
             kern = {"tiles": lambda: TileDocumentKernel(local),
                     "tiles-copy": lambda: TileDocumentKernel(local, views=False),

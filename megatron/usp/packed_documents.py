@@ -293,6 +293,14 @@ class KernelCosts:
         self.max_masked_elements = max_masked_elements
         self._sightings: Dict[tuple, int] = {}
 
+    def sightings(self) -> Dict[tuple, int]:
+        """A copy of the shapes seen so far and how often (:meth:`restore_sightings`)."""
+        return dict(self._sightings)
+
+    def restore_sightings(self, saved: Dict[tuple, int]) -> None:
+        """Put back what :meth:`sightings` returned (choices made since are forgotten)."""
+        self._sightings = dict(saved)
+
     def padded_length(self, n: int) -> int:
         """The call shape a padded document of ``n`` tokens runs at."""
         return padded_length(n)

@@ -304,17 +304,23 @@ def test_bench_attention_document_kernels_and_balance_report(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--seq-lens", "128",
          *TINY, "--warmup", "0", "--docs", "fixed:16", "--doc-kernels",
-         "dense,tiles,tiles-copy,varlen,per-document,auto", "--out", str(out)],
+         "dense,tiles,tiles-copy,varlen,per-document,auto,auto-recurring,packed-recurring",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     by_kernel = {r["kernel"]: r for r in results}
-    assert set(by_kernel) == {"dense", "tiles", "tiles-copy", "varlen", "per-document", "auto"}
+    assert set(by_kernel) == {"dense", "tiles", "tiles-copy", "varlen", "per-document", "auto",
+                              "auto-recurring", "packed-recurring"}
     assert by_kernel["varlen"]["status"] == "skipped"
-    for name in ("tiles-copy", "per-document", "auto"):
+    for name in ("tiles-copy", "per-document", "auto", "auto-recurring", "packed-recurring"):
         assert by_kernel[name]["rel_err_vs_tiles"] < 1e-5, by_kernel[name]
     assert by_kernel["auto"]["auto_choice"] == "math" and by_kernel["tiles"]["tile_calls"] == 1
-    assert {r["auto_choice"] for r in results if r["status"] == "ok"} == {"math"}
+    # the CPU table charges no plan builds: recurring shapes change nothing there
+    assert by_kernel["auto-recurring"]["auto_choice"] == "math"
+    assert {r["auto_choice"] for r in results
+            if r["status"] == "ok" and r["kernel"] != "packed-recurring"} == {"math"}
+    assert by_kernel["packed-recurring"]["auto_choice"].startswith("batched 8 / varlen 0")
     assert "auto -> math" in proc.stderr + proc.stdout
     ring_out = tmp_path / "ring.json"
     proc = subprocess.run(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import megatron.usp.document_choice as dc
-from megatron.bench.document_bench import mix_lengths
+from megatron.bench.document_bench import mix_lengths, recurring
 from megatron.usp import load_balance as lb
 from megatron.usp.document_choice import (
     BLOCK_KERNELS,
@@ -29,8 +29,11 @@ from megatron.usp.document_kernels import build_document_block
 from megatron.usp.document_ring import build_document_ring_plan
 from megatron.usp.kernels import get_kernel
 from megatron.usp.packed_documents import (
+    BATCHED,
+    VARLEN,
     KernelCosts,
     agreed_costs,
+    build_packed_plan,
     choose_segments,
     costs_from_state,
     costs_state,
@@ -148,6 +151,31 @@ def test_a_new_tile_shape_pays_its_build_until_it_recurs():
                         build_s=10.0, reuse_before_build=2)
     picks = [choose_block_kernel(block, costs, ("tiles", "varlen")) for _ in range(4)]
     assert picks == ["varlen", "varlen", "tiles", "tiles"]
+
+
+def test_the_bench_chooses_as_once_shapes_recur_and_forgets_it():
+    """bench_attention's ``auto-recurring`` / ``packed-recurring``: the choice once the
+    sample's shapes have been seen ``reuse_before_build`` times; the table's sightings are
+    put back, so the first-use rows (``auto``, ``packed``) still choose as before."""
+    seg = np.repeat(np.arange(4), 64)[None]
+    pos = np.arange(256)[None]
+    block = build_document_block(pos, seg, pos, seg, True)
+    costs = KernelCosts([64, 128], [1.0, 1.0], [1.0, 1.0], [1.5, 1.5], has_varlen=True,
+                        build_s=10.0, reuse_before_build=2)
+    costs.sighted(64, 4, built=False)            # seen once before: still below the bar
+    before = costs.sightings()
+    assert recurring(costs, lambda: choose_block_kernel(block, costs, ("tiles", "varlen"))
+                     ) == "tiles"
+    assert costs.sightings() == before
+    assert choose_block_kernel(block, costs, ("tiles", "varlen")) == "varlen"
+
+    lengths = [[64] * 4]
+    costs.restore_sightings({})
+    plan = recurring(costs, lambda: build_packed_plan(lengths, True, costs))
+    assert [(s.kind, s.lengths) for s in plan.segments[0]] == [(BATCHED, (64,) * 4)]
+    assert costs.sightings() == {}
+    first = build_packed_plan(lengths, True, costs)
+    assert [s.kind for s in first.segments[0]] == [VARLEN]
 
 
 def test_masked_product_only_for_small_blocks_and_where_it_runs():
