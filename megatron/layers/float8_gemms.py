@@ -18,6 +18,13 @@ Weight gradient into ``main_grad``: torch._scaled_mm cannot add into an existing
 output through bf16) and the caller adds it: no bf16 rounding of a tensorwise weight gradient,
 one float32 ``[out, in]`` temporary per GEMM.
 
+The casts: torchao's eager cast runs amax, scale, an upcast to float32, the multiply, the clamp
+and the float8 conversion as separate passes over the operand, which on the GPU costs more than
+the float8 GEMM saves (torchao's own speed-ups assume ``torch.compile``). On CUDA each cast is
+therefore one compiled function of plain tensors (:func:`scaled_float8_bits`: the same
+torchao functions, so the same values) and the result is wrapped in the tensor subclass after;
+elsewhere the function runs eagerly.
+
 Scaling state: dynamic scaling (both recipes) keeps none; every cast computes its scale from
 the tensor it casts, so checkpoints carry nothing float8-specific.
 """
@@ -64,6 +71,31 @@ def float8_linear_config(options: Float8Options):
     return dataclasses.replace(config, emulate=options.emulate)
 
 
+def scaled_float8_bits(t: Tensor, float8_dtype: torch.dtype, granularity,
+                       axiswise_dim, round_scales_to_power_of_2: bool):
+    """``(bits, scale)`` of ``t`` in ``float8_dtype`` with a dynamic scale (torchao's
+    ``tensor_to_scale``, then the cast its ``Float8TrainingTensor`` constructor makes: float32
+    times the scale, saturated): plain tensors, so the whole cast compiles into few kernels."""
+    from torchao.float8 import float8_utils  # optional dependency
+    scale = float8_utils.tensor_to_scale(t, float8_dtype, False, None, granularity,
+                                         axiswise_dim, round_scales_to_power_of_2)
+    return float8_utils.to_fp8_saturated(t.to(torch.float32) * scale, float8_dtype), scale
+
+
+_COMPILED_BITS = None
+
+
+def _bits_function(device: torch.device):
+    """:func:`scaled_float8_bits`, compiled once per process for CUDA operands (dynamic
+    shapes: one graph per cast kind, not per linear shape); eager elsewhere."""
+    global _COMPILED_BITS
+    if device.type != "cuda":
+        return scaled_float8_bits
+    if _COMPILED_BITS is None:
+        _COMPILED_BITS = torch.compile(scaled_float8_bits, dynamic=True)
+    return _COMPILED_BITS
+
+
 class Float8Gemms:
     """The output, input-gradient and weight-gradient GEMMs of a linear layer in float8.
 
@@ -85,13 +117,15 @@ class Float8Gemms:
                                   config.pad_inner_dim) for g in gemm))
 
     def _cast(self, t: Tensor, cast_config, role: str, axis: int):
+        """torchao's ``hp_tensor_to_float8_dynamic`` of ``t``, its cast compiled on CUDA."""
         granularity = cast_config.scaling_granularity
-        return self._scaling.hp_tensor_to_float8_dynamic(
-            t, cast_config.target_dtype, self.mm_config,
-            gemm_input_role=self._tensor.GemmInputRole[role],
-            scaling_granularity=granularity,
-            axiswise_dim=self._scaling.get_maybe_axiswise_dim(axis, granularity),
-            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
+        axiswise_dim = self._scaling.get_maybe_axiswise_dim(axis, granularity)
+        bits, scale = _bits_function(t.device)(t, cast_config.target_dtype, granularity,
+                                               axiswise_dim,
+                                               self.config.round_scales_to_power_of_2)
+        return self._tensor.Float8TrainingTensor(
+            bits, scale, t.dtype, linear_mm_config=self.mm_config,
+            gemm_input_role=self._tensor.GemmInputRole[role], axiswise_dim=axiswise_dim)
 
     def output(self, x_rows: Tensor, weight: Tensor) -> Tensor:
         """``x_rows [n, in] @ weight [out, in].T -> [n, out]``."""

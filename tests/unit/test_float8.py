@@ -10,6 +10,7 @@ Gaussian data and e5m2 gradients (2 bits) about 24 dB; a GEMM that left float8 o
 from __future__ import annotations
 
 import argparse
+import shutil
 
 import pytest
 import torch
@@ -247,3 +248,63 @@ def test_layer_spec_gives_the_four_linears_our_classes_for_float8():
     qkv = get_usp_gpt_layer_spec(LayerSpecOptions()).submodules.self_attention.submodules \
         .linear_qkv          # without float8 or fusion: megatron-core's own class
     assert not issubclass(getattr(qkv, "module", qkv), _WgradIntoMainGrad), qkv
+
+
+# --------------------------------------------------------------------------- the casts
+@pytest.mark.parametrize("fmt,recipe", RECIPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_cast_is_torchaos_bit_for_bit(fmt, recipe, dtype):
+    """Float8Gemms' cast (its own function of plain tensors, compiled on CUDA) gives what
+    torchao's hp_tensor_to_float8_dynamic gives: the same bits, scale, dtype, role and axis."""
+    from torchao.float8 import float8_scaling_utils as scaling  # optional: torchao
+
+    gemms = Float8Gemms(_emulated(fmt, recipe))
+    c = gemms.config
+    t = torch.randn(48, 80, dtype=dtype) * 7
+    t[3, 5] = 1e4                                       # an outlier sets a row's scale
+    for cast_config, role, axis in ((c.cast_config_input, "INPUT", -1),
+                                    (c.cast_config_weight, "WEIGHT", 0),
+                                    (c.cast_config_grad_output, "GRAD_OUTPUT", -1),
+                                    (c.cast_config_input_for_grad_weight, "INPUT", 0)):
+        got = gemms._cast(t, cast_config, role, axis)
+        granularity = cast_config.scaling_granularity
+        want = scaling.hp_tensor_to_float8_dynamic(
+            t, cast_config.target_dtype, gemms.mm_config,
+            gemm_input_role=gemms._tensor.GemmInputRole[role], scaling_granularity=granularity,
+            axiswise_dim=scaling.get_maybe_axiswise_dim(axis, granularity),
+            round_scales_to_power_of_2=c.round_scales_to_power_of_2)
+        assert got._data.dtype == want._data.dtype == cast_config.target_dtype
+        assert torch.equal(got._data.view(torch.uint8), want._data.view(torch.uint8)), role
+        assert torch.equal(got._scale, want._scale), role
+        assert (got._orig_dtype, got._gemm_input_role, got._axiswise_dim) == (
+            want._orig_dtype, want._gemm_input_role, want._axiswise_dim)
+
+
+def test_the_cast_compiles_on_cuda_only():
+    from megatron.layers import float8_gemms
+
+    assert float8_gemms._bits_function(torch.device("cpu")) is float8_gemms.scaled_float8_bits
+    compiled = float8_gemms._bits_function(torch.device("cuda", 0))
+    assert compiled is not float8_gemms.scaled_float8_bits
+    assert float8_gemms._bits_function(torch.device("cuda", 1)) is compiled    # once
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "g++", "clang")),
+                    reason="torch.compile on the CPU needs a C compiler")
+def test_the_compiled_cast_is_the_eager_one_bit_for_bit():
+    """The compiled function (what CUDA runs), here compiled for the CPU, on two shapes of one
+    graph (dynamic shapes) and both granularities."""
+    from torchao.float8.config import ScalingGranularity  # optional: torchao
+
+    from megatron.layers.float8_gemms import scaled_float8_bits
+
+    compiled = torch.compile(scaled_float8_bits, dynamic=True)
+    for shape in ((64, 32), (96, 48)):
+        t = torch.randn(*shape, dtype=torch.bfloat16) * 3
+        for granularity, axis, pow2 in ((ScalingGranularity.TENSORWISE, None, False),
+                                        (ScalingGranularity.AXISWISE, -1, True)):
+            for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                got = compiled(t, dtype, granularity, axis, pow2)
+                want = scaled_float8_bits(t, dtype, granularity, axis, pow2)
+                assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+                assert torch.equal(got[1], want[1])
