@@ -240,8 +240,10 @@ def cuda_requests_on_cpu():
     ``Tensor.cuda()`` is the identity, ``Tensor.type()`` names the CUDA type,
     ``torch.cuda.current_device()`` returns ``"cpu"`` and ``torch.cuda.synchronize()`` does
     nothing (CPU work is synchronous). Both ``torch.cuda`` functions are restored on exit.
-    Re-entrant; used only by the wrappers :func:`apply_cpu_shims` installs, so it never
-    runs on a machine with CUDA.
+    Re-entrant; used only by the wrappers :func:`apply_cpu_shims` installs and, for the
+    rest of a save that ``dist_checkpointing.save`` hands back, by
+    :func:`megatron.training.checkpoint.shard_writer.run`, so it never runs on a machine
+    with CUDA.
     """
     if _CPU_MODE_DEPTH[0]:
         _CPU_MODE_DEPTH[0] += 1

@@ -1,8 +1,8 @@
 """Nothing a training process starts outlives it: a guard process per rank (Linux).
 
 Why: megatron-core's checkpoint writer starts helper processes: a multiprocessing
-``Manager`` (spawned once, kept for the life of the rank, ~300 MB) and forked writers
-during each save (``megatron/core/dist_checkpointing/strategies/filesystem_async.py``).
+``Manager`` (spawned once, kept for the life of the rank, ~300 MB) and, on GPUs, forked
+writers during each save (``megatron/core/dist_checkpointing/strategies/filesystem_async.py``).
 DataLoader workers are forked too (or, with ``--optimizer-cpu-offload``, forked by a fork
 server the rank starts: still its descendants). When the rank exits normally they are shut
 down; when the rank, or torchrun above it, is killed with SIGKILL nothing runs in the rank,

@@ -180,20 +180,20 @@ _CRASH_DRIVER = textwrap.dedent("""
         from megatron.training.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
-        from megatron.core import dist_checkpointing
+        from megatron.training.checkpoint import shard_writer
 
-        real_save = dist_checkpointing.save
+        real_run = shard_writer.run
         calls = []
 
-        def crashing_save(state, directory, **kwargs):
-            calls.append(directory)
+        def crashing_run(request, *args, **kwargs):
+            calls.append(request)
             if len(calls) == 2:  # the second save: iteration 4
-                real_save(state, directory, **kwargs)
-                os.remove(os.path.join(directory, "metadata.json"))  # killed before it
+                request.finalize_fns.clear()  # killed before .metadata and metadata.json
+                real_run(request, *args, **kwargs)
                 os._exit(17)  # no clean-up, no exception handlers: a crash
-            return real_save(state, directory, **kwargs)
+            return real_run(request, *args, **kwargs)
 
-        dist_checkpointing.save = crashing_save
+        shard_writer.run = crashing_run
         from megatron.training.cli.arguments import parse_args
         from megatron.training.loop import pretrain
 

@@ -11,6 +11,7 @@ import errno
 import io
 import json
 import logging
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -28,6 +29,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training.checkpoint import checksums
 from megatron.training.checkpoint.faults import root_os_error, save_failure_message
+from megatron.training.checkpoint.writer_watch import (
+    Progress,
+    WriterDiedError,
+    WriterStuckError,
+    stall_bound_s,
+    stuck_text,
+    writers_watched,
+)
 from megatron.training.launch import port_problem
 from megatron.training.observe.console import OnceLogFilter, OnceWarningPrinter
 from megatron.training.process_guard import descendants
@@ -376,10 +385,6 @@ def test_a_stopped_rank_asked_to_terminate_is_killed_by_its_guard():
 def test_a_checkpoint_writer_that_dies_ends_the_wait_for_it():
     """megatron-core waits on a JoinableQueue for its forked writers with no timeout; a
     writer killed mid-write used to leave the rank waiting for ever."""
-    import multiprocessing as mp
-
-    from megatron.training.checkpoint.writer_watch import WriterDiedError, writers_watched
-
     ctx = mp.get_context("fork")
     count = ctx.JoinableQueue()
     count.put(0)
@@ -391,6 +396,224 @@ def test_a_checkpoint_writer_that_dies_ends_the_wait_for_it():
             count.join()          # what megatron-core's write_preloaded_data_multiproc does
     assert time.monotonic() - t0 < 5
     writer.join()
+
+
+def test_progress_is_idle_from_the_last_change_of_its_sample():
+    p = Progress()
+    assert p.idle_s(((0, (5, 100)),), 10.0) == 0
+    assert p.idle_s(((0, (5, 100)),), 14.5) == 4.5
+    assert p.idle_s(((0, (5, 101)),), 15.0) == 0       # one byte written: progress
+    assert p.idle_s(((0, (5, 101)),), 20.0) == 5.0
+
+
+def test_stall_bound_and_the_stuck_writer_named():
+    assert stall_bound_s(10) == 300 and stall_bound_s(1) == 30
+    assert stuck_text(1, [123], 99, 300.0) == (
+        "rank 1's checkpoint writer process (pid 123, forked by pid 99) made no progress for "
+        "300 s (no CPU time, no bytes written); it was killed")
+    assert stuck_text(2, [123, 124], 99, 30).startswith(
+        "rank 2's checkpoint writer processes (pid 123, 124, forked by pid 99)")
+    assert stuck_text(2, [123, 124], 99, 30).endswith("; they were killed")
+    assert stuck_text(0, [], 99, 0.5) == (
+        "rank 0's checkpoint write (in its own process, pid 99) made no progress for 0.5 s "
+        "(no CPU time, no bytes written)")
+
+
+def test_a_checkpoint_writer_that_hangs_is_killed_and_ends_the_wait_for_it():
+    """A forked writer that stops (here: sleeps) without marking its task done: after the
+    bound the rank's wait ends with an error naming the writer, which is killed."""
+    ctx = mp.get_context("fork")
+    count = ctx.JoinableQueue()
+    count.put(0)
+    t0 = time.monotonic()
+    with pytest.raises(WriterStuckError) as caught:
+        with writers_watched(stall_s=1.0, rank=3):
+            writer = ctx.Process(target=lambda: (count.get(), time.sleep(600)))
+            writer.start()
+            count.join()          # what megatron-core's write_preloaded_data_multiproc does
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 5, took
+    assert str(caught.value) == (
+        f"rank 3's checkpoint writer process (pid {writer.pid}, forked by pid {os.getpid()}) "
+        f"made no progress for 1 s (no CPU time, no bytes written); it was killed")
+    writer.join(timeout=5)
+    assert writer.exitcode == -signal.SIGKILL
+
+
+def test_a_slow_writer_that_keeps_writing_is_not_stuck(tmp_path):
+    """Progress is work done, not completion: a writer that writes a byte every 0.3 s for
+    three times the bound finishes undisturbed."""
+    path = str(tmp_path / "shard")
+
+    def slow():
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(10):
+                f.write(b"x")
+                time.sleep(0.3)
+
+    ctx = mp.get_context("fork")
+    with writers_watched(stall_s=1.0, files=[path]):
+        writer = ctx.Process(target=slow)
+        writer.start()
+        writer.join()
+    assert writer.exitcode == 0 and os.path.getsize(path) == 10
+
+
+_UNINTERRUPTIBLE = """
+import signal, time
+from megatron.training.checkpoint import writer_watch
+
+writer_watch.GRACE_S = 0.5
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})   # as in a call deaf to signals
+with writer_watch.writers_watched(stall_s=1.0, rank=2,
+                                  last_words=lambda exc: f"x.py: error: {exc}"):
+    time.sleep(60)
+print("not reached")
+"""
+
+
+def test_a_stuck_write_that_cannot_be_interrupted_ends_the_process_in_one_line():
+    proc = subprocess.run([sys.executable, "-c", _UNINTERRUPTIBLE], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout == ""
+    assert re.fullmatch(r"x\.py: error: rank 2's checkpoint write \(in its own process, pid "
+                        r"\d+\) made no progress for 1 s \(no CPU time, no bytes written\)\n",
+                        proc.stderr), proc.stderr[-3000:]
+
+
+_WRITES = """
+import json, os, sys, time
+
+import psutil
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+from megatron.training.checkpoint import shard_writer
+from megatron.training.checkpoint.writer_watch import WriterStuckError
+from megatron.training.cpu_shims import apply_cpu_shims
+
+apply_cpu_shims()
+root, port = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+forks = []
+os.register_at_fork(before=lambda: forks.append(1))
+
+
+def state():
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(20000.0)),
+            "b": ShardedTensor.from_rank_offsets("b", torch.ones(3000))}
+
+
+def request(name):
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    return path, dist_checkpointing.save(state(), path, async_sharded_save=True)
+
+
+out = {"pid": os.getpid()}
+path, req = request("own")
+forks.clear()
+shard_writer.run(req, own_process=True, stall_s=30.0)
+out["own_forks"] = len(forks)
+loaded = dist_checkpointing.load(state(), path)
+out["own_loads"] = bool(torch.equal(loaded["w"], torch.arange(20000.0))
+                        and torch.equal(loaded["b"], torch.ones(3000)))
+
+path, req = request("forked")
+helpers = {p.pid for p in psutil.Process().children()}   # the writer's Manager
+FileSystemWriterAsync.write_preloaded_data = staticmethod(lambda *a, **k: time.sleep(600))
+t0 = time.monotonic()
+try:
+    shard_writer.run(req, own_process=False, stall_s=1.0)
+except WriterStuckError as exc:
+    out["error"] = str(exc)
+out["took"] = time.monotonic() - t0
+time.sleep(0.5)
+out["left"] = [p.pid for p in psutil.Process().children()
+               if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE]
+print(json.dumps(out))
+"""
+
+
+def test_the_cpu_save_forks_no_writer_and_a_hung_forked_writer_is_named(tmp_path):
+    """megatron-core's save request run by shard_writer at one gloo rank: in the rank's own
+    process it forks nothing and writes a checkpoint that loads; with megatron-core's forked
+    writers (the GPU path), writers made to hang are killed and named after the bound."""
+    from tests.helpers import free_port
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", _WRITES, str(tmp_path), str(free_port())],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["own_forks"] == 0 and out["own_loads"], out
+    assert re.fullmatch(rf"rank 0's checkpoint writer process(es)? \(pid [\d, ]+, forked by pid "
+                        rf"{out['pid']}\) made no progress for 1 s \(no CPU time, no bytes "
+                        rf"written\); (it was|they were) killed", out["error"]), out
+    assert 1.0 <= out["took"] < 10 and out["left"] == [], out
+
+
+_HUNG_SAVE = """
+import json, os, sys, time
+
+import psutil
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+from megatron.training.checkpoint import save_load
+from megatron.training.cli.arguments import parse_args
+from megatron.training.loop import pretrain
+
+root, tiny = sys.argv[1], json.loads(sys.argv[2])
+flags = tiny + ["--save", root, "--load", root]
+pretrain(parse_args(flags))
+helpers = {p.pid for p in psutil.Process().children()}   # the writer's Manager
+write = FileSystemWriterAsync.write_preloaded_data
+FileSystemWriterAsync.write_preloaded_data = staticmethod(lambda *a, **k: time.sleep(600))
+save_load.stall_bound_s = lambda minutes: 1.0
+out = {"pid": os.getpid()}
+t0 = time.monotonic()
+try:
+    pretrain(parse_args(flags + ["--train-iters", "2"]))
+except save_load.CheckpointSaveError as exc:
+    out.update(error=str(exc), primary=exc.primary, status=exc.exit_status)
+out["took"] = time.monotonic() - t0
+out["left"] = [p.pid for p in psutil.Process().children()
+               if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE]
+out["after"] = sorted(os.listdir(root))
+out["intact"] = save_load.intact_problem(os.path.join(root, "iter_0000001"))
+FileSystemWriterAsync.write_preloaded_data = write
+out["resumed_from"] = pretrain(parse_args(flags + ["--train-iters", "2"])).loaded_from
+print(json.dumps(out))
+"""
+
+
+def test_a_save_whose_write_hangs_fails_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """A checkpoint write that makes no progress (here: a writer that sleeps) ends the save
+    after the bound with the failed save's one line, naming the rank and its pid; nothing
+    of the failed save is left, the last checkpoint stays intact and the resume the line
+    advises works."""
+    root = str(tmp_path / "ckpt")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", _HUNG_SAVE, root, json.dumps(_TINY)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out.get("error") == (
+        f"saving iteration 2 to {root}/iter_0000002 failed: WriterStuckError: rank 0's "
+        f"checkpoint write (in its own process, pid {out['pid']}) made no progress for 1 s (no "
+        f"CPU time, no bytes written). Nothing was published: the last complete checkpoint, "
+        f"{root}/iter_0000001, is intact and --load {root} resumes from it."), out
+    assert out["primary"] and out["status"] == 1 and out["took"] < 60, out
+    assert out["left"] == [] and out["intact"] is None, out
+    assert out["after"] == ["iter_0000001", "latest_checkpointed_iteration.txt",
+                            "metrics.jsonl"], out
+    assert out["resumed_from"] == f"{root}/iter_0000001", out
 
 
 def test_launcher_names_the_rank_that_ended_the_job():

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Errors that are not the user's to fix: a diverging run, a peer rank or a checkpoint writer
 # process that died or stopped answering are reported in one line, not blamed on input.
-NOT_USAGE = {"NonFiniteLossError", "WriterDiedError", "PeerLostError", "RingTimeoutError"}
+NOT_USAGE = {"NonFiniteLossError", "WriterDiedError", "WriterStuckError", "PeerLostError",
+             "RingTimeoutError"}
 # The subsystems' input errors, by name (the walk below must find each of them).
 EXPECTED = {"ArgumentsError", "DataConfigError", "TokenizerError", "PreprocessError",
             "ChecksumMismatch", "CheckpointError", "CheckpointSaveError", "PlannerError",

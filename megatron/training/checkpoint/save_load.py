@@ -17,8 +17,8 @@ Publishing protocol (:func:`save_checkpoint`), so a crash at any point never lea
 checkpoint that loads as valid:
 
 1. rank 0 empties ``iter_N.tmp``; barrier;
-2. every rank writes its shards into ``iter_N.tmp`` (megatron-core fsyncs each file and
-   writes ``metadata.json`` last, behind a barrier);
+2. every rank writes its shards into ``iter_N.tmp`` (:mod:`.shard_writer`: on the CPU in
+   the rank's own process; each file fsync-ed, ``metadata.json`` last, behind a barrier);
 3. barrier; every rank hashes its share of the files (XXH3-128,
    :mod:`megatron.training.checkpoint.checksums`) and rank 0 writes ``checksums.json``;
 4. rank 0 fsyncs every file and the directory, renames ``iter_N.tmp`` to
@@ -29,9 +29,11 @@ checkpoint that loads as valid:
 A failure at any step (a full disk, a read-only remount) raises
 :class:`~megatron.training.checkpoint.faults.CheckpointSaveError` on every rank (rank-0-only
 steps broadcast their outcome), whose message names the directory, the room needed and
-the last complete checkpoint, which nothing touched; rank 0 removes ``iter_N.tmp``. A rank
-that died or went silent during the save is not a storage fault: its peers' communication
-error goes up as it is (:mod:`megatron.training.peer_faults`).
+the last complete checkpoint, which nothing touched; rank 0 removes ``iter_N.tmp``. A
+write that dies or makes no progress for half of ``--distributed-timeout-minutes`` raises
+it on the rank where that happened (:mod:`.writer_watch`). A rank that died or went silent
+during the save is not a storage fault: its peers' communication error goes up as it is
+(:mod:`megatron.training.peer_faults`).
 
 Loading (:func:`load_checkpoint`) only ever opens a directory without the ``.tmp``
 suffix, named by the tracker (or ``--ckpt-step``), after rank 0 checked that it is complete
@@ -50,12 +52,14 @@ saved grid (TP, U, R, DP, PP) equals the current one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
 import random
 import shutil
 import signal
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -77,13 +81,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.errors import UsageError
 from megatron.shapes.rope import RopeScaling
-from megatron.training.checkpoint import checksums
+from megatron.training.checkpoint import checksums, shard_writer
 from megatron.training.checkpoint.faults import (
     CheckpointSaveError,
     directory_bytes,
     save_failure_message,
 )
-from megatron.training.checkpoint.writer_watch import WriterDiedError, writers_watched
+from megatron.training.checkpoint.writer_watch import (
+    WriterDiedError,
+    WriterStuckError,
+    stall_bound_s,
+)
 from megatron.training.cli.config import RunConfig
 from megatron.training.model.build import unwrap
 from megatron.training.peer_faults import peer_lost
@@ -676,6 +684,15 @@ def write_checksums(tmp: str) -> None:
     _on_rank_0(lambda: checksums.write_manifest(tmp, entries))
 
 
+def _last_words(iteration: int, final: str, root: str, previous: Optional[str], tmp: str,
+                exc: BaseException) -> str:
+    """The line of a rank that ends itself because its write failed and could not be
+    interrupted: the failed save's message, as ``pretrain_gpt.py`` prints it."""
+    message, _ = save_failure_message(iteration, final, root, previous, exc,
+                                      directory_bytes(tmp))
+    return f"{os.path.basename(sys.argv[0])}: error: {message}"
+
+
 def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer, scheduler,
                     groups: USPGroups, device: torch.device,
                     resolved_args: Optional[Dict[str, Any]] = None,
@@ -706,10 +723,15 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
                             resolved_args=resolved_args)
         if weights_only:
             state["weights_only"] = True
-        # The writer's helpers must outlive a group-wide stop signal; one that dies ends
-        # the save here instead of in megatron-core's wait for it.
-        with writers_watched(), children_ignore_stop_signals():
-            dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups))
+        # The writer's helpers must outlive a group-wide stop signal; a write that dies or
+        # stalls ends the save here (shard_writer) instead of in a wait with no end.
+        with children_ignore_stop_signals():
+            request = dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(groups),
+                                              async_sharded_save=True)
+            shard_writer.run(request, own_process=device.type == "cpu",
+                             stall_s=stall_bound_s(config.args.distributed_timeout_minutes),
+                             last_words=functools.partial(_last_words, it, final, root,
+                                                          previous, tmp))
         dist.barrier()
         if with_checksums:
             write_checksums(tmp)
@@ -724,8 +746,8 @@ def save_checkpoint(config: RunConfig, train_state: TrainState, model, optimizer
         message, storage = save_failure_message(it, final, root, previous, exc, written)
         # Rank 0 holds every rank's failure (megatron-core gathers them there); a rank
         # that met a storage error itself also says so, in case rank 0 did not, and so
-        # does a rank whose writer died (the others only lose contact with it).
-        if isinstance(exc, WriterDiedError):
+        # does a rank whose writer died or stalled (the others only lose contact with it).
+        if isinstance(exc, (WriterDiedError, WriterStuckError)):
             raise CheckpointSaveError(message, primary=True) from exc
         own = dist.get_rank() == 0 or (isinstance(exc, OSError)
                                         and not getattr(exc, "raised_on_rank_0", False))

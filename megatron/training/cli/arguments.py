@@ -185,7 +185,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
                    help="default: nccl on CUDA, gloo on CPU")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
-                   help="collective timeout")
+                   help="collective timeout; a checkpoint write that makes no progress for "
+                        "half of it fails the save (the last checkpoint stays intact)")
     g.add_argument("--hardware", default=None,
                    help="planner hardware preset for 'auto' degrees (default: from the GPU "
                         "name; see tools/plan_parallel.py --help)")
