@@ -24,6 +24,7 @@ from megatron.layers import linear_wgrad
 from megatron.layers.float8_gemms import Float8Gemms
 from megatron.layers.float8_options import MIN_CAPABILITY, Float8Options
 from tests.gpu.gpt_step import BATCH, SEQ, small_gpt
+from tests.unit.test_float8 import torchao_cast
 
 pytestmark = [
     pytest.mark.gpu,
@@ -147,19 +148,12 @@ def test_gpt_trains_with_float8_linears():
 @pytest.mark.parametrize("fmt,recipe", RECIPES)
 def test_the_compiled_cast_is_torchaos_bit_for_bit(fmt, recipe):
     """On CUDA each cast runs compiled; it gives torchao's eager cast's bits and scale."""
-    from torchao.float8 import float8_scaling_utils as scaling  # optional: torchao
-
     gemms = Float8Gemms(Float8Options(format=fmt, recipe=recipe, linears="all"))
     c = gemms.config
     t = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) * 5
     for cast_config, role, axis in ((c.cast_config_input, "INPUT", -1),
                                     (c.cast_config_grad_output, "GRAD_OUTPUT", 0)):
         got = gemms._cast(t, cast_config, role, axis)
-        granularity = cast_config.scaling_granularity
-        want = scaling.hp_tensor_to_float8_dynamic(
-            t, cast_config.target_dtype, gemms.mm_config,
-            gemm_input_role=gemms._tensor.GemmInputRole[role], scaling_granularity=granularity,
-            axiswise_dim=scaling.get_maybe_axiswise_dim(axis, granularity),
-            round_scales_to_power_of_2=c.round_scales_to_power_of_2)
+        want = torchao_cast(gemms, t, cast_config, role, axis)
         assert torch.equal(got._data.view(torch.uint8), want._data.view(torch.uint8)), role
         assert torch.equal(got._scale, want._scale), role

@@ -251,13 +251,24 @@ def test_layer_spec_gives_the_four_linears_our_classes_for_float8():
 
 
 # --------------------------------------------------------------------------- the casts
+def torchao_cast(gemms: Float8Gemms, t: torch.Tensor, cast_config, role: str, axis: int):
+    """torchao's own ``hp_tensor_to_float8_dynamic`` of ``t`` as ``gemms`` configures it:
+    the reference for :meth:`Float8Gemms._cast`."""
+    from torchao.float8 import float8_scaling_utils as scaling  # optional: torchao
+
+    granularity = cast_config.scaling_granularity
+    return scaling.hp_tensor_to_float8_dynamic(
+        t, cast_config.target_dtype, gemms.mm_config,
+        gemm_input_role=gemms._tensor.GemmInputRole[role], scaling_granularity=granularity,
+        axiswise_dim=scaling.get_maybe_axiswise_dim(axis, granularity),
+        round_scales_to_power_of_2=gemms.config.round_scales_to_power_of_2)
+
+
 @pytest.mark.parametrize("fmt,recipe", RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_each_cast_is_torchaos_bit_for_bit(fmt, recipe, dtype):
     """Float8Gemms' cast (its own function of plain tensors, compiled on CUDA) gives what
     torchao's hp_tensor_to_float8_dynamic gives: the same bits, scale, dtype, role and axis."""
-    from torchao.float8 import float8_scaling_utils as scaling  # optional: torchao
-
     gemms = Float8Gemms(_emulated(fmt, recipe))
     c = gemms.config
     t = torch.randn(48, 80, dtype=dtype) * 7
@@ -267,12 +278,7 @@ def test_each_cast_is_torchaos_bit_for_bit(fmt, recipe, dtype):
                                     (c.cast_config_grad_output, "GRAD_OUTPUT", -1),
                                     (c.cast_config_input_for_grad_weight, "INPUT", 0)):
         got = gemms._cast(t, cast_config, role, axis)
-        granularity = cast_config.scaling_granularity
-        want = scaling.hp_tensor_to_float8_dynamic(
-            t, cast_config.target_dtype, gemms.mm_config,
-            gemm_input_role=gemms._tensor.GemmInputRole[role], scaling_granularity=granularity,
-            axiswise_dim=scaling.get_maybe_axiswise_dim(axis, granularity),
-            round_scales_to_power_of_2=c.round_scales_to_power_of_2)
+        want = torchao_cast(gemms, t, cast_config, role, axis)
         assert got._data.dtype == want._data.dtype == cast_config.target_dtype
         assert torch.equal(got._data.view(torch.uint8), want._data.view(torch.uint8)), role
         assert torch.equal(got._scale, want._scale), role
