@@ -6,12 +6,17 @@ Every JSON file the tools write has the same top level::
      "results": [ {...}, ... ], ...tool-specific keys}
 
 ``metadata`` holds what ``docs/performance.md`` must state next to each number: the device,
-the software versions, the date and the exact command.
+the software versions, the date and the exact command, and which code ran: the git commit
+and, because a copied checkout's ``.git`` can be older than its files, ``source_digest``, a
+hash of the code's files themselves (:func:`source_digest`; ``python -m megatron.bench.report
+digest [DIR]`` prints it for a checkout, to match a record to a commit).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -55,6 +60,30 @@ def _git_dirty(repo_dir: Path) -> Optional[bool]:
     return bool(out.stdout.strip()) if out.returncode == 0 else None
 
 
+SOURCE_ROOTS = ("megatron", "tools", "benchmarks", "examples", "pretrain_gpt.py")
+SOURCE_SUFFIXES = (".py", ".sh", ".sbatch")
+
+
+def source_digest(repo_dir: Path) -> Optional[str]:
+    """The first 16 hex digits of a SHA-256 over the code's files (the Python and shell files
+    under :data:`SOURCE_ROOTS`, by relative path and content, caches skipped): equal for two
+    checkouts with the same code whatever their ``.git`` says. None if there is none."""
+    root = Path(repo_dir)
+    files = []
+    for name in SOURCE_ROOTS:
+        top = root / name
+        found = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
+        files += [f for f in found if f.is_file() and f.suffix in SOURCE_SUFFIXES
+                  and "__pycache__" not in f.parts]
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def device_description(device: torch.device) -> Dict[str, Any]:
     """Name, count and memory of the accelerator (or the CPU)."""
     if device.type == "cuda":
@@ -94,6 +123,7 @@ def run_metadata(argv: Sequence[str], device: Optional[torch.device], world_size
         "versions": software_versions(),
         "git_commit": _git_commit(repo),
         "git_dirty": _git_dirty(repo),
+        "source_digest": source_digest(repo),
         "hostname": platform.node(),
         "python_executable": sys.executable,
     }
@@ -164,7 +194,26 @@ def metadata_markdown(meta: Dict[str, Any]) -> str:
         f"- device: {dev_line}, world size {meta['world_size']}",
         f"- software: {soft}",
         f"- date (UTC): {meta['date_utc']}; commit: {meta.get('git_commit') or 'unknown'}"
-        f"{' + uncommitted changes' if meta.get('git_dirty') else ''}",
+        f"{' + uncommitted changes' if meta.get('git_dirty') else ''}"
+        f"{'; source digest: ' + meta['source_digest'] if meta.get('source_digest') else ''}",
         f"- command: `{meta['command']}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m megatron.bench.report digest [DIR]``: print a checkout's source digest."""
+    parser = argparse.ArgumentParser(prog="python -m megatron.bench.report",
+                                     description="The source digest of a checkout.")
+    parser.add_argument("what", choices=["digest"])
+    parser.add_argument("dir", nargs="?", default=str(Path(__file__).resolve().parents[2]),
+                        help="a checkout (default: this one)")
+    args = parser.parse_args(argv)
+    digest = source_digest(Path(args.dir))
+    if digest is None:
+        parser.error(f"DIR {args.dir!r} holds no code files; give a checkout of this project")
+    print(digest)
+
+
+if __name__ == "__main__":
+    main()

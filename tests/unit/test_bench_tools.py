@@ -847,6 +847,52 @@ def test_metadata_says_when_the_tree_differs_from_the_commit(tmp_path):
     assert report._git_dirty(tmp_path / "missing") is None
 
 
+def test_source_digest_follows_the_code_not_the_git_history(tmp_path):
+    """Two checkouts with the same code files share a digest whatever else differs (caches,
+    other files, .git); a changed, added or renamed code file changes it."""
+    def tree(root):
+        (root / "megatron" / "x").mkdir(parents=True)
+        (root / "megatron" / "x" / "a.py").write_text("A = 1\n")
+        (root / "benchmarks").mkdir()
+        (root / "benchmarks" / "run.sh").write_text("echo hi\n")
+        (root / "pretrain_gpt.py").write_text("main()\n")
+        return root
+
+    one, two = tree(tmp_path / "one"), tree(tmp_path / "two")
+    digest = report.source_digest(one)
+    assert digest is not None and len(digest) == 16
+    (two / "megatron" / "x" / "__pycache__").mkdir()
+    (two / "megatron" / "x" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (two / "README.md").write_text("docs\n")
+    (two / ".git").mkdir()
+    assert report.source_digest(two) == digest
+    (two / "megatron" / "x" / "a.py").write_text("A = 2\n")
+    assert report.source_digest(two) != digest
+    (two / "megatron" / "x" / "a.py").write_text("A = 1\n")
+    (two / "megatron" / "x" / "a.py").rename(two / "megatron" / "x" / "b.py")
+    assert report.source_digest(two) != digest
+    assert report.source_digest(tmp_path / "empty") is None
+    meta = {"device": None, "versions": {}, "world_size": 1, "date_utc": "d",
+            "git_commit": "abc", "git_dirty": True, "command": "c", "source_digest": digest}
+    assert f"commit: abc + uncommitted changes; source digest: {digest}" in \
+        report.metadata_markdown(meta)
+    assert report.run_metadata(["x"], None, 1)["source_digest"] == \
+        report.source_digest(Path(report.__file__).resolve().parents[2])
+
+
+def test_source_digest_command(tmp_path, capsys):
+    """python -m megatron.bench.report digest DIR prints the digest; a folder without code
+    is refused in one line naming DIR."""
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "t.py").write_text("x = 1\n")
+    report.main(["digest", str(tmp_path)])
+    assert capsys.readouterr().out.strip() == report.source_digest(tmp_path)
+    with pytest.raises(SystemExit):
+        report.main(["digest", str(tmp_path / "nothing")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "DIR" in err and "holds no code files" in err
+
+
 def test_a_failed_run_is_explained_by_its_cause_not_torchruns_summary():
     torchrun_tail = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
                      "====\n/work/pretrain_gpt.py FAILED\n  traceback : To enable traceback see: "
