@@ -12,11 +12,12 @@ Modules, one concern each:
 * :mod:`.plan`       the chosen :class:`Plan`, :func:`choose_layout`, the search as JSON.
 * :mod:`.validate`   predicted vs measured step times.
 * :mod:`.capabilities` what ``pretrain_gpt.py`` can run here, and the flags that run a plan.
-* :mod:`.documents`  ``--docs``: packed samples of a document mix, their pairs and ring.
+* :mod:`.documents`  packed documents (a ``--docs`` mix or a run's lengths): packed samples,
+                     their pairs and ring.
 * :mod:`.errors`     :class:`PlannerError`, the planner's one error.
 
-Pure Python: nothing here imports torch at import time (``--docs`` imports the mixes and the
-chunk assignment, which do, inside :mod:`.documents`' functions). Entry points: ``tools/plan_parallel.py`` and
+Pure Python: nothing here imports torch at import time (packed documents import the mixes
+and the chunk assignment, which do, inside :mod:`.documents`' functions). Entry points: ``tools/plan_parallel.py`` and
 ``pretrain_gpt.py --ulysses-degree auto --ring-degree auto`` (via :func:`choose_layout`).
 """
 
@@ -28,6 +29,7 @@ from megatron.planner.cost_model import (
     Workload,
     estimate,
 )
+from megatron.planner.documents import Documents
 from megatron.planner.errors import PlannerError
 from megatron.planner.hardware import (
     CALIBRATION_SCHEMA,
@@ -49,6 +51,7 @@ __all__ = [
     "CALIBRATION_SCHEMA",
     "Calibration",
     "DEFAULT_ASSUMPTIONS",
+    "Documents",
     "Estimate",
     "HARDWARE_PRESETS",
     "HardwareSpec",

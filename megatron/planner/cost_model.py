@@ -28,9 +28,10 @@ pairs inside its window (:func:`attention_flops_fwd`) and its ring moves only th
 halo (:func:`window_halo`), as ``megatron/usp/document_ring.py`` runs it; a window of
 ``s - 1`` or more is a full layer. A stage sums its full and window layers.
 
-Packed documents (the workload's ``documents``, a ``--docs`` mix; :mod:`.documents`): a layer
-computes its documents' pairs (:func:`~megatron.shapes.document_pairs`, with a window
-:func:`~megatron.shapes.window_pairs`), the mean over representative packed samples, on the
+Packed documents (the workload's ``documents``: a ``--docs`` mix or a run's document lengths;
+:mod:`.documents`): a layer computes its documents' pairs
+(:func:`~megatron.shapes.document_pairs`, with a window :func:`~megatron.shapes.window_pairs`),
+the mean over representative packed samples, on the
 busiest ring rank of the data loader's chunk assignment (``1 + spread`` of the mean). Its
 kernels run at the rate table's value for the pair-weighted mean document length
 (``sum n^3 / sum n^2``), capped at ``s/R`` (and ``2*window`` on a window layer): the
@@ -53,7 +54,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.planner.documents import (
-    check_mix,
+    Documents,
+    as_documents,
     document_ring,
     kernel_tokens,
     layer_pairs,
@@ -145,12 +147,13 @@ class Workload:
     gpus_per_node: int
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None
-    documents: Optional[str] = None   # a --docs mix: packed documents (:mod:`.documents`)
+    # packed documents (:mod:`.documents`); a mix's name (``--docs MIX``) is taken as its
+    # Documents
+    documents: Optional[Documents] = None
 
     def __post_init__(self) -> None:
         check_model(self.model)
-        if self.documents is not None:
-            check_mix(self.documents)
+        object.__setattr__(self, "documents", as_documents(self.documents))
         for key, flag in (("seq_length", "--seq-length"), ("world_size", "--gpus"),
                           ("gpus_per_node", "--gpus-per-node"),
                           ("micro_batch_size", "--micro-batch-size")):

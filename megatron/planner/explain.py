@@ -13,6 +13,7 @@ from typing import Callable, List, Optional
 
 from megatron.planner import rules
 from megatron.planner.cost_model import Estimate
+from megatron.planner.documents import describe
 from megatron.planner.search import RankedLayout, SearchResult
 from megatron.usp.parallel_dims import ParallelDims, divisors
 
@@ -208,6 +209,10 @@ def reasons_for(result: SearchResult, ranked: RankedLayout) -> List[str]:
         out.append(f"tie: {ranked.runner_up.layout.short()} is predicted {_pct(faster)} faster, "
                    f"within the {_pct(rules.TIE_TOLERANCE)} tolerance; chosen by "
                    f"{ranked.decided_by.cite()}")
+    w = result.workload
+    if w.documents is not None:
+        out.append(f"packed documents: {describe(w.documents, w.seq_length, w.micro_batch_size)}"
+                   f" (attention and FLOPs: the documents' pairs)")
     out.append(f"{_axis_links(e)} ({rules.RULES['grid-order'].cite()})")
     out.append(_reason_tp(result, e))
     out.extend(_reason_cp(result, e))
@@ -274,7 +279,7 @@ def format_table(result: SearchResult) -> str:
         f"sequence {w.seq_length}, micro-batch {w.micro_batch_size}, global batch "
         f"{w.global_batch_size if w.global_batch_size is not None else 'auto'}, "
         f"{w.world_size} GPUs ({w.gpus_per_node} per node)"
-        + (f", packed documents --docs {w.documents} (FLOPs: the documents' pairs)"
+        + (f", packed documents {w.documents.name()} (FLOPs: the documents' pairs)"
            if w.documents is not None else ""),
     ]
     lines += result.hardware.describe()

@@ -21,7 +21,7 @@ from megatron.planner.capabilities import (
     runnable,
 )
 from megatron.planner.cost_model import DEFAULT_ASSUMPTIONS, Assumptions, Estimate, Workload
-from megatron.planner.documents import DOCUMENT_FLAGS
+from megatron.planner.documents import DOCUMENT_FLAGS, Documents, describe
 from megatron.planner.explain import reasons_for
 from megatron.planner.hardware import HardwareSpec
 from megatron.planner.search import RankedLayout, SearchResult, plan_layouts
@@ -160,6 +160,7 @@ def choose_layout(
     fixed: Optional[Dict[str, Any]] = None,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     capabilities: Optional[Capabilities] = None,
+    documents: Union[None, str, Documents] = None,
 ) -> Plan:
     """The best layout for ``model`` at ``seq_length`` on ``world_size`` GPUs.
 
@@ -167,15 +168,25 @@ def choose_layout(
     (see :data:`FIXED_KEYS`; None values mean "choose"); ``assumptions`` what the run will
     do that the cost model cannot choose (e.g. whether TP uses sequence parallelism);
     ``capabilities`` what the training script can run (default: ``pretrain_gpt.py`` in
-    this installation, :mod:`.capabilities`).
+    this installation, :mod:`.capabilities`); ``documents`` the packed documents of a run
+    with ``--reset-attention-mask`` (a mix's name or :class:`~.documents.Documents`; None:
+    dense sequences).
     Raises :class:`PlannerError` naming the binding limit and the smallest change that
     would fit when no layout is feasible.
     """
     w = Workload(model, seq_length, world_size, gpus_per_node, micro_batch_size,
-                 global_batch_size)
+                 global_batch_size, documents)
     result = plan_layouts(w, hardware, fixed, top=1, assumptions=assumptions,
                           capabilities=capabilities)
     return plan_from(result, result.best)
+
+
+def documents_json(w: Workload) -> Union[None, str, Dict[str, Any]]:
+    """The workload's documents in JSON: a mix's name, or the lengths' name and summary."""
+    d = w.documents
+    if d is None or d.mix is not None:
+        return None if d is None else d.mix
+    return {"name": d.name(), "summary": describe(d, w.seq_length, w.micro_batch_size)}
 
 
 def result_to_json(result: SearchResult) -> Dict[str, Any]:
@@ -188,7 +199,7 @@ def result_to_json(result: SearchResult) -> Dict[str, Any]:
             "gpus_per_node": w.gpus_per_node,
             "micro_batch_size": w.micro_batch_size,
             "global_batch_size": w.global_batch_size,
-            "documents": w.documents,
+            "documents": documents_json(w),
         },
         "hardware": {
             "name": result.hardware.name,

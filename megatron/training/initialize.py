@@ -186,7 +186,8 @@ def initialize(args) -> Runtime:
     vocab = model_vocab_size(config.tokenizer_type, rt.data_source.tokenizer_model,
                              rt.tokenizer.vocab_size, args.vocab_size)
     if config.dims is None:   # --ulysses-degree auto
-        config, rt.plan_reasons = resolve_auto_layout(config, vocab, rt.device_name)
+        config, rt.plan_reasons = resolve_auto_layout(config, vocab, rt.device_name,
+                                                      rt.data_source.data_path, rt.tokenizer)
     rt.config = config = config.with_padded_vocab(padded_vocab_size(
         vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size))
     check_save_room(config, device)

@@ -293,7 +293,7 @@ def _train_with_auto_layout(rank, world_size):
     args = parse_args(BASE + ["--ulysses-degree", "auto", "--ring-degree", "auto",
                               "--hardware", "h200", "--gpus-per-node", "4",
                               "--num-workers", "0", "--train-iters", "2", "--eval-iters", "0",
-                              "--global-batch-size", "4"])
+                              "--global-batch-size", "4", "--reset-attention-mask"])
     runtimes = []
     real = init_mod.initialize
 
@@ -310,13 +310,17 @@ def _train_with_auto_layout(rank, world_size):
         loop_mod.initialize = real
     dims = runtimes[0].config.dims
     assert isinstance(dims.ulysses, int) and isinstance(dims.ring, int)
+    # packed documents: planned on megatron-core's mock documents as this vocabulary cuts them
+    assert any(r.startswith("packed documents: megatron-core's mock documents (uniform:4k)")
+               for r in runtimes[0].plan_reasons), runtimes[0].plan_reasons
     assert dims.ulysses * dims.ring * dims.dp == world_size
     assert result.iteration == 2 and all(math.isfinite(v) for v in result.losses.values())
 
 
 def test_auto_layout_trains(dist_run):
     """pretrain() with 'auto' degrees asks the planner on every rank (deterministically the
-    same answer, no communication), then trains under the chosen layout."""
+    same answer, no communication), then trains under the chosen layout; with
+    --reset-attention-mask the plan is costed on the mock documents."""
     dist_run(_train_with_auto_layout, 4, timeout=180)
 
 

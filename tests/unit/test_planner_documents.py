@@ -50,20 +50,21 @@ def test_the_corpus_mix_is_refused_where_the_corpus_is_missing(monkeypatch):
     from megatron.bench import document_bench
 
     monkeypatch.setattr(document_bench, "corpus_lengths", lambda: None)
-    pdocs.packed_samples.cache_clear()
-    pdocs.sample_lengths.cache_clear()
+    for cached in (pdocs.packed_lengths, pdocs.packed_samples, pdocs.sample_lengths):
+        cached.cache_clear()
     with pytest.raises(PlannerError, match="--docs corpus: the embedded corpus"):
         estimate(Workload(TINY, 4096, 1, 8, documents="corpus"), Layout.of(1, 1, 1, 1, 1),
                  H200)
-    pdocs.packed_samples.cache_clear()
-    pdocs.sample_lengths.cache_clear()
+    for cached in (pdocs.packed_lengths, pdocs.packed_samples, pdocs.sample_lengths):
+        cached.cache_clear()
 
 
 def test_samples_are_packed_as_the_loader_packs_them():
     """Documents back to back, one cut at a sample end continuing in the next sample."""
-    rows = pdocs.sample_lengths("fixed:3k", 8192, 3)
+    rows = pdocs.sample_lengths(pdocs.Documents("fixed:3k"), 8192, 3)
     assert rows == ((3072, 3072, 2048), (1024, 3072, 3072, 1024), (2048, 3072, 3072))
-    assert all(sum(r) == 16384 for r in pdocs.sample_lengths("lognormal", 16384, 4))
+    assert all(sum(r) == 16384 for r in pdocs.sample_lengths(pdocs.Documents("lognormal"),
+                                                             16384, 4))
 
 
 @pytest.mark.parametrize("window, freq", [(None, None), (512, [1, 0, 1, 1])])
@@ -76,7 +77,7 @@ def test_plan_flops_are_the_training_loops_count_of_the_same_documents(mix, wind
     s, samples = 8192, pdocs.plan_samples(1)
     w = Workload(model, s, 1, 8, 1, samples, documents=mix)
     e = estimate(w, Layout.of(1, 1, 1, 1, 1), H200)
-    seg = torch.from_numpy(pdocs.packed_samples(mix, s, samples))
+    seg = torch.from_numpy(pdocs.packed_samples(pdocs.Documents(mix), s, samples))
     full = {"tokens": torch.zeros_like(seg), "segment_ids": seg}
     pairs = attention_pairs(full, True, window, model.window_share())
     assert e.model_flops_per_step == training_flops(model, samples * s, pairs)
@@ -84,7 +85,7 @@ def test_plan_flops_are_the_training_loops_count_of_the_same_documents(mix, wind
     if window is None:
         from megatron.bench.e2e.documents import TrainedBatches
 
-        rows = [np.asarray(r) for r in pdocs.sample_lengths(mix, s, samples)]
+        rows = [np.asarray(r) for r in pdocs.sample_lengths(pdocs.Documents(mix), s, samples)]
         batches = TrainedBatches(None, None, rows, samples, 0)
         assert e.model_flops_per_step == training_flops(model, samples * s,
                                                         batches.pairs_per_iteration()[0])
@@ -99,7 +100,8 @@ def test_plan_flops_are_the_training_loops_count_of_the_same_documents(mix, wind
 def test_ring_rank_kv_tokens_are_the_document_rings_own(mix, ulysses, ring):
     """The per-ring-rank K/V count is what the document ring's plan of each rank sends and
     receives, under the loader's assignment."""
-    seg = lb.segments_from_lengths(pdocs.sample_lengths(mix, 8192 * 2, 1)[0], 8192, 2)
+    seg = lb.segments_from_lengths(pdocs.sample_lengths(pdocs.Documents(mix), 8192 * 2, 1)[0],
+                                   8192, 2)
     bal = lb.balance_chunks(seg, ulysses, ring)
     counts = lb.ring_rank_kv_tokens(seg, ring, bal.assignment)
     for r in range(ring):

@@ -125,6 +125,17 @@ def parse_split(split: str) -> List[float]:
     return [v / total for v in values]
 
 
+def split_ranges(split: str, num_sequences: int) -> List[Tuple[int, int]]:
+    """The ``[begin, end)`` sequence ranges of the train, valid and test splits of a prefix of
+    ``num_sequences`` sequences under ``--split``: megatron-core's
+    ``[round(lo * n), round(hi * n))`` over the normalised cumulative weights."""
+    bounds = [0.0]
+    for w in parse_split(split):
+        bounds.append(bounds[-1] + w)
+    return [(int(round(lo * num_sequences)), int(round(hi * num_sequences)))
+            for lo, hi in zip(bounds, bounds[1:])]
+
+
 def _check_cache_dir(cfg: DataConfig, prefixes: Sequence[str]) -> None:
     """The folder(s) megatron-core will write its sample indices to must be writable."""
     if cfg.data_cache_path is not None:
@@ -238,5 +249,5 @@ def validate_data_config(cfg: DataConfig, tokenizer, cp_size: int) -> DataReport
 
 __all__ = [
     "DataConfig", "DataConfigError", "DataReport", "parse_data_path", "parse_split",
-    "validate_data_config",
+    "split_ranges", "validate_data_config",
 ]

@@ -36,6 +36,7 @@ from megatron.training.data.config import (
     DataConfigError,
     parse_data_path,
     parse_split,
+    split_ranges,
 )
 from megatron.training.data.indexed_files import inspect_indexed_dataset
 
@@ -49,15 +50,13 @@ def _check_split_tokens(
     is ``[round(lo_i * n), round(hi_i * n))``.
     """
     weights = parse_split(split)
-    bounds = np.concatenate([[0.0], np.cumsum(weights)])
     names = ("train", "valid", "test")
     for prefix in prefixes:
         info = inspect_indexed_dataset(prefix, "--data-path")
         n = info.num_sequences
-        for i, name in enumerate(names):
+        for i, (name, (beg, end)) in enumerate(zip(names, split_ranges(split, n))):
             if weights[i] == 0 or sizes[i] is None:
                 continue
-            beg, end = int(round(bounds[i] * n)), int(round(bounds[i + 1] * n))
             tokens = int(info.sequence_lengths[beg:end].sum(dtype=np.int64))
             if tokens == 0:
                 raise DataConfigError(
