@@ -31,7 +31,9 @@ forward+backward uses ``torch.autograd.grad`` with a fixed output gradient.
 
 Packed documents (``--docs fixed:2k,fixed:8k,lognormal``): document-masked USP attention per
 split, or with ``--doc-kernels`` the single-GPU document kernels, in useful TFLOP/s with the
-per-rank work spread and the ring bytes skipped (:mod:`megatron.bench.document_bench`).
+per-rank work spread and the ring bytes skipped (:mod:`megatron.bench.document_bench`);
+``--doc-stream N`` times those kernels on N distinct samples each, as training meets them
+(:mod:`megatron.bench.document_stream`).
 
 Sliding window (``--window W``, causal only): the single-GPU case is the window kernel's own
 call on the whole sequence (:mod:`megatron.usp.window_kernel`: on CUDA bf16/fp16 PyTorch's

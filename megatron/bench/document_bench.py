@@ -33,6 +33,10 @@ documents back to back, the last one cut at the sample end as megatron-core's da
   ``--doc-kernels-split UxR`` times the block kernels on what ring rank 0 of that split
   computes instead: its heads (``heads/U``), its local block and every K/V block it needs, in
   turn, under the USP mode's assignment; ``auto_choice`` lists the choice per block.
+  Repeating one sample times every fixed kernel with its cuDNN plans built; ``--doc-stream
+  N`` times each kernel on N distinct samples instead, each once, as training meets them
+  (:mod:`megatron.bench.document_stream`): the table that says which kernel is fastest in
+  training.
 
 * **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
   of zigzag and of the balanced assignment for every mix, length and ``--splits`` U x R (any
