@@ -18,6 +18,8 @@ One module per concern:
   kernel, the SDPA anchor, the native-CP peer) and its command line.
 * :mod:`~megatron.bench.document_bench`: the packed-document attention sweep
   (``tools/bench_attention.py --docs``).
+* :mod:`~megatron.bench.document_stream`: the document kernels on a stream of distinct
+  samples (``--doc-kernels ... --doc-stream N``).
 * :mod:`~megatron.bench.cli`: command-line pieces the tools share (lengths, splits, chunks).
 * :mod:`~megatron.bench.e2e`: end-to-end training throughput through ``pretrain_gpt.py``
   and the longest-sequence search, one module per job (see its docstring).

@@ -31,7 +31,9 @@ forward+backward uses ``torch.autograd.grad`` with a fixed output gradient.
 
 Packed documents (``--docs fixed:2k,fixed:8k,lognormal``): document-masked USP attention per
 split, or with ``--doc-kernels`` the single-GPU document kernels, in useful TFLOP/s with the
-per-rank work spread and the ring bytes skipped (:mod:`megatron.bench.document_bench`).
+per-rank work spread and the ring bytes skipped (:mod:`megatron.bench.document_bench`);
+``--doc-stream N`` times those kernels on N distinct samples each, as training meets them
+(:mod:`megatron.bench.document_stream`).
 
 Sliding window (``--window W``, causal only): the single-GPU case is the window kernel's own
 call on the whole sequence (:mod:`megatron.usp.window_kernel`: on CUDA bf16/fp16 PyTorch's
@@ -61,7 +63,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.bench import document_bench, native_cp, report, timing
+from megatron.bench import document_bench, document_stream, native_cp, report, timing
 from megatron.bench.cli import (
     BenchConfigError,
     parse_overlap_chunks,
@@ -122,6 +124,7 @@ class AttentionBenchConfig:
     docs: List[str] = field(default_factory=list)
     doc_kernels: List[str] = field(default_factory=list)
     doc_kernels_split: Tuple[int, int] = (1, 1)
+    doc_stream: int = 0
     document_kernel: str = "auto"
     chunk_assignment: str = "auto"
     balance_report: bool = False
@@ -200,6 +203,7 @@ def validate_config(cfg: AttentionBenchConfig, world: int) -> None:
                 f"{world}x1,1x{world}") from None
     if cfg.window is not None:
         _check_window(cfg)
+    document_stream.check_stream_config(cfg)
     unknown = [p for p in cfg.peers if p not in PEERS]
     if unknown:
         raise BenchConfigError(f"--peers {','.join(unknown)}: known peers are {list(PEERS)} "
@@ -278,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --doc-kernels: time the kernels on the blocks ring rank 0 of this "
                         "U x R split computes (its heads, its local block and every K/V block "
                         "it needs), e.g. 2x2; 1x1 (default): the whole sequence")
+    p.add_argument("--doc-stream", type=int, default=0,
+                   help="with --doc-kernels: time each kernel on a stream of N >= 2 distinct "
+                        "samples per length and mix, each timed once, as training meets them "
+                        "(megatron/bench/document_stream.py); 0 (default): one sample, "
+                        "repeated")
     p.add_argument("--document-attention-kernel", default="auto",
                    help="with --docs: the document kernel USP uses (auto, tiles, varlen, math)")
     p.add_argument("--chunk-assignment", "--document-layout", dest="chunk_assignment",
@@ -309,7 +318,7 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
         out=ns.out, markdown=ns.markdown, overlap_chunks=parse_overlap_chunks(ns.overlap_chunks),
         profile_dir=ns.profile_dir, docs=_doc_mixes(ns.docs),
         doc_kernels=[k.strip() for k in ns.doc_kernels.split(",") if k.strip()],
-        doc_kernels_split=_one_split(ns.doc_kernels_split),
+        doc_kernels_split=_one_split(ns.doc_kernels_split), doc_stream=ns.doc_stream,
         document_kernel=ns.document_attention_kernel, chunk_assignment=ns.chunk_assignment,
         balance_report=ns.balance_report, balance_samples=ns.balance_samples, window=ns.window)
 
@@ -784,15 +793,22 @@ def _run_documents(cfg: AttentionBenchConfig, sweep: "_Sweep", splits, meta: dic
     """``--docs``: the packed-document sweep of :mod:`megatron.bench.document_bench`."""
     document_bench.check_document_config(cfg, sweep.world)
     payload["tool"] = "bench_attention --docs"
+    markdown = document_bench.results_markdown
+    if cfg.doc_stream:
+        payload["stream"] = document_stream.stream_record(cfg)
+        markdown = document_stream.stream_markdown
 
     def write(results):
         payload["results"] = document_bench.as_dicts(results)
         if cfg.out:
             report.write_json(cfg.out, payload)
         if cfg.markdown:
-            report.write_text(cfg.markdown, document_bench.results_markdown(meta, cfg, results))
+            report.write_text(cfg.markdown, markdown(meta, cfg, results))
 
-    document_bench.run_document_sweep(cfg, sweep, splits, meta, payload, write)
+    if cfg.doc_stream:
+        document_stream.run_stream_sweep(cfg, sweep, write)
+    else:
+        document_bench.run_document_sweep(cfg, sweep, splits, meta, payload, write)
     return payload
 
 

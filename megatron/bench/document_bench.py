@@ -33,6 +33,10 @@ documents back to back, the last one cut at the sample end as megatron-core's da
   ``--doc-kernels-split UxR`` times the block kernels on what ring rank 0 of that split
   computes instead: its heads (``heads/U``), its local block and every K/V block it needs, in
   turn, under the USP mode's assignment; ``auto_choice`` lists the choice per block.
+  Repeating one sample times every fixed kernel with its cuDNN plans built; ``--doc-stream
+  N`` times each kernel on N distinct samples instead, each once, as training meets them
+  (:mod:`megatron.bench.document_stream`): the table that says which kernel is fastest in
+  training.
 
 * **Balance report** (``--balance-report``; no GPU, no timing): the per-ring-rank work spread
   of zigzag and of the balanced assignment for every mix, length and ``--splits`` U x R (any
@@ -85,6 +89,8 @@ from megatron.usp.document_ring import (
 )
 from megatron.usp.kernels import get_kernel
 from megatron.usp.packed_documents import (
+    BATCHED,
+    VARLEN,
     KernelCosts,
     PackedDocumentAttention,
     build_packed_plan,
@@ -164,7 +170,17 @@ def useful_pairs(segments: np.ndarray, causal: bool = True) -> int:
 # --------------------------------------------------------------------------- results
 @dataclass
 class DocCaseResult:
-    """One timed case. Times in ms, rates in useful TFLOP/s per GPU."""
+    """One timed case. Times in ms, rates in useful TFLOP/s per GPU.
+
+    A stream row (``--doc-stream N``, ``stream_samples`` set) times one forward+backward on
+    each of N samples: ``fwd_bwd_times_ms`` per sample, ``fwd_bwd_ms`` their median,
+    ``stream_mean_ms`` / ``stream_max_ms`` their mean and max, ``documents``,
+    ``useful_pairs`` and ``tile_calls`` summed over the stream, the rate the stream's useful
+    FLOPs over its total time, ``auto_choice`` the choices tallied over the stream
+    (``stream_sample_choices`` per sample), ``stream_position`` the order the kernel ran in
+    (1 = first), and ``vs_fastest`` the fastest document kernel's rate over this one's
+    (1.0 = fastest; ``stream_rank`` 1). No forward-only times there.
+    """
 
     seq_len: int
     mix: str
@@ -196,6 +212,14 @@ class DocCaseResult:
     peak_mem_gib: Optional[float] = None
     fwd_times_ms: List[float] = field(default_factory=list)
     fwd_bwd_times_ms: List[float] = field(default_factory=list)
+    stream_samples: Optional[int] = None
+    stream_position: Optional[int] = None
+    stream_seeds: List[int] = field(default_factory=list)
+    stream_sample_choices: List[str] = field(default_factory=list)
+    stream_mean_ms: Optional[float] = None
+    stream_max_ms: Optional[float] = None
+    stream_rank: Optional[int] = None
+    vs_fastest: Optional[float] = None
 
 
 def _rates(res: DocCaseResult, fwd_flops: float) -> None:
@@ -249,7 +273,7 @@ def results_markdown(meta: dict, cfg, results: Sequence[DocCaseResult]) -> str:
 
 
 # --------------------------------------------------------------------------- inputs
-def _inputs(cfg, seq_len: int, device, ulysses: int = 1) -> Dict[str, Tensor]:
+def kernel_inputs(cfg, seq_len: int, device, ulysses: int = 1) -> Dict[str, Tensor]:
     """q, k, v, dout [b, h, seq_len, d]: the heads one of ``ulysses`` ranks holds (K/V heads
     replicated up to ``ulysses`` first, as USP does)."""
     gen = torch.Generator(device=device)
@@ -302,7 +326,7 @@ def usp_case(sweep, cfg, seq_len: int, mix: str, split, groups) -> DocCaseResult
     res.useful_pairs = useful_pairs(seg)
     rank = sweep.rank
     plan = build_document_ring_plan(seg, rank // u, r, assignment, True, sweep.device)
-    x = _inputs(cfg, seq_len, sweep.device)
+    x = kernel_inputs(cfg, seq_len, sweep.device)
     loc = {n: shard_for_cp_rank(t, 2, rank, sweep.world, assignment).permute(2, 0, 1, 3)
            .contiguous() for n, t in x.items()}
     del x
@@ -373,7 +397,7 @@ def recurring(costs: KernelCosts, choose: Callable[[], object]):
 
 
 def _packed(kernel, block, x, scale, recur: bool = False):
-    """fwd, fwd_bwd and the segment counts of the in-place path on [s, b, h, d] copies of x
+    """fwd, fwd_bwd and the documents per kind of the in-place path on [s, b, h, d] copies of x
     (the fwd returns head-major out, to compare with the other kernels); ``recur``: its plan
     as once the sample's shapes have recurred (:func:`recurring`)."""
     q, k, v, dout = (x[n].permute(2, 0, 1, 3).contiguous() for n in ("q", "k", "v", "dout"))
@@ -390,8 +414,7 @@ def _packed(kernel, block, x, scale, recur: bool = False):
 
     def fwd_bwd():
         return torch.autograd.grad(fwd(), (q, k, v), dout.permute(1, 2, 0, 3))
-    counts = plan.counts()
-    return fwd, fwd_bwd, f"batched {counts['batched']} / varlen {counts['varlen']} documents"
+    return fwd, fwd_bwd, plan.counts()
 
 
 def _flex(block, x, scale):
@@ -440,67 +463,12 @@ def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
     res.useful_pairs = (useful_pairs(seg) if ring_blocks is None
                         else sum(b.pairs for b in blocks))
     res.tile_calls = sum(len(b.groups) for b in blocks)
-    local = get_kernel(cfg.backend)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
-    heads = q.shape[1]
     if ring_blocks is not None and name in WHOLE_SEQUENCE_ONLY:
         res.status, res.note = "skipped", "whole sequence only (--doc-kernels-split 1x1)"
         return res
-    if name == "dense":
-        def fwd():
-            return local.forward(q, k, v, True, scale)
-
-        def fwd_bwd():
-            out, lse = fwd()
-            return local.backward(dout, q, k, v, out, lse, True, scale)
-        flops = attention_fwd_flops(cfg.batch, heads, q.shape[2], cfg.head_dim, True)
-    elif name == "flex":
-        run = _flex(block, x, scale)
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-
-        def fwd():
-            return run(qg, kg, vg)
-
-        def fwd_bwd():
-            return torch.autograd.grad(fwd(), (qg, kg, vg), dout)
-        flops = 4.0 * heads * cfg.head_dim * res.useful_pairs
-    elif name in ("packed", "packed-recurring"):
-        fwd, fwd_bwd, res.auto_choice = _packed(local, block, x, scale,
-                                                recur=name == "packed-recurring")
-        flops = 4.0 * heads * cfg.head_dim * res.useful_pairs
-    else:
-        if name == "per-document":
-            steps = [_per_document(local, block)]
-        elif name == "auto-recurring":
-            auto = AutoDocumentKernel(local)
-            costs = auto.costs(q, k, block.causal)
-            candidates = block_candidates(q.device.type, q.dtype, flash_varlen.available())
-            chosen = [recurring(costs, lambda blk=blk: choose_block_kernel(blk, costs,
-                                                                           candidates))
-                      for blk in blocks]
-            res.auto_choice = ",".join(chosen)
-            steps = [_block_calls(auto.kernels[c], blk) for c, blk in zip(chosen, blocks)]
-        else:
-            kern = {"tiles": lambda: TileDocumentKernel(local),
-                    "tiles-copy": lambda: TileDocumentKernel(local, views=False),
-                    "varlen": VarlenDocumentKernel, "auto": lambda: AutoDocumentKernel(local)}[
-                name]()
-            if name == "auto":
-                res.auto_choice = auto_choice(kern, q, k, blocks)
-            steps = [_block_calls(kern, blk) for blk in blocks]
-
-        def fwd():                                 # a ring rank's blocks in turn
-            outs = [f(q, k, v, scale) for f, _ in steps]
-            return outs[0]
-
-        def fwd_bwd():
-            grads = []
-            for f, b in steps:
-                out, lse = f(q, k, v, scale)
-                grads.append(b(dout, q, k, v, out, lse, scale))
-            return grads[0]
-        flops = 4.0 * heads * cfg.head_dim * res.useful_pairs
+    fwd, fwd_bwd, flops, choice = kernel_calls(cfg, name, x, block, blocks, res.useful_pairs)
+    if choice is not None:
+        res.auto_choice = choice_text(choice)
     timing.reset_peak_memory(sweep.device)
     res.fwd_times_ms = timing.time_iterations(fwd, warmup=cfg.warmup, iters=cfg.iters,
                                               device=sweep.device, distributed=False)
@@ -517,8 +485,82 @@ def kernel_case(sweep, cfg, seq_len: int, mix: str, name: str, x, seg, block,
     return res
 
 
+def kernel_calls(cfg, name: str, x, block, blocks: Sequence, pairs: int):
+    """``(fwd, fwd_bwd, forward FLOPs, choice)`` of kernel ``name`` on ``blocks`` (the whole
+    sequence's ``block``, or a ring rank's blocks in turn) with ``x``'s q, k, v, dout
+    [b, h, s, d]; ``pairs``: the useful pairs of ``blocks``. The kernel's per-micro-batch
+    work (``auto``'s choice, ``packed``'s plan) is done here, before anything is timed;
+    ``choice`` is ``auto``'s kernel per block (a list) or ``packed``'s documents per kind (a
+    dict), else None."""
+    local = get_kernel(cfg.backend)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+    heads = q.shape[1]
+    flops = 4.0 * heads * cfg.head_dim * pairs
+    choice = None
+    if name == "dense":
+        def fwd():
+            return local.forward(q, k, v, True, scale)
+
+        def fwd_bwd():
+            out, lse = fwd()
+            return local.backward(dout, q, k, v, out, lse, True, scale)
+        return fwd, fwd_bwd, attention_fwd_flops(q.shape[0], heads, q.shape[2], cfg.head_dim,
+                                                 True), None
+    if name == "flex":
+        run = _flex(block, x, scale)
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+        def fwd():
+            return run(qg, kg, vg)
+
+        def fwd_bwd():
+            return torch.autograd.grad(fwd(), (qg, kg, vg), dout)
+        return fwd, fwd_bwd, flops, None
+    if name in ("packed", "packed-recurring"):
+        fwd, fwd_bwd, choice = _packed(local, block, x, scale, recur=name == "packed-recurring")
+        return fwd, fwd_bwd, flops, choice
+    if name == "per-document":
+        steps = [_per_document(local, block)]
+    elif name == "auto-recurring":
+        auto = AutoDocumentKernel(local)
+        costs = auto.costs(q, k, block.causal)
+        candidates = block_candidates(q.device.type, q.dtype, flash_varlen.available())
+        choice = [recurring(costs, lambda blk=blk: choose_block_kernel(blk, costs, candidates))
+                  for blk in blocks]
+        steps = [_block_calls(auto.kernels[c], blk) for c, blk in zip(choice, blocks)]
+    else:
+        kern = {"tiles": lambda: TileDocumentKernel(local),
+                "tiles-copy": lambda: TileDocumentKernel(local, views=False),
+                "varlen": VarlenDocumentKernel, "auto": lambda: AutoDocumentKernel(local)}[
+            name]()
+        if name == "auto":
+            choice = [kern.choose(q, k, blk).name for blk in blocks]
+        steps = [_block_calls(kern, blk) for blk in blocks]
+
+    def fwd():                                 # a ring rank's blocks in turn
+        outs = [f(q, k, v, scale) for f, _ in steps]
+        return outs[0]
+
+    def fwd_bwd():
+        grads = []
+        for f, b in steps:
+            out, lse = f(q, k, v, scale)
+            grads.append(b(dout, q, k, v, out, lse, scale))
+        return grads[0]
+    return fwd, fwd_bwd, flops, choice
+
+
+def choice_text(choice) -> str:
+    """``auto``'s kernel per block, ``tiles,varlen``, or ``packed``'s documents per kind,
+    ``batched 3 / varlen 12 documents``."""
+    if isinstance(choice, dict):
+        return f"batched {choice[BATCHED]} / varlen {choice[VARLEN]} documents"
+    return ",".join(choice)
+
+
 # --------------------------------------------------------------------------- the sweep
-class _DocSweep:
+class DocSweep:
     """What the cases share: config, device, rank (the attention bench's _Sweep helpers)."""
 
     def __init__(self, base_sweep) -> None:
@@ -534,7 +576,7 @@ class _DocSweep:
         self.base.log(text)
 
 
-def _guarded(res_factory: Callable[[], DocCaseResult], fallback: DocCaseResult) -> DocCaseResult:
+def guarded(res_factory: Callable[[], DocCaseResult], fallback: DocCaseResult) -> DocCaseResult:
     try:
         return res_factory()
     except Exception as exc:  # noqa: BLE001 - an OOM or a kernel refusing a shape is a result
@@ -546,7 +588,7 @@ def _guarded(res_factory: Callable[[], DocCaseResult], fallback: DocCaseResult) 
 def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write) -> List:
     """Every (S, mix) case of the configured mode; rank 0 calls ``write(results)`` after each
     case, so an interrupted sweep keeps what it measured."""
-    sweep = _DocSweep(base_sweep)
+    sweep = DocSweep(base_sweep)
     results: List[DocCaseResult] = []
     kernels = cfg.doc_kernels
     for seq_len in cfg.seq_lens:
@@ -565,7 +607,7 @@ def run_document_sweep(cfg, base_sweep, splits, meta: dict, payload: dict, write
             for split in splits:
                 fallback = DocCaseResult(seq_len, mix, "usp", f"USP U{split[0]}xR{split[1]}",
                                          sweep.world, ulysses=split[0], ring=split[1])
-                res = _guarded(lambda s=seq_len, m=mix, sp=split: usp_case(
+                res = guarded(lambda s=seq_len, m=mix, sp=split: usp_case(
                     sweep, cfg, s, m, sp, base_sweep.groups_for(sp)), fallback)
                 results.append(res)
                 sweep.log(lambda r=res: progress_line(r))
@@ -596,7 +638,7 @@ def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
     block = build_document_block(pos, seg, pos, seg, True, sweep.device)
     u, r = getattr(cfg, "doc_kernels_split", (1, 1))
     ring_blocks = None if u * r == 1 else ring_rank_blocks(cfg, seg, u, r, sweep.device)
-    x = _inputs(cfg, seq_len // r, sweep.device, u)
+    x = kernel_inputs(cfg, seq_len // r, sweep.device, u)
     try:
         chosen = auto_choice(AutoDocumentKernel(get_kernel(cfg.backend)), x["q"], x["k"],
                              ring_blocks or [block])
@@ -611,7 +653,7 @@ def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
                                      status="skipped", note="no flash varlen op here"))
             continue
         fallback = DocCaseResult(seq_len, mix, "kernel", name, 1, kernel=name)
-        res = _guarded(lambda n=name, ref=reference: kernel_case(
+        res = guarded(lambda n=name, ref=reference: kernel_case(
             sweep, cfg, seq_len, mix, n, x, seg, block, ref, ring_blocks), fallback)
         res.ulysses, res.ring = u, r
         if ring_blocks is not None:
@@ -663,7 +705,7 @@ def time_document_kernels(setup: KernelSetup, seg: np.ndarray, kernels: Sequence
     seq_len = seg.shape[1]
     pos = np.arange(seq_len)[None]
     block = build_document_block(pos, seg, pos, seg, True, device)
-    x = _inputs(setup, seq_len, device)
+    x = kernel_inputs(setup, seq_len, device)
     out = []
     for name in kernels:
         fallback = DocCaseResult(seq_len, "", "kernel", name, 1, kernel=name)
@@ -671,7 +713,7 @@ def time_document_kernels(setup: KernelSetup, seg: np.ndarray, kernels: Sequence
             fallback.status, fallback.note = "skipped", "no flash varlen op here"
             out.append(fallback)
             continue
-        out.append(_guarded(lambda n=name: kernel_case(_OneDevice(device), setup, seq_len, "",
+        out.append(guarded(lambda n=name: kernel_case(_OneDevice(device), setup, seq_len, "",
                                                        n, x, seg, block, None), fallback))
         timing.free_memory(device)
     return out

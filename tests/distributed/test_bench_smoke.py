@@ -351,6 +351,78 @@ def test_bench_attention_document_kernels_and_balance_report(tmp_path):
         assert r["kv_messages_skipped_mean"] < r["kv_bytes_skipped_mean"] < 1
 
 
+def _stream_rows(path):
+    payload = json.loads(path.read_text())
+    assert payload["tool"] == "bench_attention --docs" and payload["config"]["doc_stream"] == 3
+    return payload, payload["results"]
+
+
+def _check_stream_row(r, samples=3):
+    assert r["status"] == "ok", r
+    assert r["stream_samples"] == samples and r["label"].endswith(f", stream of {samples}")
+    assert len(r["fwd_bwd_times_ms"]) == samples and r["fwd_times_ms"] == []
+    assert r["stream_max_ms"] >= r["stream_mean_ms"] > 0 and r["fwd_bwd_ms"] > 0
+    assert r["fwd_bwd_tflops_per_gpu"] > 0 and r["useful_pairs"] > 0
+    assert len(set(r["stream_seeds"])) == samples and r["vs_fastest"] >= 1.0
+
+
+def test_bench_attention_document_stream(tmp_path):
+    """--doc-stream 3: each kernel on its own three samples, the choosing kernels first, their
+    choices tallied over the stream, every row's ratio to the fastest; and with
+    --doc-kernels-split 1x2 on what ring rank 0 computes of each sample."""
+    out, md = tmp_path / "stream.json", tmp_path / "stream.md"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--seq-lens", "128",
+         *TINY, "--warmup", "1", "--docs", "fixed:16,lognormal", "--doc-kernels",
+         "tiles,auto,packed", "--doc-stream", "3", "--out", str(out), "--markdown", str(md)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload, results = _stream_rows(out)
+    assert payload["stream"]["kernel_order"] == ["auto", "packed", "tiles"]
+    assert [(r["mix"], r["kernel"], r["stream_position"]) for r in results] == [
+        (mix, k, i) for mix in ("fixed:16", "lognormal")
+        for i, k in enumerate(("auto", "packed", "tiles"), 1)]
+    for mix in ("fixed:16", "lognormal"):
+        rows = {r["kernel"]: r for r in results if r["mix"] == mix}
+        for r in rows.values():
+            _check_stream_row(r)
+        assert sorted(r["stream_rank"] for r in rows.values())[0] == 1
+        assert min(r["vs_fastest"] for r in rows.values()) == 1.0
+        assert not set(rows["auto"]["stream_seeds"]) & set(rows["tiles"]["stream_seeds"])
+        assert rows["tiles"]["auto_choice"] is None
+    fixed = {r["kernel"]: r for r in results if r["mix"] == "fixed:16"}
+    # eight 16-token documents a sample; the CPU table charges no builds
+    assert fixed["packed"]["auto_choice"] == "batched 24 / varlen 0 documents"
+    assert fixed["packed"]["stream_sample_choices"] == ["batched 8 / varlen 0"] * 3
+    assert fixed["auto"]["auto_choice"].endswith(" 3 blocks")
+    assert fixed["tiles"]["documents"] == 3 * 8
+    text = md.read_text()
+    assert "stream of 3 distinct micro-batches" in text and "vs fastest (rank)" in text
+    assert "| 128 | fixed:16 | packed, stream of 3 |" in text
+    assert "vs fastest:" in proc.stderr + proc.stdout
+
+    ring_out = tmp_path / "ring_stream.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--seq-lens", "256",
+         *TINY, "--warmup", "0", "--docs", "lognormal", "--doc-kernels", "tiles,auto,packed",
+         "--doc-stream", "3", "--doc-kernels-split", "1x2", "--out", str(ring_out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, ring = _stream_rows(ring_out)
+    ring = {r["kernel"]: r for r in ring}
+    assert ring["packed"]["status"] == "skipped"
+    for name in ("tiles", "auto"):
+        _check_stream_row(ring[name])
+        assert ring[name]["label"] == f"{name} U1xR2 rank 0, stream of 3"
+        assert ring[name]["ring"] == 2
+    per_sample = [c.split(",") for c in ring["auto"]["stream_sample_choices"]]
+    assert len(per_sample) == 3 and all(1 <= len(c) <= 2 for c in per_sample)
+    tally = ring["auto"]["auto_choice"]
+    assert tally.endswith(" blocks") and sum(
+        int(part.split()[1]) for part in tally[:-len(" blocks")].split(" / ")) == sum(
+        map(len, per_sample))
+
+
 # --------------------------------------------------------------------------- imported model
 def test_imported_model_recipe_on_the_cpu(tmp_path):
     """benchmarks/imported_model.sh with a tiny model on 4 gloo ranks (U2 x R2): builds the
@@ -401,6 +473,44 @@ def _e2e_row(path, stack="megatron-usp"):
     assert row["tokens_per_s"] > 0 and row["iterations_measured"] == 2
     assert row["recompute"] == ("lean" if stack == "megatron-usp" else "none")
     return payload, row
+
+
+def test_packed_documents_recipe_kernel_parts_on_the_cpu(tmp_path):
+    """benchmarks/packed_documents.sh PARTS=kernels,stream at tiny shapes: the kernels on one
+    repeated sample per mix, then on a stream of 3 samples per kernel; a PARTS naming no part
+    is refused in one line."""
+    out = tmp_path / "docs"
+    env = _recipe_env(PARTS="kernels,stream", SEQ_LEN="128", STREAM_SEQ_LENS="256",
+                      MIXES="fixed:16,lognormal", HEADS="4", KV_HEADS="2", HEAD_DIM="16",
+                      DTYPE="fp32", STREAM="3", OUT_DIR=str(out))
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "packed_documents.sh")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert sorted(p.name for p in out.iterdir()) == [
+        "doc_kernels_128.json", "doc_kernels_128.md", "doc_stream3_256.json",
+        "doc_stream3_256.md"]
+    repeated = json.loads((out / "doc_kernels_128.json").read_text())["results"]
+    assert {r["kernel"] for r in repeated} == {
+        "dense", "tiles", "varlen", "per-document", "auto", "packed", "auto-recurring",
+        "packed-recurring"}
+    assert all(r["stream_samples"] is None for r in repeated)
+    payload, stream = _stream_rows(out / "doc_stream3_256.json")
+    assert payload["stream"]["kernel_order"] == ["auto", "packed", "tiles", "varlen",
+                                                 "per-document"]
+    for mix in ("fixed:16", "lognormal"):
+        rows = [r for r in stream if r["mix"] == mix]
+        assert [r["kernel"] for r in rows] == payload["stream"]["kernel_order"]
+        for r in rows:
+            if r["kernel"] == "varlen":
+                assert r["status"] == "skipped"     # no flash varlen op on the CPU
+            else:
+                _check_stream_row(r)
+    bad = subprocess.run(["bash", str(REPO / "benchmarks" / "packed_documents.sh")], cwd=REPO,
+                         env=_recipe_env(PARTS="kernel", OUT_DIR=str(tmp_path / "bad")),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert bad.stderr.strip() == ("error: PARTS=kernel: name e2e, kernels or stream, e.g. "
+                                  "PARTS=kernels,stream")
 
 
 def test_sliding_window_recipe_runs_the_parts_asked_for(tmp_path):
