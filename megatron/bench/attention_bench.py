@@ -125,6 +125,7 @@ class AttentionBenchConfig:
     doc_kernels: List[str] = field(default_factory=list)
     doc_kernels_split: Tuple[int, int] = (1, 1)
     doc_stream: int = 0
+    doc_layers: int = 1
     document_kernel: str = "auto"
     chunk_assignment: str = "auto"
     balance_report: bool = False
@@ -287,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "samples per length and mix, each timed once, as training meets them "
                         "(megatron/bench/document_stream.py); 0 (default): one sample, "
                         "repeated")
+    p.add_argument("--doc-layers", type=int, default=1,
+                   help="with --doc-kernels: the model layers that reuse one micro-batch's "
+                        "kernel choice: auto and packed spread a new shape's plan build over "
+                        "them, and a --doc-stream sample runs that many forward+backward "
+                        "calls, the first paying the builds (default 1: one attention call)")
     p.add_argument("--document-attention-kernel", default="auto",
                    help="with --docs: the document kernel USP uses (auto, tiles, varlen, math)")
     p.add_argument("--chunk-assignment", "--document-layout", dest="chunk_assignment",
@@ -319,6 +325,7 @@ def config_from_args(ns: argparse.Namespace) -> AttentionBenchConfig:
         profile_dir=ns.profile_dir, docs=_doc_mixes(ns.docs),
         doc_kernels=[k.strip() for k in ns.doc_kernels.split(",") if k.strip()],
         doc_kernels_split=_one_split(ns.doc_kernels_split), doc_stream=ns.doc_stream,
+        doc_layers=ns.doc_layers,
         document_kernel=ns.document_attention_kernel, chunk_assignment=ns.chunk_assignment,
         balance_report=ns.balance_report, balance_samples=ns.balance_samples, window=ns.window)
 

@@ -396,18 +396,19 @@ def recurring(costs: KernelCosts, choose: Callable[[], object]):
         costs.restore_sightings(saved)
 
 
-def _packed(kernel, block, x, scale, recur: bool = False):
+def _packed(kernel, block, x, scale, recur: bool = False, layers: int = 1):
     """fwd, fwd_bwd and the documents per kind of the in-place path on [s, b, h, d] copies of x
     (the fwd returns head-major out, to compare with the other kernels); ``recur``: its plan
-    as once the sample's shapes have recurred (:func:`recurring`)."""
+    as once the sample's shapes have recurred (:func:`recurring`); ``layers``: the calls its
+    plan serves (``--doc-layers``)."""
     q, k, v, dout = (x[n].permute(2, 0, 1, 3).contiguous() for n in ("q", "k", "v", "dout"))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     if recur:
-        costs = costs_for(kernel, q, k, block.causal)
+        costs = costs_for(kernel, q, k, block.causal, layers=layers)
         plan = recurring(costs, lambda: build_packed_plan(
             documents_in_order(block), block.causal, costs, q.device, block.window))
     else:
-        plan = packed_plan_for(block, kernel, q, k)
+        plan = packed_plan_for(block, kernel, q, k, layers=layers)
 
     def fwd():
         return PackedDocumentAttention.apply(q, k, v, plan, kernel, scale).permute(1, 2, 0, 3)
@@ -493,6 +494,7 @@ def kernel_calls(cfg, name: str, x, block, blocks: Sequence, pairs: int):
     ``choice`` is ``auto``'s kernel per block (a list) or ``packed``'s documents per kind (a
     dict), else None."""
     local = get_kernel(cfg.backend)
+    layers = getattr(cfg, "doc_layers", 1)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
     heads = q.shape[1]
@@ -518,12 +520,13 @@ def kernel_calls(cfg, name: str, x, block, blocks: Sequence, pairs: int):
             return torch.autograd.grad(fwd(), (qg, kg, vg), dout)
         return fwd, fwd_bwd, flops, None
     if name in ("packed", "packed-recurring"):
-        fwd, fwd_bwd, choice = _packed(local, block, x, scale, recur=name == "packed-recurring")
+        fwd, fwd_bwd, choice = _packed(local, block, x, scale, recur=name == "packed-recurring",
+                                       layers=layers)
         return fwd, fwd_bwd, flops, choice
     if name == "per-document":
         steps = [_per_document(local, block)]
     elif name == "auto-recurring":
-        auto = AutoDocumentKernel(local)
+        auto = AutoDocumentKernel(local, layers=layers)
         costs = auto.costs(q, k, block.causal)
         candidates = block_candidates(q.device.type, q.dtype, flash_varlen.available())
         choice = [recurring(costs, lambda blk=blk: choose_block_kernel(blk, costs, candidates))
@@ -532,7 +535,7 @@ def kernel_calls(cfg, name: str, x, block, blocks: Sequence, pairs: int):
     else:
         kern = {"tiles": lambda: TileDocumentKernel(local),
                 "tiles-copy": lambda: TileDocumentKernel(local, views=False),
-                "varlen": VarlenDocumentKernel, "auto": lambda: AutoDocumentKernel(local)}[
+                "varlen": VarlenDocumentKernel, "auto": lambda: AutoDocumentKernel(local, layers=layers)}[
             name]()
         if name == "auto":
             choice = [kern.choose(q, k, blk).name for blk in blocks]
@@ -640,8 +643,8 @@ def _kernel_cases(sweep, cfg, seq_len, mix, kernels, dense_rate, write
     ring_blocks = None if u * r == 1 else ring_rank_blocks(cfg, seg, u, r, sweep.device)
     x = kernel_inputs(cfg, seq_len // r, sweep.device, u)
     try:
-        chosen = auto_choice(AutoDocumentKernel(get_kernel(cfg.backend)), x["q"], x["k"],
-                             ring_blocks or [block])
+        auto = AutoDocumentKernel(get_kernel(cfg.backend), layers=getattr(cfg, "doc_layers", 1))
+        chosen = auto_choice(auto, x["q"], x["k"], ring_blocks or [block])
     except Exception as exc:  # noqa: BLE001 - a table that cannot be timed here is a result
         chosen = f"none ({type(exc).__name__})"
     reference = None
@@ -725,6 +728,11 @@ def as_dicts(results: Sequence[DocCaseResult]) -> List[dict]:
 
 def check_document_config(cfg, world: int) -> None:
     """Flag checks of the document mode (before any case runs)."""
+    layers = getattr(cfg, "doc_layers", 1)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise BenchConfigError(f"--doc-layers {layers!r}: the layers that reuse a micro-batch's "
+                               f"kernel choice, at least 1; try --doc-layers 16 (the 0.85B "
+                               f"model's)")
     if cfg.doc_kernels:
         unknown = [k for k in cfg.doc_kernels if k not in DOC_KERNELS]
         if unknown:

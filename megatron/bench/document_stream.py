@@ -23,9 +23,12 @@ sample every micro-batch; on mixes of random lengths the shapes mostly do not re
   training); the sightings are put back afterwards, so the next kernel starts afresh too.
   ``packed`` may still find a shape ``auto`` built, where both call cuDNN on it.
 * A sample's per-micro-batch work (its block, ``auto``'s choice, ``packed``'s plan) is done
-  before its timed call, as training does it once per micro-batch for every layer. The timed
-  call is one layer's forward+backward, so a new shape's plan build is charged to one layer,
-  as the cost table charges it; a model of L layers builds it once for all L.
+  before its timed calls, as training does it once per micro-batch for every layer. Each
+  sample runs ``--doc-layers`` L forward+backward calls in one timing, as a model of L
+  layers does: the first builds the plans of the sample's new shapes, the others reuse
+  them, and ``auto`` and ``packed`` price a build at ``1/L`` per call as well
+  (:meth:`~megatron.usp.packed_documents.KernelCosts.for_layers`). Times are per call (the
+  sample's time over L).
 
 Reported per kernel (:class:`~megatron.bench.document_bench.DocCaseResult`, stream fields):
 mean, median and max ms per micro-batch; useful TFLOP/s of the stream (its useful FLOPs over
@@ -188,6 +191,9 @@ def stream_case(sweep, cfg, seq_len: int, mix: str, name: str, x, position: int
         if costs is not None:
             costs.restore_sightings({})          # a training process's first micro-batch
         _time_stream(sweep, cfg, seq_len, mix, name, x, seeds, res)
+        if costs is not None:
+            res.note = (f"plan build priced {1e3 * costs.build_s:.2f} ms, "
+                        f"/{cfg.doc_layers} per call")
     finally:
         if costs is not None:
             costs.restore_sightings(saved)
@@ -206,10 +212,15 @@ def _time_stream(sweep, cfg, seq_len, mix, name, x, seeds, res: DocCaseResult) -
     timing.reset_peak_memory(sweep.device)
     fwd_flops, choices = 0.0, []
     res.documents = res.useful_pairs = res.tile_calls = 0
+    layers = cfg.doc_layers
     for seed in seeds:
         sample = _prepare(cfg, mix, seq_len, seed, name, x, sweep.device)
-        res.fwd_bwd_times_ms += timing.time_iterations(
-            sample.fwd_bwd, warmup=0, iters=1, device=sweep.device, distributed=False)
+
+        def model(call=sample.fwd_bwd):          # the sample through every layer
+            for _ in range(layers):
+                call()
+        res.fwd_bwd_times_ms += [t / layers for t in timing.time_iterations(
+            model, warmup=0, iters=1, device=sweep.device, distributed=False)]
         fwd_flops += sample.fwd_flops
         res.documents += sample.documents
         res.useful_pairs += sample.pairs
@@ -306,8 +317,9 @@ def stream_markdown(meta: dict, cfg, results: Sequence[DocCaseResult]) -> str:
     plural = "" if cfg.warmup == 1 else "s"
     title = (f"Packed documents on a stream of {cfg.doc_stream} distinct micro-batches per "
              f"kernel, {cfg.dtype}, {cfg.heads} query / {cfg.kv_heads} KV heads of "
-             f"{cfg.head_dim}, causal within documents: one forward+backward per sample, each "
-             f"timed once, after {cfg.warmup} throwaway sample{plural}; the choosing kernels "
+             f"{cfg.head_dim}, causal within documents: {cfg.doc_layers} forward+backward "
+             f"call(s) per sample, one per model layer (the first builds new plans), timed "
+             f"once, in ms per call, after {cfg.warmup} throwaway sample{plural}; the choosing kernels "
              f"(auto, packed) ran first. Useful TFLOP/s per GPU over the stream; vs fastest: "
              f"the fastest document kernel's rate over the row's (1.00 = fastest)\n\n")
     headers = ["S", "docs", "case", "mean ms", "median ms", "max ms", "useful TFLOP/s/GPU",
@@ -329,6 +341,7 @@ def stream_markdown(meta: dict, cfg, results: Sequence[DocCaseResult]) -> str:
 def stream_record(cfg) -> dict:
     """What the payload says about the stream (beside each row's fields)."""
     return {"samples": cfg.doc_stream, "throwaway_samples": cfg.warmup,
+            "layers": cfg.doc_layers,
             "kernel_order": stream_order(cfg.doc_kernels),
             "order_note": "the choosing kernels (auto, packed) run before the fixed kernels, "
                           "so they never profit from plans another kernel built; each "

@@ -492,7 +492,8 @@ def _packed_plan(q: Tensor, k: Tensor, sched: USPSchedule) -> Optional[PackedPla
     if sched.document_kernel is None or sched.document_kernel.name != "auto":
         return None
     return packed_plan_for(sched.documents.blocks[0], sched.kernel, q, k,
-                           getattr(sched.document_kernel, "costs_group", None))
+                           getattr(sched.document_kernel, "costs_group", None),
+                           getattr(sched.document_kernel, "layers", 1))
 
 
 def _check_documents(plan: DocumentRingPlan, q: Tensor, ulysses: int, ring: int,

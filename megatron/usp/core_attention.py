@@ -122,7 +122,8 @@ class USPAttention(MegatronModule):
         self.ulysses_group, self.ring_group = _groups_from(pg_collection)
         self.kernel = get_kernel(attention_backend)
         self.document_kernel = get_document_kernel(document_kernel, self.kernel,
-                                                   document_costs_group)
+                                                   document_costs_group,
+                                                   layers_sharing_blocks(config, self.window))
         self.overlap_chunks = _overlap_chunks_for(config, pg_collection, self.ulysses_group,
                                                   self.ring_group, overlap_chunks)
         # The keeper comes from the object the spec passes (activation memory sits above
@@ -183,6 +184,16 @@ def layer_window(config, layer_number: int) -> Optional[int]:
     if not is_layer_window_attention(window_size, config.window_attn_skip_freq, layer_number):
         return None
     return left
+
+
+def layers_sharing_blocks(config, window: Optional[int]) -> int:
+    """How many layers of one pipeline stage attend with this layer's window (None: full),
+    i.e. reuse the micro-batch's document blocks and their kernel choices: the model's layers
+    of that window spread evenly over ``pipeline_model_parallel_size`` stages, at least 1."""
+    layers = int(getattr(config, "num_layers", 1) or 1)
+    same = sum(1 for n in range(1, layers + 1) if layer_window(config, n) == window)
+    stages = max(1, int(getattr(config, "pipeline_model_parallel_size", 1) or 1))
+    return max(1, -(-same // stages))
 
 
 def _is_causal(mask_type) -> bool:

@@ -17,7 +17,9 @@ timed once per process on CUDA, fixed on the CPU) and takes the cheapest:
 
 Ties go to the earlier of :data:`BLOCK_KERNELS`. The choice is made once per block and head
 shape and cached on the block, which is built once per micro-batch: every layer, head chunk,
-the backward and the recomputation reuse it. It depends on the block and the table alone, and
+the backward and the recomputation reuse it. So a tile group's new shape is built once for
+all the layers of the micro-batch, and each layer's call is charged its share of the build
+(``layers``, :meth:`KernelCosts.for_layers`). It depends on the block and the table alone, and
 the table is one for every rank of ``costs_group`` (measured on its first rank and
 broadcast, :func:`~megatron.usp.packed_documents.agreed_costs`), so ranks that compute the same
 block (Ulysses and TP peers) choose the same kernel. At U = R = 1 the same table cuts the
@@ -120,14 +122,17 @@ class AutoDocumentKernel(DocumentKernel):
             timings).
         costs_group: gloo group of the ranks that read the same micro-batch, over which the
             cost table is agreed (None: this process measures its own).
+        layers: the calls that reuse one choice per micro-batch (the model's layers on this
+            rank that share the micro-batch's blocks; 1 for one attention call).
     """
 
     name = "auto"
 
     def __init__(self, kernel: AttentionKernel,
-                 costs_group: Optional[dist.ProcessGroup] = None) -> None:
+                 costs_group: Optional[dist.ProcessGroup] = None, layers: int = 1) -> None:
         self.kernel = kernel
         self.costs_group = costs_group
+        self.layers = layers
         self.kernels: Dict[str, DocumentKernel] = {
             "tiles": TileDocumentKernel(kernel), "varlen": VarlenDocumentKernel(),
             "math": MathDocumentKernel()}
@@ -135,7 +140,7 @@ class AutoDocumentKernel(DocumentKernel):
     def costs(self, q: Tensor, k: Tensor, causal: bool) -> KernelCosts:
         """The cost table of q [b, h, s, d] / k [b, hk, s, d] (shared with the in-place path)."""
         return costs_for_shape(self.kernel, q.device, q.dtype, q.shape[1], k.shape[1],
-                               q.shape[-1], causal, self.costs_group)
+                               q.shape[-1], causal, self.costs_group).for_layers(self.layers)
 
     def choose(self, q: Tensor, k: Tensor, block: DocumentBlock) -> DocumentKernel:
         """The kernel for ``block`` (chosen once per block and head shape, cached on it)."""
@@ -155,15 +160,16 @@ class AutoDocumentKernel(DocumentKernel):
 
 
 def get_document_kernel(name, kernel: AttentionKernel,
-                        costs_group: Optional[dist.ProcessGroup] = None) -> DocumentKernel:
+                        costs_group: Optional[dist.ProcessGroup] = None, layers: int = 1
+                        ) -> DocumentKernel:
     """The document kernel for ``--document-attention-kernel name`` over local ``kernel``
-    (a :class:`DocumentKernel` is returned as it is); ``costs_group`` as for
+    (a :class:`DocumentKernel` is returned as it is); ``costs_group`` and ``layers`` as for
     :class:`AutoDocumentKernel`."""
     if isinstance(name, DocumentKernel):
         return name
     if name not in DOCUMENT_KERNEL_NAMES:
         raise ValueError(document_kernel_problem(name, "cpu", torch.float32))
     if name == "auto":
-        return AutoDocumentKernel(kernel, costs_group)
+        return AutoDocumentKernel(kernel, costs_group, layers)
     return {"math": MathDocumentKernel, "varlen": VarlenDocumentKernel,
             "tiles": lambda: TileDocumentKernel(kernel)}[name]()

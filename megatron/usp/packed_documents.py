@@ -24,7 +24,8 @@ dim, dtype) on documents of 64 to 16K tokens and the costs are interpolated betw
 run of equal-length documents goes to whichever kind costs less, and consecutive ``varlen``
 runs share one call. cuDNN wins on long documents and long runs of equal ones, the varlen op
 on many short mixed ones. cuDNN also builds an execution plan for every new shape (a length
-and a count), which costs more than the attention of a document it saves on: a shape goes to
+and a count), which costs more than the attention of a document it saves on, even spread
+over the layers that reuse it in one micro-batch (:attr:`KernelCosts.layers`): a shape goes to
 cuDNN only once it has recurred (fixed-length data at once), and a causal document of any
 length runs as a call of its length rounded up to one of a few shapes
 (:func:`padded_length`), reading the tokens after it as extra rows whose results are dropped
@@ -47,6 +48,7 @@ layer and by the backward. Nothing here communicates.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -261,6 +263,10 @@ class KernelCosts:
     shapes every micro-batch, so a shape pays for its build only once it has been seen
     ``reuse_before_build`` times (:meth:`sighted`): a recurring length (fixed-length data,
     long runs) moves to the batched kind, a length seen once stays in the varlen call.
+    ``layers``: the calls one choice serves in a micro-batch (the model's layers on this rank
+    that share the micro-batch's blocks): a new shape's plan is built by the first of them
+    and reused by the others, so each call is charged ``build_s / layers``
+    (:meth:`for_layers`).
     ``padding``: a causal document may run batched at its :func:`padded_length`, a shape
     that recurs whatever the lengths (on CUDA, where plans are built per shape).
 
@@ -278,7 +284,7 @@ class KernelCosts:
                  has_varlen: bool, max_varlen_tokens: float = math.inf, build_s: float = 0.0,
                  reuse_before_build: int = 3, padding: bool = False,
                  masked_call_s: float = 0.0, masked_element_s: float = math.inf,
-                 max_masked_elements: float = MAX_MASKED_ELEMENTS) -> None:
+                 max_masked_elements: float = MAX_MASKED_ELEMENTS, layers: int = 1) -> None:
         self.lengths = [float(n) for n in lengths]
         self._one = list(batched_one)
         self._many = list(batched_many)
@@ -291,15 +297,32 @@ class KernelCosts:
         self.masked_call_s = masked_call_s
         self.masked_element_s = masked_element_s
         self.max_masked_elements = max_masked_elements
+        self.layers = layers
         self._sightings: Dict[tuple, int] = {}
+        self._views: Dict[int, "KernelCosts"] = {}
+
+    def for_layers(self, layers: int) -> "KernelCosts":
+        """This table as ``layers`` calls per micro-batch see it: the same timings and the
+        same sightings (shared, not copied), the build of a new shape spread over the calls.
+        One view per count, kept."""
+        layers = max(1, int(layers))
+        if layers == self.layers:
+            return self
+        if layers not in self._views:
+            view = copy.copy(self)
+            view.layers, view._views = layers, {}
+            self._views[layers] = view
+        return self._views[layers]
 
     def sightings(self) -> Dict[tuple, int]:
         """A copy of the shapes seen so far and how often (:meth:`restore_sightings`)."""
         return dict(self._sightings)
 
     def restore_sightings(self, saved: Dict[tuple, int]) -> None:
-        """Put back what :meth:`sightings` returned (choices made since are forgotten)."""
-        self._sightings = dict(saved)
+        """Put back what :meth:`sightings` returned (choices made since are forgotten), for
+        every :meth:`for_layers` view of the table."""
+        self._sightings.clear()
+        self._sightings.update(saved)
 
     def padded_length(self, n: int) -> int:
         """The call shape a padded document of ``n`` tokens runs at."""
@@ -324,14 +347,15 @@ class KernelCosts:
 
     def batched(self, n: int, count: int, shape: Optional[tuple] = None) -> float:
         """Seconds for ``count`` documents of ``n`` tokens in one batched call (the build of
-        its plan included until the call's ``shape``, by default ``(n, count)``, recurs)."""
+        its plan, shared by :attr:`layers` calls, included until the call's ``shape``, by
+        default ``(n, count)``, recurs)."""
         if count == 1:
             cost = self._at(self._one, n)
         else:
             cost = min(self._at(self._one, n) * count, self._at(self._many, n) * count)
         if self._sightings.get((n, count) if shape is None else shape,
                                0) < self.reuse_before_build:
-            cost += self.build_s
+            cost += self.build_s / self.layers
         return cost
 
     def tile_call(self, q_len: int, k_len: int, causal: bool, count: int) -> float:
@@ -394,10 +418,11 @@ CALIBRATION_TOKENS = 16384
 
 
 def costs_for(kernel: AttentionKernel, q: Tensor, k: Tensor, causal: bool,
-              group: Optional[dist.ProcessGroup] = None) -> KernelCosts:
-    """The costs for q [.., h, d] / k [.., hk, d] (:func:`costs_for_shape`)."""
+              group: Optional[dist.ProcessGroup] = None, layers: int = 1) -> KernelCosts:
+    """The costs for q [.., h, d] / k [.., hk, d] (:func:`costs_for_shape`), as ``layers``
+    calls per micro-batch see them (:meth:`KernelCosts.for_layers`)."""
     return costs_for_shape(kernel, q.device, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1],
-                           causal, group)
+                           causal, group).for_layers(layers)
 
 
 def costs_for_shape(kernel: AttentionKernel, device, dtype: torch.dtype, hq: int, hk: int,
@@ -690,12 +715,13 @@ class PackedDocumentAttention(torch.autograd.Function):
 
 
 def packed_plan_for(block: Optional[DocumentBlock], kernel: AttentionKernel, q: Tensor,
-                    k: Tensor, group: Optional[dist.ProcessGroup] = None
+                    k: Tensor, group: Optional[dist.ProcessGroup] = None, layers: int = 1
                     ) -> Optional[PackedPlan]:
     """The block's :class:`PackedPlan` when its documents are whole and in order (built once
     per block and head shape, cached on the block), else None. ``group``: the ranks that
-    share one cost table (:func:`costs_for_shape`). A windowed block's plan carries its
-    window (:attr:`PackedPlan.window`)."""
+    share one cost table (:func:`costs_for_shape`); ``layers``: the calls that reuse the plan
+    (:meth:`KernelCosts.for_layers`). A windowed block's plan carries its window
+    (:attr:`PackedPlan.window`)."""
     if block is None:
         return None
     key = ("packed", q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], kernel.name)
@@ -703,5 +729,6 @@ def packed_plan_for(block: Optional[DocumentBlock], kernel: AttentionKernel, q: 
         lengths = documents_in_order(block)
         block._cache[key] = (None if lengths is None else
                              build_packed_plan(lengths, block.causal, costs_for(
-                                 kernel, q, k, block.causal, group), q.device, block.window))
+                                 kernel, q, k, block.causal, group, layers), q.device,
+                                 block.window))
     return block._cache[key]  # type: ignore[return-value]

@@ -482,7 +482,7 @@ def test_packed_documents_recipe_kernel_parts_on_the_cpu(tmp_path):
     out = tmp_path / "docs"
     env = _recipe_env(PARTS="kernels,stream", SEQ_LEN="128", STREAM_SEQ_LENS="256",
                       MIXES="fixed:16,lognormal", HEADS="4", KV_HEADS="2", HEAD_DIM="16",
-                      DTYPE="fp32", STREAM="3", OUT_DIR=str(out))
+                      DTYPE="fp32", STREAM="3", LAYERS="2", OUT_DIR=str(out))
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "packed_documents.sh")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
@@ -497,6 +497,7 @@ def test_packed_documents_recipe_kernel_parts_on_the_cpu(tmp_path):
     payload, stream = _stream_rows(out / "doc_stream3_256.json")
     assert payload["stream"]["kernel_order"] == ["auto", "packed", "tiles", "varlen",
                                                  "per-document"]
+    assert payload["stream"]["layers"] == 2
     for mix in ("fixed:16", "lognormal"):
         rows = [r for r in stream if r["mix"] == mix]
         assert [r["kernel"] for r in rows] == payload["stream"]["kernel_order"]
@@ -505,12 +506,13 @@ def test_packed_documents_recipe_kernel_parts_on_the_cpu(tmp_path):
                 assert r["status"] == "skipped"     # no flash varlen op on the CPU
             else:
                 _check_stream_row(r)
-    bad = subprocess.run(["bash", str(REPO / "benchmarks" / "packed_documents.sh")], cwd=REPO,
-                         env=_recipe_env(PARTS="kernel", OUT_DIR=str(tmp_path / "bad")),
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
-    assert bad.stderr.strip() == ("error: PARTS=kernel: name e2e, kernels or stream, e.g. "
-                                  "PARTS=kernels,stream")
+    for parts in ("kernel", "kernels,bogus"):
+        bad = subprocess.run(["bash", str(REPO / "benchmarks" / "packed_documents.sh")],
+                             cwd=REPO, env=_recipe_env(PARTS=parts, OUT_DIR=str(tmp_path / "bad")),
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+        assert bad.stderr.strip() == (f"error: PARTS={parts}: name e2e, kernels or stream, "
+                                      f"e.g. PARTS=kernels,stream")
 
 
 def test_sliding_window_recipe_runs_the_parts_asked_for(tmp_path):

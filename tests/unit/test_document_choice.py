@@ -24,6 +24,7 @@ from megatron.usp.document_choice import (
     block_costs,
     cheapest,
     choose_block_kernel,
+    get_document_kernel,
 )
 from megatron.usp.document_kernels import build_document_block
 from megatron.usp.document_ring import build_document_ring_plan
@@ -240,3 +241,39 @@ def test_a_table_without_a_group_is_measured_here():
     measured = []
     table = agreed_costs(lambda: measured.append(1) or gpu_like(), None)
     assert measured == [1] and costs_state(table) == costs_state(gpu_like())
+
+
+def test_a_new_shapes_build_is_shared_by_the_layers_that_reuse_the_choice():
+    """One block's choice serves every layer of the micro-batch: a new tile shape is built
+    once for all of them, so each call pays build_s / layers. Here tiles (four documents of
+    64 in one call) costs 4 x 1.0 + 10.0 / layers against varlen's 4 x 1.5: varlen for one
+    layer, tiles for 32."""
+    seg = np.repeat(np.arange(4), 64)[None]
+    pos = np.arange(256)[None]
+    block = build_document_block(pos, seg, pos, seg, True)
+    costs = KernelCosts([64, 128], [1.0, 1.0], [1.0, 1.0], [1.5, 1.5], has_varlen=True,
+                        build_s=10.0, reuse_before_build=2)
+    many = costs.for_layers(32)
+    assert many is costs.for_layers(32) and costs.for_layers(1) is costs
+    assert block_costs(block, many, ("tiles",))["tiles"] == pytest.approx(4.0 + 10.0 / 32)
+    assert block_costs(block, costs, ("tiles",))["tiles"] == pytest.approx(14.0)
+    assert choose_block_kernel(block, costs, ("tiles", "varlen")) == "varlen"
+    assert choose_block_kernel(block, many, ("tiles", "varlen")) == "tiles"
+    # the views share one record of what was seen and built: tiles ran, so built for both
+    assert many.sightings() == costs.sightings()
+    assert choose_block_kernel(block, costs, ("tiles", "varlen")) == "tiles"
+    costs.restore_sightings({})
+    assert many.sightings() == {}
+    # the in-place path reads the same view: four 64-token documents batched once amortised
+    plan = build_packed_plan([[64] * 4], True, many)
+    assert [s.kind for s in plan.segments[0]] == [BATCHED]
+    costs.restore_sightings({})
+    plan = build_packed_plan([[64] * 4], True, costs)
+    assert [s.kind for s in plan.segments[0]] == [VARLEN]
+
+
+def test_auto_kernels_see_the_table_as_their_layers_do():
+    auto = get_document_kernel("auto", get_kernel("math"), layers=12)
+    q, k = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
+    assert auto.layers == 12 and auto.costs(q, k, True).layers == 12
+    assert get_document_kernel("auto", get_kernel("math")).costs(q, k, True).layers == 1

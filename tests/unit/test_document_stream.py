@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from megatron.bench import attention_bench as ab
+from megatron.bench import document_stream as ds
 from megatron.bench.cli import BenchConfigError
-from megatron.bench.document_bench import DOC_KERNELS, DocCaseResult, kernel_inputs
+from megatron.bench.document_bench import (
+    DOC_KERNELS,
+    DocCaseResult,
+    check_document_config,
+    kernel_inputs,
+)
 from megatron.bench.document_stream import (
     SEED_STRIDE,
     STREAM_REFUSED,
@@ -132,6 +138,45 @@ def test_a_choosing_kernel_keeps_its_sightings_over_the_stream(monkeypatch, kern
     assert len(res.fwd_bwd_times_ms) == 5 and res.stream_max_ms >= res.stream_mean_ms > 0
     assert res.documents == 5 * 8 and res.useful_pairs == 5 * 8 * 16 * 17 // 2
     assert table.sightings() == {(99, 1): 1}
+
+
+@pytest.mark.parametrize("kernel,per_sample", [
+    ("packed", ["batched 8 / varlen 0"] * 4), ("auto", ["tiles"] * 4)])
+def test_a_sample_runs_every_layer_and_the_build_is_shared_by_them(monkeypatch, kernel,
+                                                                    per_sample):
+    """--doc-layers 20: each sample runs 20 forward+backward calls (the first builds the new
+    shape's plan), its time reported per call; the choosing kernels price the build at a
+    twentieth per call, so the shape runs batched from the first sample (one layer: masked
+    or varlen until it recurs)."""
+    cfg = _cfg(doc_kernels=[kernel], doc_stream=4, doc_layers=20)
+    device = torch.device("cpu")
+    table = _table_with_builds()
+    table.build_s = 1e-2                           # / 20 = 0.5 ms < 0.8 ms varlen, 1 ms masked
+    key = ("cpu", None, torch.float32, 4, 4, 16, True, get_kernel(cfg.backend).name)
+    monkeypatch.setitem(pd._COSTS, key, table)
+    calls = []
+    prepare = ds._prepare
+
+    def counting(*a, **kw):
+        sample = prepare(*a, **kw)
+        run = sample.fwd_bwd
+        sample.fwd_bwd = lambda: calls.append(1) or run()
+        return sample
+    monkeypatch.setattr(ds, "_prepare", counting)
+    x = kernel_inputs(cfg, 128, device)
+    res = stream_case(SimpleNamespace(device=device), cfg, 128, "fixed:16", kernel, x, 1)
+    assert res.status == "ok" and res.stream_sample_choices == per_sample
+    assert len(calls) == cfg.warmup + 4 * 20 and len(res.fwd_bwd_times_ms) == 4
+    assert "plan build priced 10.00 ms, /20 per call" in res.note
+    one = stream_case(SimpleNamespace(device=device), _cfg(doc_kernels=[kernel], doc_stream=4),
+                      128, "fixed:16", kernel, x, 1)
+    assert one.stream_sample_choices[0] != per_sample[0]
+
+
+def test_doc_layers_is_at_least_one():
+    with pytest.raises(BenchConfigError, match="--doc-layers 0: .* try --doc-layers 16"):
+        check_document_config(_cfg(doc_layers=0), 1)
+    check_document_config(_cfg(doc_layers=16), 1)
 
 
 # --------------------------------------------------------------------------- refusals

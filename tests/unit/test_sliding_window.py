@@ -21,7 +21,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.planner.cost_model import window_halo
 from megatron.training.data.batch import BatchContext, _document_params
 from megatron.usp import window_kernel as wk
-from megatron.usp.core_attention import USPAttention, layer_window
+from megatron.usp.core_attention import USPAttention, layer_window, layers_sharing_blocks
 from megatron.usp.document_kernels import MathDocumentKernel, VarlenDocumentKernel
 from megatron.usp.document_mask import dense_document_mask, tiles_for_block, token_runs
 from megatron.usp.document_ring import (
@@ -188,6 +188,21 @@ def test_layers_follow_megatron_cores_pattern():
         16, 16, None, 16]
     assert [layer_window(_config((16, 0), None), n) for n in range(1, 3)] == [16, 16]
     assert layer_window(_config(None, 2), 1) is None
+
+
+def test_layers_sharing_a_micro_batchs_blocks():
+    """The layers of one stage with this layer's window (they reuse its kernel choices)."""
+    def cfg(window_size, skip, layers, stages=1):
+        return SimpleNamespace(window_size=window_size, window_attn_skip_freq=skip,
+                               num_layers=layers, pipeline_model_parallel_size=stages)
+    assert layers_sharing_blocks(cfg(None, None, 16), None) == 16
+    assert layers_sharing_blocks(cfg(None, None, 16, 4), None) == 4
+    assert layers_sharing_blocks(cfg((16, 0), 2, 16), 16) == 8
+    assert layers_sharing_blocks(cfg((16, 0), 2, 16), None) == 8
+    assert layers_sharing_blocks(cfg((16, 0), [1, 1, 0, 1], 4), 16) == 3
+    assert layers_sharing_blocks(cfg((16, 0), [1, 1, 0, 1], 4), None) == 1
+    assert layers_sharing_blocks(cfg(None, None, 3, 2), None) == 2
+    assert layers_sharing_blocks(SimpleNamespace(window_size=None), None) == 1
 
 
 @pytest.mark.parametrize("bad", [(16, 4), (0, 0), (-1, 0)])
