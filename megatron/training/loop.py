@@ -724,14 +724,15 @@ def _log_setup(config: RunConfig, rt: Runtime, model, loaded: Optional[str],
                          f"(consumed samples {state.consumed_train_samples})")
 
 
-def _make_writer(config: RunConfig, rt: Runtime) -> MetricsWriter:
+def _make_writer(config: RunConfig, rt: Runtime, start_iteration: int) -> MetricsWriter:
     args = config.args
     peak = args.peak_tflops or peak_tflops_for_device(rt.device_name)
     throughput = Throughput(config.model_shape(), config.args.seq_length,
                             config.global_batch_size, rt.world_size, peak,
                             count=flops_count_label(config))
     return MetricsWriter(rt.is_logging_rank, args.train_iters, args.log_interval, throughput,
-                         metrics_file=config.metrics_file, tensorboard_dir=args.tensorboard_dir)
+                         metrics_file=config.metrics_file, tensorboard_dir=args.tensorboard_dir,
+                         start_iteration=start_iteration)
 
 
 def pretrain(args: argparse.Namespace,
@@ -801,7 +802,7 @@ def _pretrain(args: argparse.Namespace, forward_step_func: Optional[Callable],
         iterators += [train_iter, valid_iter]
         if resume.rng_state is not None:
             set_rng_state(resume.rng_state, rt.device)
-        writer = _make_writer(config, rt)
+        writer = _make_writer(config, rt, state.iteration)
         writer.run_header(rt.groups.dims.short(), rt.world_size,
                           plain_args(config, rt.data_source.resolved_args()))
         step_fn = partial(forward_step_func or batch_mod.forward_step,
