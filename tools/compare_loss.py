@@ -21,7 +21,8 @@ drift. In bf16 the per-step differences are noise of 1e-3 to 1e-2, so with a pai
 ``--tolerance`` check is only enforced when ``--tolerance`` is given. How to read the output:
 docs/numerics.md. Without a pair the drift statistics are printed, not judged.
 
-A resumed run appends to its metrics file, so for each iteration the last record wins.
+A resumed run leaves one record per iteration in its metrics file; should a file hold two
+(concatenated files), the last wins.
 Runs must cover the same iterations unless ``--allow-missing`` (then the common ones are
 compared). Exit status: 0 within tolerance (and the band), 1 past it, drifting, a non-finite
 loss, or missing iterations, 2 for unreadable input (or curves the drift test cannot judge:

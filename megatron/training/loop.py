@@ -22,7 +22,8 @@ One iteration (:func:`train_step`)::
 Around it: validation every ``--eval-interval`` over ``--eval-iters`` global batches,
 checkpoints every ``--save-interval`` and at the end, a SIGTERM and SIGINT handler that
 saves at the end of the current iteration (SIGTERM only when ``--save`` is set; SIGINT
-without it stops there unsaved) and returns, and the metrics of
+without it stops there unsaved) and returns, the same stop at an iteration
+``--exit-interval`` divides or after ``--exit-duration-in-mins``, and the metrics of
 :mod:`megatron.training.observe.metrics`. Every way out (the end, an error, a
 lost peer) stops the DataLoader workers first, so no exit waits on them.
 
@@ -141,6 +142,7 @@ class TrainResult:
     saved: List[str] = field(default_factory=list)
     stopped_by_signal: bool = False
     stop_signal: int = 0   # the signal that stopped it (SIGTERM, SIGINT), 0 for none
+    stopped_by_time: bool = False   # --exit-duration-in-mins ended it
 
 
 def print_rank_0(rt: Runtime, msg: str) -> None:
@@ -609,8 +611,10 @@ class _Loop:
 
     def __init__(self, config: RunConfig, rt: Runtime, model, optimizer, scheduler,
                  state: TrainState, step_fn: Callable, writer: MetricsWriter,
-                 result: TrainResult, memory: Optional[MemoryHistory] = None) -> None:
+                 result: TrainResult, memory: Optional[MemoryHistory] = None,
+                 started: Optional[float] = None) -> None:
         self.config, self.rt, self.model = config, rt, model
+        self.started = time.monotonic() if started is None else started
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.step_fn, self.writer, self.result = step_fn, writer, result
         self.stop_signal = StopSignalFlag()
@@ -663,6 +667,21 @@ class _Loop:
             step_time_s=step_time, skipped=skipped, mem_gib=mem,
             host_mem_gib=peak_host_memory_gib(), attention_pairs=pairs or None), max_mem)
 
+    def _out_of_time(self) -> bool:
+        """Whether ``--exit-duration-in-mins`` has passed since start-up on the slowest rank
+        (an all-reduce, so every rank stops at the same iteration)."""
+        limit = self.config.args.exit_duration_in_mins
+        if limit is None:
+            return False
+        minutes = _max_over_ranks(time.monotonic() - self.started, self.rt.device) / 60
+        if minutes < limit:
+            return False
+        what = ("saving at iteration {} and exiting" if self.config.args.save else
+                "stopping at iteration {} without a checkpoint (no --save)")
+        print_rank_0(self.rt, f"--exit-duration-in-mins {limit:g} reached ({minutes:.2f} min "
+                              f"since start-up): " + what.format(self.state.iteration))
+        return True
+
     def _validate(self, valid_iter) -> None:
         config = self.config
         with params_in_sync(config, self.model):
@@ -685,6 +704,8 @@ class _Loop:
                 if saved_now:
                     self._save()
                 stop = bool(args.exit_interval) and it % args.exit_interval == 0
+                if self._out_of_time():
+                    stop = self.result.stopped_by_time = True
                 received = self.stop_signal.any_rank(self.rt.device)
                 if received:
                     stop = self.result.stopped_by_signal = True
@@ -724,14 +745,15 @@ def _log_setup(config: RunConfig, rt: Runtime, model, loaded: Optional[str],
                          f"(consumed samples {state.consumed_train_samples})")
 
 
-def _make_writer(config: RunConfig, rt: Runtime) -> MetricsWriter:
+def _make_writer(config: RunConfig, rt: Runtime, start_iteration: int) -> MetricsWriter:
     args = config.args
     peak = args.peak_tflops or peak_tflops_for_device(rt.device_name)
     throughput = Throughput(config.model_shape(), config.args.seq_length,
                             config.global_batch_size, rt.world_size, peak,
                             count=flops_count_label(config))
     return MetricsWriter(rt.is_logging_rank, args.train_iters, args.log_interval, throughput,
-                         metrics_file=config.metrics_file, tensorboard_dir=args.tensorboard_dir)
+                         metrics_file=config.metrics_file, tensorboard_dir=args.tensorboard_dir,
+                         start_iteration=start_iteration)
 
 
 def pretrain(args: argparse.Namespace,
@@ -764,6 +786,7 @@ def pretrain(args: argparse.Namespace,
 def _pretrain(args: argparse.Namespace, forward_step_func: Optional[Callable],
               iterators: List) -> TrainResult:
     """:func:`pretrain`'s body; the data iterators it builds go into ``iterators``."""
+    started = time.monotonic()   # --exit-duration-in-mins counts from here
     rt = None
     writer = None
     memory = None
@@ -801,13 +824,13 @@ def _pretrain(args: argparse.Namespace, forward_step_func: Optional[Callable],
         iterators += [train_iter, valid_iter]
         if resume.rng_state is not None:
             set_rng_state(resume.rng_state, rt.device)
-        writer = _make_writer(config, rt)
+        writer = _make_writer(config, rt, state.iteration)
         writer.run_header(rt.groups.dims.short(), rt.world_size,
                           plain_args(config, rt.data_source.resolved_args()))
         step_fn = partial(forward_step_func or batch_mod.forward_step,
                           batch_context(rt, config))
         _Loop(config, rt, model, optimizer, scheduler, state, step_fn, writer, result,
-              memory).run(train_iter, valid_iter)
+              memory, started).run(train_iter, valid_iter)
         result.iteration = state.iteration
         return result
     except BaseException:

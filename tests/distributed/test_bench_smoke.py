@@ -626,3 +626,78 @@ def test_fp8_recipe_on_the_cpu(tmp_path):
         assert length["seq_len"] == 128 and length["rounds"] == 1
         assert length["speedup"] == pytest.approx(row["tokens_per_s"] / ours["tokens_per_s"])
         assert "float8 over bf16" in (out / f"fp8_{name}_speedup.md").read_text()
+
+
+DRIFT_RUNS = ("bf16", "bf16_chunk64", "fp8_hybrid_tensorwise")
+
+
+def _drift_recipe(out, **settings):
+    """benchmarks/fp8_drift.sh in its CPU mode, 50 steps, results in ``out``."""
+    env = _recipe_env(DEVICE="cpu", STEPS="50", OUT_DIR=str(out), **settings)
+    return subprocess.run(["bash", str(REPO / "benchmarks" / "fp8_drift.sh"), "--num-workers",
+                           "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _train_records(path):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "train"]
+
+
+def test_fp8_drift_recipe_resumes_onto_the_uninterrupted_curves(tmp_path):
+    """benchmarks/fp8_drift.sh on the CPU (tiny model, float32, emulated float8): one
+    invocation straight through, and one stopped at iteration 20 (EXIT_INTERVAL) then run
+    again. The resumed runs record each iteration once and match the straight ones bit for
+    bit; only each run's last checkpoint is kept; the drift test judges the float8 run
+    against the pair's band (float32's reduction-order band is ~1e-6 %, so float8's
+    rounding lies outside it: exit 1); a run once complete is not trained again."""
+    pytest.importorskip("torchao")
+    straight = _drift_recipe(tmp_path / "straight")
+    assert straight.returncode == 1, (straight.stdout[-3000:], straight.stderr[-3000:])
+    out = tmp_path / "resumed"
+    first = _drift_recipe(out, EXIT_INTERVAL="20")
+    assert first.returncode == 3, (first.stdout[-3000:], first.stderr[-3000:])
+    assert ("unfinished of 50 steps: bf16 at 20, bf16_chunk64 at 20, fp8_hybrid_tensorwise "
+            "at 20; run the same command again") in first.stdout
+    assert not (out / "summary.json").exists()
+    second = _drift_recipe(out)
+    assert second.returncode == 1, (second.stdout[-3000:], second.stderr[-3000:])
+    for name in DRIFT_RUNS:
+        assert f"{name}: iteration 20 -> 50" in second.stdout
+        resumed = _train_records(out / f"{name}.jsonl")
+        assert [r["iteration"] for r in resumed] == list(range(1, 51)), name
+        want = _train_records(tmp_path / "straight" / f"{name}.jsonl")
+        assert [(r["lm_loss"], r["grad_norm"]) for r in resumed] == [
+            (r["lm_loss"], r["grad_norm"]) for r in want], name
+        ckpt = tmp_path / "resumed_ckpt" / "checkpoints" / name
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            "iter_0000050", "latest_checkpointed_iteration.txt"]
+    fp8_log = (out / "logs" / "fp8_hybrid_tensorwise.log").read_text()
+    assert "--fp8-linears all): 4 of 4 linear shapes in float8" in fp8_log
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_status"] == 1 and summary["iterations"] == [1, 50]
+    drift = summary["drift"]
+    assert drift["window"] == [6, 25]                     # STEPS/10+1 : STEPS/2
+    [fp8] = drift["runs"]
+    assert fp8["label"] == "fp8 hybrid tensorwise" and fp8["steps"] == 20
+    assert fp8["drifts"] is True and "outside" in fp8["message"]
+    [pair] = drift["pairs"]
+    assert pair["label"] == "bf16 vs bf16_chunk64" and 0 < abs(pair["mean_signed_rel_diff"]) < 1e-6
+    assert (out / "drift.png").stat().st_size > 0
+    assert "FAIL: fp8 hybrid tensorwise drifts" in (out / "compare.txt").read_text()
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    assert total < 2 << 20
+
+    again = _drift_recipe(out)             # all done: the comparison only
+    assert again.returncode == 1 and " -> 50" not in again.stdout
+    assert "comparison over iterations 6:25: exit status 1" in again.stdout
+
+
+def test_fp8_drift_recipe_refuses_a_bad_setting_in_one_line(tmp_path):
+    out = tmp_path / "drift"
+    bad = _drift_recipe(out, RECIPES="hybrid:rowwise")
+    assert bad.returncode == 2 and not out.exists() and bad.stdout == ""
+    assert bad.stderr.strip() == (
+        'error: RECIPES="hybrid:rowwise": hybrid:rowwise is not one of tensorwise, rowwise, '
+        'hybrid:tensorwise, e4m3:tensorwise, e4m3:rowwise (rowwise scales need e4m3), e.g. '
+        'RECIPES="tensorwise rowwise"')

@@ -68,6 +68,12 @@ def _losses(path):
     return out
 
 
+def _train_iterations(path):
+    """The iterations of the train records, in file order."""
+    with open(path) as f:
+        return [r["iteration"] for r in map(json.loads, f) if r["kind"] == "train"]
+
+
 def _tracker(save_dir):
     with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
         return int(f.read())
@@ -259,6 +265,41 @@ def test_crash_during_save_is_never_loaded(tmp_path):
     assert _tracker(ckpt) == 4
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004",
                                         "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+    # the crashed run had recorded iterations 3 and 4: they went, and were trained again
+    assert "dropped 2 line(s) of iterations after 2" in resumed.stdout
+    assert _train_iterations(os.path.join(ckpt, "metrics.jsonl")) == [1, 2, 3, 4]
+
+
+def _single_process_env():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def test_exit_duration_saves_stops_and_resumes(tmp_path):
+    """--exit-duration-in-mins shorter than start-up: the first iteration ends past it, so the
+    run saves there and exits 0; the rerun with --load trains the rest, each iteration
+    recorded once."""
+    ckpt = str(tmp_path / "ckpt")
+    metrics = str(tmp_path / "metrics.jsonl")
+    common = MODEL + TRAINING + ["--train-iters", "4", "--save", ckpt, "--load", ckpt,
+                                 "--metrics-file", metrics]
+
+    def run(extra):
+        proc = subprocess.run([sys.executable, PRETRAIN] + common + extra, cwd=str(tmp_path),
+                              env=_single_process_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+        return proc.stdout
+
+    out = run(["--exit-duration-in-mins", "1e-4"])
+    assert "--exit-duration-in-mins 0.0001 reached" in out
+    assert "saving at iteration 1 and exiting" in out
+    assert _tracker(ckpt) == 1 and _train_iterations(metrics) == [1]
+    out = run([])
+    assert "loaded checkpoint" in out and _tracker(ckpt) == 4
+    assert _train_iterations(metrics) == [1, 2, 3, 4]
 
 
 def test_sigterm_saves_and_exits_zero(tmp_path):

@@ -16,6 +16,7 @@ from megatron.training.observe.metrics import (
     MetricsWriter,
     StepStats,
     Throughput,
+    drop_records_after,
     host_memory_gib,
     memory_report,
     peak_host_memory_gib,
@@ -154,6 +155,54 @@ def test_metrics_writer(tmp_path):
     assert records[-1] == {"kind": "valid", "iteration": 4, "lm_loss": 4.5,
                            "ppl": pytest.approx(90.0171313)}
     assert any(p.name.startswith("events.out.tfevents") for p in tb.iterdir())
+
+
+def test_a_resumed_writer_keeps_one_record_per_iteration(tmp_path):
+    """A run that wrote iterations 1-5, saved at 3 and was killed (the last line cut off
+    mid-write) resumes at 3: its records of 4 and 5 and the torn line go before it appends,
+    so the file ends with each iteration once; both run headers and the validation of
+    iteration 3 stay."""
+    shape = _shape(2, 64, 256, 4, 4, 16, 1024, swiglu=False)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def writer(start, stream):
+        return MetricsWriter(True, train_iters=6, log_interval=100,
+                             throughput=Throughput(shape, 128, 8, 1, None),
+                             metrics_file=str(metrics), stream=stream, start_iteration=start)
+
+    def steps(w, first, last, loss):
+        for it in range(first, last + 1):
+            w.train_step(StepStats(it, 8 * it, loss + it, 1.0, 1e-3, 0.1, False, 1.0))
+
+    w = writer(0, io.StringIO())
+    w.run_header("TP1 U1 R1 DP1 PP1", 1, {})
+    steps(w, 1, 3, 10.0)
+    w.validation(3, 7.0)
+    steps(w, 4, 5, 10.0)
+    w.close()
+    with open(metrics, "a") as f:
+        f.write('{"kind": "train", "iter')            # killed mid-line
+    out = io.StringIO()
+    w = writer(3, out)
+    w.run_header("TP1 U1 R1 DP1 PP1", 1, {})
+    steps(w, 4, 6, 20.0)
+    w.close()
+    assert ("dropped 3 line(s) of iterations after 3, where this run starts"
+            in out.getvalue())
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["kind"], r.get("iteration")) for r in records] == [
+        ("run", None), ("train", 1), ("train", 2), ("train", 3), ("valid", 3), ("run", None),
+        ("train", 4), ("train", 5), ("train", 6)]
+    assert [r["lm_loss"] for r in records if r["kind"] == "train"] == [
+        11.0, 12.0, 13.0, 24.0, 25.0, 26.0]
+    # nothing to drop: the file is not rewritten; a fresh start (0) drops every iteration
+    before = metrics.stat().st_mtime_ns
+    assert drop_records_after(str(metrics), 6) == 0 and metrics.stat().st_mtime_ns == before
+    assert drop_records_after(str(metrics), 0) == 7
+    assert [json.loads(line)["kind"] for line in metrics.read_text().splitlines()] == [
+        "run", "run"]
+    assert drop_records_after(str(tmp_path / "none.jsonl"), 0) == 0
+    assert not (tmp_path / "none.jsonl").exists()
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

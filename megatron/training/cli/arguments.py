@@ -292,6 +292,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                         "(default: stop with an error naming the iteration)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving with --save) when iteration %% N == 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, metavar="MIN",
+                   help="stop (after saving with --save) at the end of the first iteration "
+                        "that ends MIN minutes or more after start-up began, on the slowest "
+                        "rank; a rerun with --load continues from there")
     g.add_argument("--fused-linear-cross-entropy", action="store_true",
                    help="compute the output layer and the loss together over chunks of "
                         "tokens, never holding full-sequence logits (nor their float32 copy)")
@@ -579,10 +583,19 @@ def _parallel_fields(args, world_size: int, shape: ModelShape, device: str,
     return out
 
 
+def _validate_exits(args) -> None:
+    """The early stops: --exit-interval (iterations) and --exit-duration-in-mins."""
+    _check_positive(args, ["exit_interval"])
+    minutes = args.exit_duration_in_mins
+    if minutes is not None and not minutes > 0:  # also catches NaN
+        raise ArgumentsError(f"--exit-duration-in-mins {minutes} must be > 0, e.g. "
+                             f"--exit-duration-in-mins 8")
+
+
 def _lr_schedule(args) -> Dict[str, int]:
     """lr_decay_iters (default --train-iters) and lr_warmup_iters (also from the fraction)."""
     _require(args, ["train_iters", "lr"])
-    _check_positive(args, ["train_iters", "exit_interval"])
+    _check_positive(args, ["train_iters"])
     if not args.lr > 0:  # also catches NaN
         raise ArgumentsError(f"--lr {args.lr} must be > 0 (with --lr 0 nothing would train); "
                              f"e.g. --lr 3e-4")
@@ -840,6 +853,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     grad_fp32 = _grad_reduce_in_fp32(args)
     model = _model_sizes(args)
     schedule = _lr_schedule(args)
+    _validate_exits(args)
     tokenizer_type = _tokenizer_type(args)
     problem = document_flags_problem(args, device["device"])
     if problem:

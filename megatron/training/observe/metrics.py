@@ -23,7 +23,10 @@ Metrics-file records (one JSON object per line, ``kind`` says which)::
      "skipped": false}
     {"kind": "valid", "iteration": 10, "lm_loss": 5.01, "ppl": 149.9}
 
-A resumed run appends to the same file; readers keep the last record of each iteration.
+A run appends to the file, after dropping the records of iterations past the one it starts
+from (:func:`drop_records_after`): those were written by a run that stopped after its last
+checkpoint and are trained again, so a resumed run leaves one record per iteration. The
+``run`` headers stay, one per start.
 """
 
 from __future__ import annotations
@@ -149,13 +152,45 @@ def _fmt_mfu(mfu: Optional[float]) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
 
 
+def drop_records_after(path: str, iteration: int) -> int:
+    """Rewrite the metrics file ``path`` without its records of iterations after
+    ``iteration`` and without lines that are not JSON (a line cut off by a killed process);
+    returns how many lines went. A missing file stays missing; a file with nothing to drop
+    is left as it is. The rewrite goes to a temporary file renamed over ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return 0
+    kept = [line for line in lines if _record_kept(line, iteration)]
+    if len(kept) == len(lines):
+        return 0
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _record_kept(line: str, iteration: int) -> bool:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return not (isinstance(rec, dict) and isinstance(rec.get("iteration"), int)
+                and rec["iteration"] > iteration)
+
+
 class MetricsWriter:
     """Console, JSONL and TensorBoard output of the logging rank (the others pass
-    ``enabled=False`` and every call is a no-op)."""
+    ``enabled=False`` and every call is a no-op). ``start_iteration``: the iteration the
+    run starts from (the loaded checkpoint's, else 0); the metrics file's records after it
+    are dropped before the first write."""
 
     def __init__(self, enabled: bool, train_iters: int, log_interval: int,
                  throughput: Throughput, metrics_file: Optional[str] = None,
-                 tensorboard_dir: Optional[str] = None, stream=None) -> None:
+                 tensorboard_dir: Optional[str] = None, stream=None,
+                 start_iteration: int = 0) -> None:
         self.enabled = enabled
         self.train_iters = train_iters
         self.log_interval = log_interval
@@ -168,6 +203,11 @@ class MetricsWriter:
             return
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            dropped = drop_records_after(metrics_file, start_iteration)
+            if dropped:
+                print(f"metrics file {metrics_file}: dropped {dropped} line(s) of iterations "
+                      f"after {start_iteration}, where this run starts (they are trained "
+                      f"again)", file=self.stream, flush=True)
             self._jsonl = open(metrics_file, "a", encoding="utf-8")
         if tensorboard_dir:
             self._tb = _tensorboard_writer(tensorboard_dir)
