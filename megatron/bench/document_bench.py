@@ -439,12 +439,15 @@ WHOLE_SEQUENCE_ONLY = ("per-document", "packed", "packed-recurring", "flex")
 
 
 def _block_calls(kern, block):
-    """(forward, backward) of a document kernel on one block, in :func:`_per_document`'s form."""
+    """(forward, backward) of a document kernel on one block, in :func:`_per_document`'s form.
+    A ring rank's remote block reads only the halo its plan ships (``block.sk`` keys), so the
+    call gets the first ``block.sk`` K/V tokens of the rank's block as that halo."""
     def fwd(q, k, v, scale):
-        return kern.forward(q, k, v, block, scale)
+        return kern.forward(q, k[:, :, :block.sk], v[:, :, :block.sk], block, scale)
 
     def bwd(dout, q, k, v, out, lse, scale):
-        return kern.backward(dout, q, k, v, out, lse, block, scale)
+        return kern.backward(dout, q, k[:, :, :block.sk], v[:, :, :block.sk], out, lse, block,
+                             scale)
     return fwd, bwd
 
 
