@@ -102,6 +102,7 @@ from megatron.training.peer_faults import PeerLostError, peer_lost
 from megatron.training.process_guard import children_ignore_stop_signals, stop_with_the_rank
 from megatron.usp.backend_names import backend_installed
 from megatron.usp.core_attention import layer_window
+from megatron.usp.packed_documents import cost_tables, describe_costs
 from megatron.usp.parallel_state import USPGroups
 
 logger = logging.getLogger(__name__)
@@ -623,6 +624,7 @@ class _Loop:
             bool(args.profile) and rt.rank in args.profile_ranks, args.profile_step_start,
             args.profile_step_end, config.profile_dir, rt.rank, rt.device)
         self.memory = memory
+        self.costs_logged = False
 
     def _save(self) -> None:
         with params_in_sync(self.config, self.model):
@@ -649,6 +651,10 @@ class _Loop:
                   f"{self.memory.written} (summary: {self.memory.written}.txt)", flush=True)
         st.iteration = it
         st.consumed_train_samples += config.global_batch_size
+        if not self.costs_logged and args.reset_attention_mask:
+            self.costs_logged = True           # the first step measured them, if anything did
+            for key, costs in cost_tables():
+                print_rank_0(self.rt, describe_costs(key, costs))
         if skipped:
             st.skipped_iterations += 1
             self.result.skipped_iterations.append(it)

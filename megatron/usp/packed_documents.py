@@ -445,6 +445,33 @@ def costs_for_shape(kernel: AttentionKernel, device, dtype: torch.dtype, hq: int
     return _COSTS[key]
 
 
+DESCRIBED_LENGTHS = (256, 1024, 4096, 16384)
+
+
+def describe_costs(key: tuple, costs: KernelCosts) -> str:
+    """One log line of a cost table (:func:`costs_for_shape`'s ``key``): where it comes from,
+    its plan build (shared by the layers that reuse a choice), and per document, forward + backward, its kinds' costs at a few
+    lengths, so a run's log shows what its document kernels were chosen by."""
+    device, _, dtype, hq, hk, d, causal, kernel = key
+    where = "measured" if device == "cuda" else "fixed"
+
+    def us(xs):
+        return "/".join(f"{1e6 * x:.0f}" if math.isfinite(x) else "-" for x in xs)
+    lengths = "/".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in DESCRIBED_LENGTHS)
+    return (f"document kernel costs ({where}, {device} {str(dtype).replace('torch.', '')}, "
+            f"{hq}/{hk} heads of {d}, {'causal' if causal else 'full'}, {kernel} kernel): "
+            f"a new shape's plan build {1e3 * costs.build_s:.2f} ms per micro-batch; "
+            f"per document fwd+bwd in us at {lengths} tokens: "
+            f"batched alone {us(costs._at(costs._one, n) for n in DESCRIBED_LENGTHS)}, "
+            f"batched with others {us(costs._at(costs._many, n) for n in DESCRIBED_LENGTHS)}, "
+            f"varlen {us(costs.varlen(n) for n in DESCRIBED_LENGTHS)}")
+
+
+def cost_tables() -> List[Tuple[tuple, KernelCosts]]:
+    """The cost tables this process has measured or fixed so far (key, table)."""
+    return list(_COSTS.items())
+
+
 def costs_state(costs: KernelCosts) -> List[float]:
     """The table as numbers (what :func:`agreed_costs` sends); sightings are not part of it."""
     return ([float(len(costs.lengths))] + list(costs.lengths) + [float(x) for x in costs._one]

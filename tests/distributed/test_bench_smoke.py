@@ -249,6 +249,9 @@ def test_bench_e2e_packed_documents_count_useful_flops(tmp_path):
         assert r["tflops_per_gpu"] == pytest.approx(useful / (r["iter_ms"] / 1e3) / gpus / 1e12)
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 1.0)
     assert "document mask from position_ids" in peer["attention_path"]
+    # the run's log says, once, which cost table its document kernels were chosen by
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("*.log"))
+    assert logs.count("document kernel costs (fixed, cpu float32,") == 1, logs[-3000:]
     text = md.read_text()
     assert "FLOPs: useful (documents)" in text and "| useful (documents) |" in text
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.usp import packed_documents as pd
 from megatron.usp.attention import usp_attention
 from megatron.usp.document_ring import build_document_ring_plan
 from megatron.usp.kernels import get_kernel
@@ -263,3 +264,22 @@ def test_windowed_documents_go_to_the_varlen_window_and_are_not_padded():
     assert [plan.segment_window(seg) for seg in plan.segments[0]] == [4, None]
     with pytest.raises(ValueError, match="causal"):
         build_packed_plan([[10]], False, with_varlen, window=4)
+
+
+def test_a_cost_table_is_described_in_one_log_line():
+    """What a run with documents logs after its first step: where the table comes from, the
+    plan build, and per document each kind's cost at 256 / 1K / 4K / 16K tokens."""
+    costs = KernelCosts([256, 1024, 4096, 16384], [1e-5, 2e-5, 1e-4, 1e-3],
+                        [5e-6, 1e-5, 8e-5, 9e-4], [2e-5, 4e-5, 2e-4, 2e-3], has_varlen=True,
+                        build_s=0.0123)
+    key = ("cuda", 0, torch.bfloat16, 32, 8, 128, True, "cudnn")
+    line = pd.describe_costs(key, costs)
+    assert "\n" not in line
+    assert line == (
+        "document kernel costs (measured, cuda bfloat16, 32/8 heads of 128, causal, cudnn "
+        "kernel): a new shape's plan build 12.30 ms per micro-batch; per document fwd+bwd in "
+        "us at 256/1K/4K/16K tokens: batched alone 10/20/100/1000, batched with others "
+        "5/10/80/900, varlen 20/40/200/2000")
+    cpu = pd.describe_costs(("cpu", None, torch.float32, 4, 2, 16, False, "math"),
+                            pd.cpu_costs())
+    assert cpu.startswith("document kernel costs (fixed, cpu float32, 4/2 heads of 16, full")
