@@ -203,6 +203,11 @@ def test_layers_sharing_a_micro_batchs_blocks():
     assert layers_sharing_blocks(cfg((16, 0), [1, 1, 0, 1], 4), None) == 1
     assert layers_sharing_blocks(cfg(None, None, 3, 2), None) == 2
     assert layers_sharing_blocks(SimpleNamespace(window_size=None), None) == 1
+    # a layer's auto document kernel prices builds over the layers that share its blocks
+    config = attention_config(4, 8, 2, num_layers=6, window_size=(16, 0),
+                              window_attn_skip_freq=3)
+    assert USPAttention(config, 1, AttnMaskType.causal).document_kernel.layers == 4
+    assert USPAttention(config, 3, AttnMaskType.causal).document_kernel.layers == 2
 
 
 @pytest.mark.parametrize("bad", [(16, 4), (0, 0), (-1, 0)])
