@@ -5,6 +5,11 @@
 # pinned host memory and reports the longest that fits.
 #   SEQ_LEN=512k bash benchmarks/longest_sequence.sh
 #   SEARCH=1 SEQ_LEN=512k MAX_SEQ=2m bash benchmarks/longest_sequence.sh
+#   MODEL=tiny SEQ_LEN=256 TILE=64 bash benchmarks/longest_sequence.sh \
+#       --extra-args "--num-workers 0"                                # a CPU check
+# Environment: SEQ_LEN (512k) SEARCH (0; 1: the doubling search up to MAX_SEQ) MAX_SEQ (2m)
+# TILE (16384 tokens per MLP tile) MODEL (llama-0.85b) OUT_DIR (benchmarks/out). Extra
+# arguments go to tools/bench_e2e.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEQ_LEN=${SEQ_LEN:-512k}

@@ -709,3 +709,88 @@ def test_fp8_drift_recipe_refuses_a_bad_setting_in_one_line(tmp_path):
         'error: RECIPES="hybrid:rowwise": hybrid:rowwise is not one of tensorwise, rowwise, '
         'hybrid:tensorwise, e4m3:tensorwise, e4m3:rowwise (rowwise scales need e4m3), e.g. '
         'RECIPES="tensorwise rowwise"')
+
+
+def test_e2e_and_longest_sequence_recipes_on_the_cpu(tmp_path):
+    """benchmarks/e2e_vs_hf_liger.sh (the tiny model against Hugging Face, Liger being
+    CUDA-only) and benchmarks/longest_sequence.sh (full recompute keeping each layer's
+    attention output, the MLP over tiles) at tiny shapes on the CPU."""
+    out = tmp_path / "e2e"
+    _run_recipe("e2e_vs_hf_liger.sh", _recipe_env(
+        MODEL="tiny", SEQ_LENS="128", ROUNDS="1", ITERS="3", WARMUP="1", PEERS="hf",
+        OUT_DIR=str(out)))
+    payload, row = _e2e_row(out / "e2e_vs_hf_liger.json")
+    assert payload["peer_ratios"][0]["peer"] == "hf" and row["seq_len"] == 128
+    out = tmp_path / "longest"
+    _run_recipe("longest_sequence.sh", _recipe_env(MODEL="tiny", SEQ_LEN="256", TILE="64",
+                                                   OUT_DIR=str(out)))
+    payload = json.loads((out / "e2e_256.json").read_text())
+    (row,) = payload["results"]
+    assert row["status"] == "ok" and row["recompute"] == "full" and row["seq_len"] == 256
+    assert "--recompute-keep-core-attn --mlp-tile-tokens 64" in row["command"]
+
+
+def test_gpu_tests_recipe_records_skips_without_a_gpu(tmp_path):
+    """benchmarks/gpu_tests.sh on a machine without a GPU: every test skipped, and a dated
+    record (JSON and markdown) that says so."""
+    out = tmp_path / "gpu"
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_tests.sh"),
+                           "tests/gpu/test_adam_state_gpu.py"], cwd=REPO,
+                          env=_recipe_env(OUT_DIR=str(out), BUDGET_S="120"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    (record,) = out.glob("gpu_tests_*.json")
+    assert (out / (record.stem + ".md")).exists()
+    tests = json.loads(record.read_text())["tests"]
+    assert tests and {t["outcome"] for t in tests} == {"skipped"}
+
+
+def test_attention_and_checkpoint_cost_recipes_on_the_cpu(tmp_path):
+    """benchmarks/attention.sh on two gloo ranks at tiny shapes (later flags override the
+    recipe's), and benchmarks/checkpoint_cost.sh with the tiny model."""
+    out = tmp_path / "attention"
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "attention.sh"), "--heads", "4", "--kv-heads", "2",
+         "--head-dim", "16", "--dtype", "fp32", "--peers", "none", "--iters", "2",
+         "--warmup", "1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=_recipe_env(NGPUS="2", SEQ_LENS="256", OUT_DIR=str(out)))
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    rows = json.loads((out / "attention.json").read_text())["results"]
+    usp = [r for r in rows if r["method"] == "usp"]
+    assert {(r["ulysses"], r["ring"]) for r in usp} == {(2, 1), (1, 2)}
+    assert all(r["status"] == "ok" and r["check_rel_err"] is not None
+               and r["check_rel_err"] < 1e-5 for r in usp), usp
+    out = tmp_path / "cost"
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "checkpoint_cost.sh")], cwd=REPO,
+                          env=_recipe_env(MODEL="tiny", SAVE_DIR=str(tmp_path / "saves"),
+                                          OUT_DIR=str(out)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    payload = json.loads((out / "checkpoint_cost.json").read_text())
+    assert payload["model"] == "tiny" and payload["device"] == "cpu"
+    assert payload["checkpoint_bytes"] > 0 and payload["verify_s"] > 0
+    assert set(payload["median_s"]) == {"with_checksums", "without_checksums"}
+
+
+# Each recipe in benchmarks/ and the test that runs it on the CPU.
+RECIPES_RUN_BY = {
+    "attention.sh": "test_attention_and_checkpoint_cost_recipes_on_the_cpu",
+    "checkpoint_cost.sh": "test_attention_and_checkpoint_cost_recipes_on_the_cpu",
+    "e2e_vs_hf_liger.sh": "test_e2e_and_longest_sequence_recipes_on_the_cpu",
+    "fp8.sh": "test_fp8_recipe_on_the_cpu",
+    "fp8_drift.sh": "test_fp8_drift_recipe_resumes_onto_the_uninterrupted_curves",
+    "gpu_tests.sh": "test_gpu_tests_recipe_records_skips_without_a_gpu",
+    "imported_model.sh": "test_imported_model_recipe_on_the_cpu",
+    "longest_sequence.sh": "test_e2e_and_longest_sequence_recipes_on_the_cpu",
+    "packed_documents.sh": "test_packed_documents_recipe_kernel_parts_on_the_cpu",
+    "sliding_window.sh": "test_sliding_window_recipe_on_the_cpu",
+}
+
+
+def test_every_recipe_is_run_by_a_test():
+    """A recipe added to benchmarks/ needs a CPU run here (and an entry above)."""
+    assert sorted(p.name for p in (REPO / "benchmarks").glob("*.sh")) == sorted(RECIPES_RUN_BY)
+    source = Path(__file__).read_text()
+    for recipe, test in RECIPES_RUN_BY.items():
+        assert callable(globals().get(test)), test
+        assert f'"{recipe}"' in source, recipe
