@@ -29,3 +29,12 @@ def pytest_collection_modifyitems(config, items):
 def dist_run():
     """``dist_run(fn, world_size, *args, timeout=..., **kwargs)``: see tests/harness.py."""
     return run_on_ranks
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """(HF directory, imported checkpoint directory) of SmolLM2-135M-Instruct, built once per
+    session (half a minute) and only read by the tests that share it."""
+    from tests.unit.test_convert_smollm2 import import_smollm2  # transformers, on first use
+
+    return import_smollm2(tmp_path_factory.mktemp("smollm2"))

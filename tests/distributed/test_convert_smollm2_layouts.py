@@ -23,12 +23,11 @@ from megatron.training.cpu_shims import apply_cpu_shims
 from megatron.training.data.documents import DocumentBatching
 from tests.distributed.test_convert_hf_layouts import _run
 from tests.unit.test_convert_hf import assert_logits_match
-from tests.unit.test_convert_smollm2 import (  # noqa: F401  (smollm2: the module fixture)
+from tests.unit.test_convert_smollm2 import (
     SEQ,
     assert_loss_matches,
     assert_near_exact,
     references,
-    smollm2,
 )
 
 pytestmark = pytest.mark.slow
@@ -64,7 +63,7 @@ def _check_layouts(rank, world_size, refs, ckpt, layouts):
         _check(refs, ckpt, layout)
 
 
-def test_smollm2_matches_transformers_under_r4_tp3_and_u3(dist_run, smollm2):  # noqa: F811
+def test_smollm2_matches_transformers_under_r4_tp3_and_u3(dist_run, smollm2):
     hf_dir, ckpt = smollm2
     refs = references(hf_dir)
     dist_run(_check_layouts, 4, refs, ckpt, ["r4"], timeout=900)

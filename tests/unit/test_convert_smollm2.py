@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Tuple
 
 import pytest
 import torch
@@ -91,12 +92,13 @@ def _save_dequantised(model, out_dir: str) -> None:
     config.save_pretrained(out_dir)
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """(HF directory, imported checkpoint directory) of SmolLM2-135M-Instruct."""
+def import_smollm2(root) -> Tuple[str, str]:
+    """(HF directory, imported checkpoint directory) of SmolLM2-135M-Instruct under ``root``:
+    the GGUF dequantised to float32 safetensors, then ``tools/convert_hf.py import``. The
+    session's ``smollm2`` fixture (tests/conftest.py) calls it once for every module."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: transformers
 
-    source, root = _smollm2_dir(), tmp_path_factory.mktemp("smollm2")
+    source = _smollm2_dir()
     hf_dir, ckpt = str(root / "hf"), str(root / "ckpt")
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
     _save_dequantised(model, hf_dir)

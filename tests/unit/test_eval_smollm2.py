@@ -12,8 +12,6 @@ import json
 import pytest
 import torch
 
-from tests.unit.test_convert_smollm2 import smollm2  # noqa: F401  (the module fixture)
-
 pytestmark = pytest.mark.slow
 # perplexity over the first 512 tokens of the built-in corpus's first long document
 PASSKEY = ["--passkey-lengths", "256,512", "--passkey-depths", "0,0.5,1",
@@ -39,7 +37,7 @@ def _random_model_dir(hf_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-def test_smollm2_finds_the_passkey_and_random_weights_do_not(dist_run, smollm2,  # noqa: F811
+def test_smollm2_finds_the_passkey_and_random_weights_do_not(dist_run, smollm2,
                                                              tmp_path):
     hf_dir, ckpt = smollm2
     ours, rand = str(tmp_path / "ours.json"), str(tmp_path / "random.json")
