@@ -20,6 +20,7 @@ from megatron.training.observe.metrics import (
     host_memory_gib,
     memory_report,
     peak_host_memory_gib,
+    set_aside,
 )
 from tests.helpers import tiny_gpt_flags
 
@@ -203,6 +204,43 @@ def test_a_resumed_writer_keeps_one_record_per_iteration(tmp_path):
         "run", "run"]
     assert drop_records_after(str(tmp_path / "none.jsonl"), 0) == 0
     assert not (tmp_path / "none.jsonl").exists()
+
+
+def test_a_fresh_run_moves_another_runs_records_aside(tmp_path):
+    """A run from iteration 0 onto a metrics file that holds another run's iterations moves
+    that file, whole, to metrics.jsonl.1 (then .2) and says so; a file of headers only, or
+    none, is simply written."""
+    shape = _shape(2, 64, 256, 4, 4, 16, 1024, swiglu=False)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def run(loss):
+        out = io.StringIO()
+        w = MetricsWriter(True, train_iters=2, log_interval=100,
+                          throughput=Throughput(shape, 128, 8, 1, None),
+                          metrics_file=str(metrics), stream=out, start_iteration=0)
+        w.run_header("TP1 U1 R1 DP1 PP1", 1, {})
+        for it in (1, 2):
+            w.train_step(StepStats(it, 8 * it, loss + it, 1.0, 1e-3, 0.1, False, 1.0))
+        w.close()
+        return out.getvalue()
+
+    def losses(path):
+        return [json.loads(line)["lm_loss"] for line in path.read_text().splitlines()
+                if json.loads(line)["kind"] == "train"]
+
+    assert "moved" not in run(10.0)
+    first = metrics.read_text()
+    said = run(20.0)
+    assert f"the records already there were moved to {metrics}.1" in said
+    assert (tmp_path / "metrics.jsonl.1").read_text() == first
+    assert losses(metrics) == [21.0, 22.0]
+    run(30.0)
+    assert losses(tmp_path / "metrics.jsonl.2") == [21.0, 22.0]
+    assert losses(metrics) == [31.0, 32.0]
+    only_headers = tmp_path / "headers.jsonl"
+    only_headers.write_text('{"kind": "run", "layout": "x"}\n{"kind": "train", "iter')
+    assert set_aside(str(only_headers)) is None and only_headers.exists()
+    assert set_aside(str(tmp_path / "none.jsonl")) is None
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

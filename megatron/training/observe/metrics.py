@@ -23,10 +23,12 @@ Metrics-file records (one JSON object per line, ``kind`` says which)::
      "skipped": false}
     {"kind": "valid", "iteration": 10, "lm_loss": 5.01, "ppl": 149.9}
 
-A run appends to the file, after dropping the records of iterations past the one it starts
-from (:func:`drop_records_after`): those were written by a run that stopped after its last
-checkpoint and are trained again, so a resumed run leaves one record per iteration. The
-``run`` headers stay, one per start.
+A resumed run appends to the file, after dropping the records of iterations past the one it
+starts from (:func:`drop_records_after`): those were written by a run that stopped after its
+last checkpoint and are trained again, so a resumed run leaves one record per iteration. The
+``run`` headers stay, one per start. A run that starts from iteration 0 onto a file that
+already holds iterations (another run's) first moves that file aside, whole, to the first free
+``PATH.1``, ``PATH.2``, ... (:func:`set_aside`): nothing is deleted.
 """
 
 from __future__ import annotations
@@ -172,6 +174,34 @@ def drop_records_after(path: str, iteration: int) -> int:
     return len(lines) - len(kept)
 
 
+def set_aside(path: str) -> Optional[str]:
+    """Move the metrics file ``path`` to the first free ``path.N`` (N = 1, 2, ...) when it
+    holds records of iterations (a run's, not only headers); returns where it went, or None
+    when there was nothing to keep."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            has_iterations = any(_iteration_of(line) for line in f)
+    except FileNotFoundError:
+        return None
+    if not has_iterations:
+        return None
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.replace(path, f"{path}.{n}")
+    return f"{path}.{n}"
+
+
+def _iteration_of(line: str) -> Optional[int]:
+    """The iteration of a record line (None: a header, or not a record)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    it = rec.get("iteration") if isinstance(rec, dict) else None
+    return it if isinstance(it, int) and not isinstance(it, bool) else None
+
+
 def _record_kept(line: str, iteration: int) -> bool:
     try:
         rec = json.loads(line)
@@ -203,6 +233,11 @@ class MetricsWriter:
             return
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            kept = set_aside(metrics_file) if start_iteration == 0 else None
+            if kept:
+                print(f"metrics file {metrics_file}: this run starts at iteration 0; the "
+                      f"records already there were moved to {kept}", file=self.stream,
+                      flush=True)
             dropped = drop_records_after(metrics_file, start_iteration)
             if dropped:
                 print(f"metrics file {metrics_file}: dropped {dropped} line(s) of iterations "
