@@ -40,7 +40,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -180,7 +180,7 @@ def set_aside(path: str) -> Optional[str]:
     when there was nothing to keep."""
     try:
         with open(path, encoding="utf-8") as f:
-            has_iterations = any(_iteration_of(line) for line in f)
+            has_iterations = any(_line_iteration(line)[1] is not None for line in f)
     except FileNotFoundError:
         return None
     if not has_iterations:
@@ -192,23 +192,19 @@ def set_aside(path: str) -> Optional[str]:
     return f"{path}.{n}"
 
 
-def _iteration_of(line: str) -> Optional[int]:
-    """The iteration of a record line (None: a header, or not a record)."""
+def _line_iteration(line: str) -> Tuple[bool, Optional[int]]:
+    """(whether the line is a whole JSON record, its iteration: None for a header)."""
     try:
         rec = json.loads(line)
     except json.JSONDecodeError:
-        return None
+        return False, None                 # a line cut off by a killed process
     it = rec.get("iteration") if isinstance(rec, dict) else None
-    return it if isinstance(it, int) and not isinstance(it, bool) else None
+    return True, (it if isinstance(it, int) and not isinstance(it, bool) else None)
 
 
 def _record_kept(line: str, iteration: int) -> bool:
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return not (isinstance(rec, dict) and isinstance(rec.get("iteration"), int)
-                and rec["iteration"] > iteration)
+    whole, it = _line_iteration(line)
+    return whole and (it is None or it <= iteration)
 
 
 class MetricsWriter:
