@@ -18,10 +18,21 @@ flags stays cheap to collect.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import socket
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+
+
+def load_tool(name: str):
+    """``tools/NAME.py`` as a module (the tools are scripts, not a package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -6,10 +6,8 @@ the ``.idx`` files with ``--data-path``; without the flag, dense sequences. The 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
-import os
 import types
 from dataclasses import replace
 
@@ -24,6 +22,7 @@ from megatron.training.cli.arguments import parse_args, validate_args
 from megatron.training.cli.auto_layout import resolve_auto_layout, run_documents
 from megatron.training.data import document_lengths as dl
 from megatron.training.data.tokenizer import NullTokenizer
+from tests.helpers import load_tool
 
 SEQ = 131072
 
@@ -172,11 +171,7 @@ def test_a_train_split_without_tokens_is_refused_naming_split(tmp_path):
 
 # ------------------------------------------------------------------ the plan
 def _plan_parallel_json(argv):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location(
-        "plan_parallel", os.path.join(root, "tools", "plan_parallel.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_tool("plan_parallel")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert cli.main(argv + ["--json"]) == 0

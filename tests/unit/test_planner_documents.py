@@ -4,8 +4,6 @@ assignment, the document flags in the printed command, and the effect on the 0.8
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -22,6 +20,7 @@ from megatron.training.data.batch import attention_pairs
 from megatron.training.loop import flops_count_label
 from megatron.usp import load_balance as lb
 from megatron.usp.document_ring import build_document_ring_plan
+from tests.helpers import load_tool
 
 H200 = get_hardware("h200")
 TINY = ModelShape(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
@@ -30,12 +29,7 @@ RUN = ["--lr", "1e-4", "--train-iters", "10", "--mock-data", "--eval-iters", "0"
 
 
 def _cli():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location(
-        "plan_parallel", os.path.join(root, "tools", "plan_parallel.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
+    return load_tool("plan_parallel")
 
 
 @pytest.mark.parametrize("mix", ["fixed:0", "fixed:two", "gaussian", "lognormal,fixed:2k", ""])
