@@ -1,5 +1,6 @@
 """Benchmarks behind ``tools/bench_attention.py``, ``tools/bench_e2e.py``,
-``tools/bench_fused_kernels.py`` and ``tools/bench_checkpoint.py``.
+``tools/bench_fused_kernels.py``, ``tools/bench_fp8_linears.py`` and
+``tools/bench_checkpoint.py``.
 
 One module per concern:
 
@@ -30,6 +31,9 @@ One module per concern:
 * :mod:`~megatron.bench.depth`: full-depth memory and time from two slices of the layers.
 * :mod:`~megatron.bench.fused_kernels_bench`: the ``--fused-kernels`` implementations side by
   side.
+* :mod:`~megatron.bench.fp8_linears_bench`: each linear layer of a model in float8 (this
+  project's GEMMs, torchao's float8 linear compiled and eager) against bf16, with a per-kernel
+  profile.
 * :mod:`~megatron.bench.checkpoint_cost`: what checkpoint checksums cost at save and load.
 * :mod:`~megatron.bench.trace_summary`: a summary of a ``--profile`` Chrome trace.
 
