@@ -30,11 +30,10 @@ dimension not a multiple of 16). ``torch._dynamo`` is reset before every compile
 each compiles its own graphs in its warm-up and none falls back to eager after too many
 recompilations.
 
-torchao's ``convert_to_float8_training`` also patches inductor's Triton min/max code
-generation (a workaround for a Triton float8 store miscompile); training's compiled casts do
-not call it. When a torchao implementation is asked for, the patch is applied before the
-first case, so that every compiled case of the run is generated alike; the JSON says whether
-it was (``config.torchao_inductor_patch``).
+Both compiled paths, torchao's (``convert_to_float8_training``) and training's
+(:func:`megatron.layers.float8_gemms.float8_mm`), switch on torchao's patch of inductor's
+Triton min/max code generation (a workaround for a Triton float8 store miscompile) before
+they compile, so every compiled case is generated alike.
 
 Per row: ``fwd_bwd_ms``, ``ratio_vs_bf16`` (bf16 ms over the row's ms: above 1 is faster
 than bf16) and ``tflops`` (``6 N in out`` over the time). ``--profile`` adds, per (shape,
@@ -252,19 +251,6 @@ def resolve_impls(cfg: Fp8BenchConfig, device: torch.device,
     if cfg.impls is not None:
         return list(cfg.impls)
     return [i for i in IMPLS if skip_reason(i, device, capability, torchao_ok) is None]
-
-
-def apply_torchao_inductor_patch() -> bool:
-    """The inductor patch ``convert_to_float8_training`` applies (module docstring), applied
-    now; False if this torchao has none."""
-    try:
-        from torchao.float8._inductor_patch import (  # optional dependency, private
-            _patch_inductor_min_max_codegen,
-        )
-    except ImportError:
-        return False
-    _patch_inductor_min_max_codegen()
-    return True
 
 
 # --------------------------------------------------------------------------- the cases
@@ -505,12 +491,9 @@ def run(cfg: Fp8BenchConfig, argv: Sequence[str]) -> dict:
         device = torch.device("cpu")
     capability, torchao_ok = _capability(device), torchao_importable()
     impls = resolve_impls(cfg, device, capability, torchao_ok)
-    torchao_runs = torchao_ok and device.type == "cuda" and any(
-        i in ("torchao", "torchao-eager") for i in impls)
-    patched = apply_torchao_inductor_patch() if torchao_runs else False
     meta = report.run_metadata(argv, device, 1)
     config = dict(asdict(cfg), impls=impls, dtype="bfloat16", emulate=device.type != "cuda",
-                  torchao_version=_torchao_version(), torchao_inductor_patch=patched,
+                  torchao_version=_torchao_version(),
                   shapes={m: MODELS[m].record() for m in cfg.models})
     payload = {"tool": "bench_fp8_linears", "schema_version": report.SCHEMA_VERSION,
                "metadata": meta, "config": config, "results": []}

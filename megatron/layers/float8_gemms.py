@@ -18,12 +18,16 @@ Weight gradient into ``main_grad``: torch._scaled_mm cannot add into an existing
 output through bf16) and the caller adds it: no bf16 rounding of a tensorwise weight gradient,
 one float32 ``[out, in]`` temporary per GEMM.
 
-The casts: torchao's eager cast runs amax, scale, an upcast to float32, the multiply, the clamp
-and the float8 conversion as separate passes over the operand, which on the GPU costs more than
-the float8 GEMM saves (torchao's own speed-ups assume ``torch.compile``). On CUDA each cast is
-therefore one compiled function of plain tensors (:func:`scaled_float8_bits`: the same
-torchao functions, so the same values) and the result is wrapped in the tensor subclass after;
-elsewhere the function runs eagerly.
+The casts and layouts: torchao's eager path runs amax, scale, an upcast to float32, the
+multiply, the clamp and the float8 conversion as separate passes over each operand, then copies
+an operand whose layout ``torch._scaled_mm`` cannot take (the first must be row-major, the
+second column-major: the weight gradient's both, the input gradient's weight) into a
+transposed float8 copy. On the GPU those passes cost more than the float8 GEMM saves (torchao's
+own speed-ups assume ``torch.compile``). So each GEMM is one function of plain tensors,
+:func:`float8_mm` (torchao's ``tensor_to_scale``, its saturated cast and its
+``addmm_float8_unwrapped``, so the same values), compiled once per process on CUDA: the cast
+and the layout change of an operand become one pass. Elsewhere it runs eagerly, and with
+``emulate`` it multiplies the float8 values in float32 as torchao's emulation does.
 
 Scaling state: dynamic scaling (both recipes) keeps none; every cast computes its scale from
 the tensor it casts, so checkpoints carry nothing float8-specific.
@@ -32,6 +36,7 @@ the tensor it casts, so checkpoints carry nothing float8-specific.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -75,25 +80,81 @@ def scaled_float8_bits(t: Tensor, float8_dtype: torch.dtype, granularity,
                        axiswise_dim, round_scales_to_power_of_2: bool):
     """``(bits, scale)`` of ``t`` in ``float8_dtype`` with a dynamic scale (torchao's
     ``tensor_to_scale``, then the cast its ``Float8TrainingTensor`` constructor makes: float32
-    times the scale, saturated): plain tensors, so the whole cast compiles into few kernels."""
+    times the scale, saturated): plain tensors."""
     from torchao.float8 import float8_utils  # optional dependency
     scale = float8_utils.tensor_to_scale(t, float8_dtype, False, None, granularity,
                                          axiswise_dim, round_scales_to_power_of_2)
     return float8_utils.to_fp8_saturated(t.to(torch.float32) * scale, float8_dtype), scale
 
 
-_COMPILED_BITS = None
+class CastSpec(NamedTuple):
+    """How one operand is cast: torchao's ``CastConfig`` (dtype, granularity) with the axis
+    of its scale (``get_maybe_axiswise_dim``: None for tensorwise) and the power-of-2
+    rounding of its config; ``transpose``: the GEMM takes the cast operand transposed."""
+
+    dtype: torch.dtype
+    granularity: object
+    axiswise_dim: object
+    round_scales_to_power_of_2: bool
+    transpose: bool = False
 
 
-def _bits_function(device: torch.device):
-    """:func:`scaled_float8_bits`, compiled once per process for CUDA operands (dynamic
-    shapes: one graph per cast kind, not per linear shape); eager elsewhere."""
-    global _COMPILED_BITS
+def float8_mm(a: Tensor, b: Tensor, a_cast: CastSpec, b_cast: CastSpec,
+              out_dtype: torch.dtype, use_fast_accum: bool, emulate: bool) -> Tensor:
+    """``cast(a) @ cast(b)`` (each transposed after its cast if its spec says so), in
+    ``out_dtype``: what torchao's ``Float8TrainingTensor`` matmul computes for the same casts
+    (``preprocess_addmm``, then ``addmm_float8_unwrapped`` or, emulated, the float8 values
+    times their inverse scales multiplied in float32)."""
+    from torchao.float8.float8_ops import addmm_float8_unwrapped  # optional dependency
+    operands = []
+    for t, spec in ((a, a_cast), (b, b_cast)):
+        bits, scale = scaled_float8_bits(t, spec.dtype, spec.granularity, spec.axiswise_dim,
+                                         spec.round_scales_to_power_of_2)
+        if spec.transpose:
+            bits, scale = bits.t(), (scale.t() if scale.dim() > 1 else scale)
+        operands += [bits, scale]
+    a_bits, a_scale, b_bits, b_scale = operands
+    if emulate:
+        return torch.mm(a_bits.float() / a_scale, b_bits.float() / b_scale).to(out_dtype)
+    a_bits = a_bits.contiguous()                  # row-major first operand
+    b_bits = b_bits.t().contiguous().t()          # column-major second operand
+    # one operand tensorwise and the other axiswise: the tensorwise scale repeated
+    if a_scale.dim() < 2 <= b_scale.dim():
+        a_scale = a_scale.reshape(1, 1).expand(a_bits.shape[0], 1).contiguous()
+    elif b_scale.dim() < 2 <= a_scale.dim():
+        b_scale = b_scale.reshape(1, 1).expand(1, b_bits.shape[1]).contiguous()
+    return addmm_float8_unwrapped(a_bits, a_scale, b_bits, b_scale, out_dtype,
+                                  use_fast_accum=use_fast_accum)
+
+
+_COMPILED_MM = None
+
+
+def _mm_function(device: torch.device):
+    """:func:`float8_mm`, compiled once per process for CUDA operands (dynamic shapes: one
+    graph per GEMM kind, not per linear shape); eager elsewhere."""
+    global _COMPILED_MM
     if device.type != "cuda":
-        return scaled_float8_bits
-    if _COMPILED_BITS is None:
-        _COMPILED_BITS = torch.compile(scaled_float8_bits, dynamic=True)
-    return _COMPILED_BITS
+        return float8_mm
+    if _COMPILED_MM is None:
+        _avoid_the_float8_store_miscompile()
+        _COMPILED_MM = torch.compile(float8_mm, dynamic=True)
+    return _COMPILED_MM
+
+
+def _avoid_the_float8_store_miscompile() -> None:
+    """What torchao's ``convert_to_float8_training`` does before any float8 kernel compiles:
+    inductor's NaN-propagating min/max codegen can make Triton mis-lower a neighbouring
+    transposed 1-byte store, writing bytes that read as NaN/Inf in float8 (triton-lang/triton
+    issue 11111), and the casts here write transposed float8. torchao's patch switches that
+    codegen to an equivalent ``tl.where`` form; torchao releases without it need none."""
+    try:
+        from torchao.float8._inductor_patch import (  # optional dependency
+            _patch_inductor_min_max_codegen,
+        )
+    except ImportError:
+        return
+    _patch_inductor_min_max_codegen()
 
 
 class Float8Gemms:
@@ -105,55 +166,52 @@ class Float8Gemms:
     """
 
     def __init__(self, options: Float8Options):
-        _, scaling, tensor = _torchao()
+        _torchao()
         self.options = options
-        self.config = config = float8_linear_config(options)
-        self._scaling, self._tensor = scaling, tensor
-        gemm = [config.gemm_config_output, config.gemm_config_grad_input,
-                config.gemm_config_grad_weight]
-        # One ScaledMMConfig per GEMM, as torchao's Float8Linear builds them.
-        self.mm_config = tensor.LinearMMConfig(*(
-            tensor.ScaledMMConfig(config.emulate, g.use_fast_accum, False,
-                                  config.pad_inner_dim) for g in gemm))
+        self.config = c = float8_linear_config(options)
+        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim  # optional
 
-    def _cast(self, t: Tensor, cast_config, role: str, axis: int):
-        """torchao's ``hp_tensor_to_float8_dynamic`` of ``t``, its cast compiled on CUDA."""
-        granularity = cast_config.scaling_granularity
-        axiswise_dim = self._scaling.get_maybe_axiswise_dim(axis, granularity)
-        bits, scale = _bits_function(t.device)(t, cast_config.target_dtype, granularity,
-                                               axiswise_dim,
-                                               self.config.round_scales_to_power_of_2)
-        return self._tensor.Float8TrainingTensor(
-            bits, scale, t.dtype, linear_mm_config=self.mm_config,
-            gemm_input_role=self._tensor.GemmInputRole[role], axiswise_dim=axiswise_dim)
+        def spec(cast_config, axis, transpose=False):
+            g = cast_config.scaling_granularity
+            return CastSpec(cast_config.target_dtype, g, get_maybe_axiswise_dim(axis, g),
+                            c.round_scales_to_power_of_2, transpose)
+
+        # the casts torchao's matmul_with_hp_or_float8_args makes, GEMM by GEMM
+        self.casts = {
+            "output": (spec(c.cast_config_input, -1), spec(c.cast_config_weight, 0)),
+            "grad_input": (spec(c.cast_config_grad_output, -1),
+                           spec(c.cast_config_weight_for_grad_input, -1, transpose=True)),
+            "grad_weight": (spec(c.cast_config_grad_output_for_grad_weight, 0, transpose=True),
+                            spec(c.cast_config_input_for_grad_weight, 0)),
+        }
+        self.fast_accum = {"output": c.gemm_config_output.use_fast_accum,
+                           "grad_input": c.gemm_config_grad_input.use_fast_accum,
+                           "grad_weight": c.gemm_config_grad_weight.use_fast_accum}
+
+    def _mm(self, gemm: str, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """One GEMM. The operands go in detached: the callers are autograd functions that
+        compute their own gradients, and a compiled function guards on ``requires_grad``,
+        so operands that sometimes carry it (a weight, an input that needs its gradient)
+        would compile a graph per pattern and soon hit dynamo's recompile limit, after which
+        every GEMM runs eagerly."""
+        a_cast, b_cast = self.casts[gemm]
+        return _mm_function(a.device)(a.detach(), b.detach(), a_cast, b_cast, out_dtype,
+                                      self.fast_accum[gemm], self.config.emulate)
 
     def output(self, x_rows: Tensor, weight: Tensor) -> Tensor:
         """``x_rows [n, in] @ weight [out, in].T -> [n, out]``."""
-        c = self.config
-        x8 = self._cast(x_rows, c.cast_config_input, "INPUT", -1)
-        w8_t = self._cast(weight.t(), c.cast_config_weight, "WEIGHT", 0)
-        return torch.mm(x8, w8_t)
+        return self._mm("output", x_rows, weight.t(), x_rows.dtype)
 
     def grad_input(self, grad_rows: Tensor, weight: Tensor) -> Tensor:
-        """``grad_rows [n, out] @ weight [out, in] -> [n, in]``."""
-        c = self.config
-        g8 = self._cast(grad_rows, c.cast_config_grad_output, "GRAD_OUTPUT", -1)
-        w8_t = self._cast(weight.t(), c.cast_config_weight_for_grad_input, "WEIGHT", -1)
-        return torch.mm(g8, w8_t.t())
+        """``grad_rows [n, out] @ weight [out, in] -> [n, in]`` (the weight cast as its
+        transpose, scaled along ``in`` as torchao's rowwise recipe does)."""
+        return self._mm("grad_input", grad_rows, weight.t(), grad_rows.dtype)
 
     def grad_weight(self, grad_rows: Tensor, input_rows: Tensor,
                     out_dtype: torch.dtype) -> Tensor:
         """``grad_rows [n, out].T @ input_rows [n, in] -> [out, in]`` in ``out_dtype``
         (the float32 of ``main_grad``: the scaled GEMM writes float32, module docstring)."""
-        c = self.config
-        g8 = self._cast(grad_rows, c.cast_config_grad_output_for_grad_weight,
-                        "GRAD_OUTPUT", 0)
-        x8 = self._cast(input_rows, c.cast_config_input_for_grad_weight, "INPUT", 0)
-        if g8._orig_dtype != out_dtype:   # the product's dtype is its first operand's
-            g8 = self._tensor.Float8TrainingTensor(g8._data, g8._scale, out_dtype,
-                                                   g8._linear_mm_config,
-                                                   g8._gemm_input_role, g8._axiswise_dim)
-        return torch.mm(g8.t(), x8)
+        return self._mm("grad_weight", grad_rows, input_rows, out_dtype)
 
 
-__all__ = ["Float8Gemms", "Float8Unavailable", "float8_linear_config"]
+__all__ = ["CastSpec", "Float8Gemms", "Float8Unavailable", "float8_linear_config", "float8_mm"]

@@ -92,8 +92,11 @@ def _sync(device: torch.device) -> None:
 
 def _fwd_bwd_seconds(shape: LinearShape, gemms, device: torch.device, dtype: torch.dtype,
                      repeats: int) -> float:
-    """Best of ``repeats`` forward+backward times of one linear layer (after a warm-up);
-    random operands from a private generator, so the run's random streams are untouched."""
+    """Seconds per forward+backward of one linear layer: one warm-up call (it compiles the
+    float8 GEMMs), then ``repeats`` calls back to back between two synchronisations, as a
+    training step issues them: the host's launch cost is hidden where the GPU is the slower
+    side, as in the step, and counted where it is not. Random operands from a private
+    generator, so the run's random streams are untouched."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(shape.tokens, shape.in_features, device=device, dtype=dtype,
                     generator=gen).requires_grad_(True)
@@ -101,23 +104,25 @@ def _fwd_bwd_seconds(shape: LinearShape, gemms, device: torch.device, dtype: tor
                          generator=gen).requires_grad_(True)
     grad = torch.randn(shape.tokens, shape.out_features, device=device, dtype=dtype,
                        generator=gen)
-    best = float("inf")
-    for i in range(repeats + 1):
-        _sync(device)
-        start = time.perf_counter()
+
+    def once():
         out = linear_wgrad.linear(x, weight, None, False, False, None, fuse_wgrad=False,
                                   gemms=gemms)
         out.backward(grad)
-        _sync(device)
-        if i:        # the first is the warm-up
-            best = min(best, time.perf_counter() - start)
         x.grad = weight.grad = None
-    return best
+
+    once()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    _sync(device)
+    return (time.perf_counter() - start) / repeats
 
 
 @functools.lru_cache(maxsize=None)
 def time_linear(shape: LinearShape, options: Float8Options, device: str, dtype: torch.dtype,
-                repeats: int = 3) -> Timing:
+                repeats: int = 5) -> Timing:
     """Forward+backward seconds of ``shape`` in ``dtype`` and in float8 on ``device``;
     measured once per process (cached)."""
     dev = torch.device(device)

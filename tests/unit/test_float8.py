@@ -250,49 +250,83 @@ def test_layer_spec_gives_the_four_linears_our_classes_for_float8():
     assert not issubclass(getattr(qkv, "module", qkv), _WgradIntoMainGrad), qkv
 
 
-# --------------------------------------------------------------------------- the casts
-def torchao_cast(gemms: Float8Gemms, t: torch.Tensor, cast_config, role: str, axis: int):
-    """torchao's own ``hp_tensor_to_float8_dynamic`` of ``t`` as ``gemms`` configures it:
-    the reference for :meth:`Float8Gemms._cast`."""
-    from torchao.float8 import float8_scaling_utils as scaling  # optional: torchao
+# --------------------------------------------------------------------------- against torchao
+def torchao_linear(options: Float8Options, x: torch.Tensor, weight: torch.Tensor,
+                   dy: torch.Tensor):
+    """Output, input gradient and weight gradient of ``x @ weight.T`` through torchao's own
+    float8 linear (``matmul_with_hp_or_float8_args``, its casts and its float8 ``mm``): the
+    reference for :class:`Float8Gemms`."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # optional
+    from torchao.float8.float8_training_tensor import (  # optional: torchao
+        LinearMMConfig,
+        ScaledMMConfig,
+    )
 
-    granularity = cast_config.scaling_granularity
-    return scaling.hp_tensor_to_float8_dynamic(
-        t, cast_config.target_dtype, gemms.mm_config,
-        gemm_input_role=gemms._tensor.GemmInputRole[role], scaling_granularity=granularity,
-        axiswise_dim=scaling.get_maybe_axiswise_dim(axis, granularity),
-        round_scales_to_power_of_2=gemms.config.round_scales_to_power_of_2)
+    config = float8_linear_config(options)
+    mm_config = LinearMMConfig(*(
+        ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim)
+        for g in (config.gemm_config_output, config.gemm_config_grad_input,
+                  config.gemm_config_grad_weight)))
+    x = x.detach().requires_grad_(True)
+    weight_t = weight.detach().t().requires_grad_(True)
+    y = matmul_with_hp_or_float8_args.apply(x, weight_t, mm_config, config)
+    y.backward(dy)
+    return y.detach(), x.grad, weight_t.grad.t()
 
 
 @pytest.mark.parametrize("fmt,recipe", RECIPES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_each_cast_is_torchaos_bit_for_bit(fmt, recipe, dtype):
-    """Float8Gemms' cast (its own function of plain tensors, compiled on CUDA) gives what
-    torchao's hp_tensor_to_float8_dynamic gives: the same bits, scale, dtype, role and axis."""
-    gemms = Float8Gemms(_emulated(fmt, recipe))
-    c = gemms.config
-    t = torch.randn(48, 80, dtype=dtype) * 7
-    t[3, 5] = 1e4                                       # an outlier sets a row's scale
-    for cast_config, role, axis in ((c.cast_config_input, "INPUT", -1),
-                                    (c.cast_config_weight, "WEIGHT", 0),
-                                    (c.cast_config_grad_output, "GRAD_OUTPUT", -1),
-                                    (c.cast_config_input_for_grad_weight, "INPUT", 0)):
-        got = gemms._cast(t, cast_config, role, axis)
-        want = torchao_cast(gemms, t, cast_config, role, axis)
-        assert got._data.dtype == want._data.dtype == cast_config.target_dtype
-        assert torch.equal(got._data.view(torch.uint8), want._data.view(torch.uint8)), role
-        assert torch.equal(got._scale, want._scale), role
-        assert (got._orig_dtype, got._gemm_input_role, got._axiswise_dim) == (
-            want._orig_dtype, want._gemm_input_role, want._axiswise_dim)
+def test_each_gemm_is_torchaos_float8_linear(fmt, recipe):
+    """The three GEMMs (one function of plain tensors, compiled on CUDA) compute what
+    torchao's float8 linear computes from the same operands: same casts, same layouts'
+    values, same scales (float32 operands, so every output is float32 on both sides)."""
+    options = _emulated(fmt, recipe)
+    gemms = Float8Gemms(options)
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(48, 80, generator=gen) * 7
+    x[3, 5] = 1e4                                       # an outlier sets a row's scale
+    weight = torch.randn(64, 80, generator=gen) * 0.05
+    dy = torch.randn(48, 64, generator=gen)
+    want = torchao_linear(options, x, weight, dy)
+    got = (gemms.output(x, weight), gemms.grad_input(dy, weight),
+           gemms.grad_weight(dy, x, torch.float32))
+    for name, g, w in zip(("output", "input grad", "weight grad"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_the_cast_compiles_on_cuda_only():
+def test_the_gemm_function_compiles_on_cuda_only():
     from megatron.layers import float8_gemms
 
-    assert float8_gemms._bits_function(torch.device("cpu")) is float8_gemms.scaled_float8_bits
-    compiled = float8_gemms._bits_function(torch.device("cuda", 0))
-    assert compiled is not float8_gemms.scaled_float8_bits
-    assert float8_gemms._bits_function(torch.device("cuda", 1)) is compiled    # once
+    assert float8_gemms._mm_function(torch.device("cpu")) is float8_gemms.float8_mm
+    compiled = float8_gemms._mm_function(torch.device("cuda", 0))
+    assert compiled is not float8_gemms.float8_mm
+    assert float8_gemms._mm_function(torch.device("cuda", 1)) is compiled    # once
+    # torchao's guard against the Triton float8 store miscompile is on before it compiles
+    patch = pytest.importorskip("torchao.float8._inductor_patch")
+    assert patch._PATCHED
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "g++", "clang")),
+                    reason="torch.compile on the CPU needs a C compiler")
+@pytest.mark.parametrize("fmt,recipe", [("hybrid", "tensorwise"), ("e4m3", "rowwise")])
+def test_the_compiled_gemms_are_the_eager_ones(fmt, recipe):
+    """The compiled GEMM function (what CUDA runs; here compiled for the CPU, emulated) on two
+    shapes of one graph per GEMM kind (dynamic shapes) gives the eager function's values."""
+    from megatron.layers.float8_gemms import float8_mm
+
+    gemms = Float8Gemms(_emulated(fmt, recipe))
+    compiled = torch.compile(float8_mm, dynamic=True)
+    gen = torch.Generator().manual_seed(23)
+    for n, n_in, n_out in ((64, 32, 48), (96, 48, 32)):
+        x = torch.randn(n, n_in, generator=gen).bfloat16()
+        w = (torch.randn(n_out, n_in, generator=gen) * 0.05).bfloat16()
+        dy = torch.randn(n, n_out, generator=gen).bfloat16()
+        for gemm, a, b, out in (("output", x, w.t(), torch.bfloat16),
+                                ("grad_input", dy, w.t(), torch.bfloat16),
+                                ("grad_weight", dy, x, torch.float32)):
+            args = (a, b, *gemms.casts[gemm], out, gemms.fast_accum[gemm], True)
+            torch.testing.assert_close(compiled(*args), float8_mm(*args), rtol=1e-5,
+                                       atol=1e-5, msg=f"{gemm} {n}x{n_in}->{n_out}")
 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "g++", "clang")),
@@ -314,3 +348,32 @@ def test_the_compiled_cast_is_the_eager_one_bit_for_bit():
                 want = scaled_float8_bits(t, dtype, granularity, axis, pow2)
                 assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
                 assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "g++", "clang")),
+                    reason="torch.compile on the CPU needs a C compiler")
+def test_one_compiled_graph_per_gemm_kind(monkeypatch):
+    """Through a linear layer's forward and backward, with and without the input's gradient
+    and on two shapes, the compiled GEMM function builds one graph per GEMM kind (output,
+    input gradient, weight gradient): operands' autograd flags never multiply the graphs
+    (dynamo stops compiling after 8 and runs every GEMM eagerly)."""
+    import torch._dynamo
+
+    from megatron.layers import float8_gemms
+
+    torch._dynamo.reset()
+    compiled = torch.compile(float8_gemms.float8_mm, dynamic=True)
+    monkeypatch.setattr(float8_gemms, "_mm_function", lambda device: compiled)
+    torch._dynamo.utils.counters.clear()
+    gemms = Float8Gemms(_emulated("hybrid", "tensorwise"))
+    gen = torch.Generator().manual_seed(29)
+    for n, n_in, n_out in ((64, 32, 48), (96, 48, 64)):
+        for input_grad in (True, False):
+            x = torch.randn(n, n_in, generator=gen).bfloat16().requires_grad_(input_grad)
+            weight = _param((torch.randn(n_out, n_in, generator=gen) * 0.05).bfloat16())
+            dy = torch.randn(n, n_out, generator=gen).bfloat16()
+            linear_wgrad.linear(x, weight, None, False, False, None, gemms=gemms).backward(dy)
+            assert weight.grad_added_to_main_grad
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3, \
+        dict(torch._dynamo.utils.counters["stats"])
+    torch._dynamo.reset()
