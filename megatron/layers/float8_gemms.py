@@ -90,7 +90,9 @@ def scaled_float8_bits(t: Tensor, float8_dtype: torch.dtype, granularity,
 class CastSpec(NamedTuple):
     """How one operand is cast: torchao's ``CastConfig`` (dtype, granularity) with the axis
     of its scale (``get_maybe_axiswise_dim``: None for tensorwise) and the power-of-2
-    rounding of its config; ``transpose``: the GEMM takes the cast operand transposed."""
+    rounding of its config; ``transpose``: the GEMM takes the cast operand transposed. A tuple
+    of constants, so the compiled :func:`float8_mm` guards on its values: every
+    :class:`Float8Gemms` of a process shares one graph per GEMM kind."""
 
     dtype: torch.dtype
     granularity: object
