@@ -53,7 +53,6 @@ import argparse
 import collections
 import sys
 from dataclasses import asdict, dataclass, replace
-from importlib.metadata import PackageNotFoundError, version
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -186,20 +185,23 @@ def config_from_args(ns: argparse.Namespace) -> Fp8BenchConfig:
         markdown=ns.markdown)
 
 
+def _refuse_unknown(flag: str, given: Sequence[str], allowed, example: str) -> None:
+    """One line naming ``flag``'s unknown (or missing) values, the allowed ones and an
+    example."""
+    bad = [x for x in given if x not in allowed]
+    if bad or not given:
+        raise BenchConfigError(f"{flag} {','.join(bad) or repr('')}: choose from "
+                               f"{', '.join(allowed)}, e.g. {flag} {example}")
+
+
 def check_config(cfg: Fp8BenchConfig, cuda_available: bool) -> None:
     """Refuse bad flags before anything runs (:class:`BenchConfigError`, one line naming
     the flag and a valid value). Asks nothing of the device but whether CUDA is there."""
-    unknown = [m for m in cfg.models if m not in MODELS]
-    if unknown or not cfg.models:
-        raise BenchConfigError(f"--model {','.join(unknown) or repr('')}: choose from "
-                               f"{', '.join(MODELS)}, e.g. --model llama-0.85b")
+    _refuse_unknown("--model", cfg.models, MODELS, "llama-0.85b")
     if not cfg.tokens:
         raise BenchConfigError("--tokens is empty; try --tokens 8k,32k")
     if cfg.impls is not None:
-        bad = [i for i in cfg.impls if i not in IMPLS]
-        if bad or not cfg.impls:
-            raise BenchConfigError(f"--impls {','.join(bad) or repr('')}: choose from "
-                                   f"{', '.join(IMPLS)}, e.g. --impls bf16,usp")
+        _refuse_unknown("--impls", cfg.impls, IMPLS, "bf16,usp")
     if not cfg.recipes:
         raise BenchConfigError("--recipes is empty; try --recipes tensorwise")
     for recipe in cfg.recipes:
@@ -476,13 +478,6 @@ def results_markdown(meta: dict, cfg: Fp8BenchConfig, rows: Sequence[Row]) -> st
     return text
 
 
-def _torchao_version() -> Optional[str]:
-    try:
-        return version("torchao")
-    except PackageNotFoundError:
-        return None
-
-
 def run(cfg: Fp8BenchConfig, argv: Sequence[str]) -> dict:
     """Run every group, print each row, write the outputs; returns the JSON payload."""
     if cfg.device == "cuda":
@@ -493,7 +488,7 @@ def run(cfg: Fp8BenchConfig, argv: Sequence[str]) -> dict:
     impls = resolve_impls(cfg, device, capability, torchao_ok)
     meta = report.run_metadata(argv, device, 1)
     config = dict(asdict(cfg), impls=impls, dtype="bfloat16", emulate=device.type != "cuda",
-                  torchao_version=_torchao_version(),
+                  torchao_version=report.package_version("torchao"),
                   shapes={m: MODELS[m].record() for m in cfg.models})
     payload = {"tool": "bench_fp8_linears", "schema_version": report.SCHEMA_VERSION,
                "metadata": meta, "config": config, "results": []}

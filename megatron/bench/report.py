@@ -33,7 +33,8 @@ import torch
 SCHEMA_VERSION = 1
 
 
-def _package_version(name: str) -> Optional[str]:
+def package_version(name: str) -> Optional[str]:
+    """The installed version of distribution ``name``, or None."""
     try:
         return version(name)
     except Exception:  # noqa: BLE001 - any lookup failure means "unknown"
@@ -107,7 +108,7 @@ def software_versions() -> Dict[str, Optional[str]]:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {"torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": str(cudnn) if cudnn else None, "nccl": nccl,
-            "megatron_core": _package_version("megatron-core"),
+            "megatron_core": package_version("megatron-core"),
             "python": platform.python_version()}
 
 

@@ -147,8 +147,9 @@ def _mm_function(device: torch.device):
 def _avoid_the_float8_store_miscompile() -> None:
     """What torchao's ``convert_to_float8_training`` does before any float8 kernel compiles:
     inductor's NaN-propagating min/max codegen can make Triton mis-lower a neighbouring
-    transposed 1-byte store, writing bytes that read as NaN/Inf in float8 (triton-lang/triton
-    issue 11111), and the casts here write transposed float8. torchao's patch switches that
+    transposed 1-byte store, writing bytes that read as NaN/Inf in float8 (a Triton bug that
+    torchao's ``float8._inductor_patch`` describes), and the casts here write transposed
+    float8. torchao's patch switches that
     codegen to an equivalent ``tl.where`` form; torchao releases without it need none."""
     try:
         from torchao.float8._inductor_patch import (  # optional dependency
