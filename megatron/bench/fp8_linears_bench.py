@@ -31,7 +31,7 @@ each compiles its own graphs in its warm-up and none falls back to eager after t
 recompilations.
 
 Both compiled paths, torchao's (``convert_to_float8_training``) and training's
-(:func:`megatron.layers.float8_gemms.float8_mm`), switch on torchao's patch of inductor's
+(:func:`megatron.layers.float8_gemms.float8_operands`), switch on torchao's patch of inductor's
 Triton min/max code generation (a workaround for a Triton float8 store miscompile) before
 they compile, so every compiled case is generated alike.
 

@@ -23,11 +23,14 @@ multiply, the clamp and the float8 conversion as separate passes over each opera
 an operand whose layout ``torch._scaled_mm`` cannot take (the first must be row-major, the
 second column-major: the weight gradient's both, the input gradient's weight) into a
 transposed float8 copy. On the GPU those passes cost more than the float8 GEMM saves (torchao's
-own speed-ups assume ``torch.compile``). So each GEMM is one function of plain tensors,
-:func:`float8_mm` (torchao's ``tensor_to_scale``, its saturated cast and its
-``addmm_float8_unwrapped``, so the same values), compiled once per process on CUDA: the cast
-and the layout change of an operand become one pass. Elsewhere it runs eagerly, and with
-``emulate`` it multiplies the float8 values in float32 as torchao's emulation does.
+own speed-ups assume ``torch.compile``). So the casts are one function of plain tensors,
+:func:`float8_operands` (torchao's ``tensor_to_scale`` and its saturated cast, so the same
+values), compiled once per process on CUDA with static shapes (:func:`compiled_casts`):
+an operand's amax, cast and layout change become one reduction and one pass, and an output gradient that both backward GEMMs take alike (a
+tensorwise recipe) is cast once, into both layouts (:meth:`Float8Gemms.cast_grad`). The
+GEMM itself is torchao's ``addmm_float8_unwrapped`` (:func:`scaled_mm`), called eagerly.
+Elsewhere the casts run eagerly, and with ``emulate`` the GEMM multiplies the float8 values
+in float32 as torchao's emulation does.
 
 Scaling state: dynamic scaling (both recipes) keeps none; every cast computes its scale from
 the tensor it casts, so checkpoints carry nothing float8-specific.
@@ -36,7 +39,7 @@ the tensor it casts, so checkpoints carry nothing float8-specific.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -91,8 +94,8 @@ class CastSpec(NamedTuple):
     """How one operand is cast: torchao's ``CastConfig`` (dtype, granularity) with the axis
     of its scale (``get_maybe_axiswise_dim``: None for tensorwise) and the power-of-2
     rounding of its config; ``transpose``: the GEMM takes the cast operand transposed. A tuple
-    of constants, so the compiled :func:`float8_mm` guards on its values: every
-    :class:`Float8Gemms` of a process shares one graph per GEMM kind."""
+    of constants, so the compiled :func:`float8_operands` guards on its values: every
+    :class:`Float8Gemms` of a process shares one graph per kind of cast."""
 
     dtype: torch.dtype
     granularity: object
@@ -101,25 +104,34 @@ class CastSpec(NamedTuple):
     transpose: bool = False
 
 
-def float8_mm(a: Tensor, b: Tensor, a_cast: CastSpec, b_cast: CastSpec,
-              out_dtype: torch.dtype, use_fast_accum: bool, emulate: bool) -> Tensor:
-    """``cast(a) @ cast(b)`` (each transposed after its cast if its spec says so), in
-    ``out_dtype``: what torchao's ``Float8TrainingTensor`` matmul computes for the same casts
-    (``preprocess_addmm``, then ``addmm_float8_unwrapped`` or, emulated, the float8 values
-    times their inverse scales multiplied in float32)."""
-    from torchao.float8.float8_ops import addmm_float8_unwrapped  # optional dependency
-    operands = []
-    for t, spec in ((a, a_cast), (b, b_cast)):
-        bits, scale = scaled_float8_bits(t, spec.dtype, spec.granularity, spec.axiswise_dim,
-                                         spec.round_scales_to_power_of_2)
+def float8_operands(t: Tensor, uses: Tuple[Tuple[CastSpec, bool], ...]) -> Tuple[Tensor, ...]:
+    """``t`` cast into float8 for each of its ``uses`` (``(spec, column_major)``: how it is
+    cast, and the layout the GEMM takes it in), flattened ``(bits, scale)`` per use. Uses whose
+    casts differ only in ``transpose`` (a tensorwise recipe's output gradient, taken by both
+    backward GEMMs) share one scale and one cast: on CUDA, where this function is compiled,
+    one read of ``t`` for its amax and one for the values, written in both layouts."""
+    casts = {}
+    out: List[Tensor] = []
+    for spec, column_major in uses:
+        key = spec._replace(transpose=False)
+        if key not in casts:
+            casts[key] = scaled_float8_bits(t, spec.dtype, spec.granularity, spec.axiswise_dim,
+                                            spec.round_scales_to_power_of_2)
+        bits, scale = casts[key]
         if spec.transpose:
             bits, scale = bits.t(), (scale.t() if scale.dim() > 1 else scale)
-        operands += [bits, scale]
-    a_bits, a_scale, b_bits, b_scale = operands
+        out += [bits.t().contiguous().t() if column_major else bits.contiguous(), scale]
+    return tuple(out)
+
+
+def scaled_mm(a_bits: Tensor, a_scale: Tensor, b_bits: Tensor, b_scale: Tensor,
+              out_dtype: torch.dtype, use_fast_accum: bool, emulate: bool) -> Tensor:
+    """``a @ b`` of two cast operands (``a`` row-major, ``b`` column-major), in ``out_dtype``:
+    torchao's ``addmm_float8_unwrapped`` (``torch._scaled_mm`` with the inverse scales) or,
+    emulated, the float8 values times their inverse scales multiplied in float32."""
     if emulate:
         return torch.mm(a_bits.float() / a_scale, b_bits.float() / b_scale).to(out_dtype)
-    a_bits = a_bits.contiguous()                  # row-major first operand
-    b_bits = b_bits.t().contiguous().t()          # column-major second operand
+    from torchao.float8.float8_ops import addmm_float8_unwrapped  # optional dependency
     # one operand tensorwise and the other axiswise: the tensorwise scale repeated
     if a_scale.dim() < 2 <= b_scale.dim():
         a_scale = a_scale.reshape(1, 1).expand(a_bits.shape[0], 1).contiguous()
@@ -129,19 +141,37 @@ def float8_mm(a: Tensor, b: Tensor, a_cast: CastSpec, b_cast: CastSpec,
                                   use_fast_accum=use_fast_accum)
 
 
-_COMPILED_MM = None
+_COMPILED_CAST = None
+# graphs of the compiled cast function a process may build: one per (tensor shape, kind of
+# cast); a model has a few of each (its distinct linear shapes), far below this
+CAST_GRAPHS_LIMIT = 64
 
 
-def _mm_function(device: torch.device):
-    """:func:`float8_mm`, compiled once per process for CUDA operands (dynamic shapes: one
-    graph per GEMM kind, not per linear shape); eager elsewhere."""
-    global _COMPILED_MM
+def compiled_casts():
+    """:func:`float8_operands` compiled with static shapes, one graph per tensor shape and
+    kind of cast (compiled for dynamic shapes the casts ran slower, enough to give back most
+    of float8's gain: docs/performance.md), under a recompile limit that holds every shape
+    of a model. torchao's guard against the Triton float8 store miscompile is switched on
+    first."""
+    _avoid_the_float8_store_miscompile()
+    compiled = torch.compile(float8_operands, dynamic=False)
+
+    def cast(t: Tensor, uses: Tuple[Tuple[CastSpec, bool], ...]) -> Tuple[Tensor, ...]:
+        with torch._dynamo.config.patch(recompile_limit=CAST_GRAPHS_LIMIT):
+            return compiled(t, uses)
+
+    return cast
+
+
+def _cast_function(device: torch.device):
+    """The cast function for tensors on ``device``: on CUDA :func:`compiled_casts`, built
+    once per process; eager elsewhere."""
+    global _COMPILED_CAST
     if device.type != "cuda":
-        return float8_mm
-    if _COMPILED_MM is None:
-        _avoid_the_float8_store_miscompile()
-        _COMPILED_MM = torch.compile(float8_mm, dynamic=True)
-    return _COMPILED_MM
+        return float8_operands
+    if _COMPILED_CAST is None:
+        _COMPILED_CAST = compiled_casts()
+    return _COMPILED_CAST
 
 
 def _avoid_the_float8_store_miscompile() -> None:
@@ -191,30 +221,65 @@ class Float8Gemms:
                            "grad_input": c.gemm_config_grad_input.use_fast_accum,
                            "grad_weight": c.gemm_config_grad_weight.use_fast_accum}
 
-    def _mm(self, gemm: str, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-        """One GEMM. The operands go in detached: the callers are autograd functions that
-        compute their own gradients, and a compiled function guards on ``requires_grad``,
-        so operands that sometimes carry it (a weight, an input that needs its gradient)
-        would compile a graph per pattern and soon hit dynamo's recompile limit, after which
-        every GEMM runs eagerly."""
-        a_cast, b_cast = self.casts[gemm]
-        return _mm_function(a.device)(a.detach(), b.detach(), a_cast, b_cast, out_dtype,
-                                      self.fast_accum[gemm], self.config.emulate)
+    def _cast(self, t: Tensor, uses: Tuple[Tuple[CastSpec, bool], ...]) -> Tuple[Tensor, ...]:
+        """:func:`float8_operands` of ``t``, compiled on CUDA. ``t`` goes in detached: the
+        callers are autograd functions that compute their own gradients, and a compiled
+        function guards on ``requires_grad``, so a tensor that sometimes carries it (a weight,
+        an input that needs its gradient) would compile a graph per pattern and soon hit
+        dynamo's recompile limit, after which every cast runs eagerly."""
+        return _cast_function(t.device)(t.detach(), uses)
+
+    def _mm(self, gemm: str, a_bits: Tensor, a_scale: Tensor, b_bits: Tensor,
+            b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+        return scaled_mm(a_bits, a_scale, b_bits, b_scale, out_dtype, self.fast_accum[gemm],
+                         self.config.emulate)
 
     def output(self, x_rows: Tensor, weight: Tensor) -> Tensor:
         """``x_rows [n, in] @ weight [out, in].T -> [n, out]``."""
-        return self._mm("output", x_rows, weight.t(), x_rows.dtype)
+        a_spec, b_spec = self.casts["output"]
+        a = self._cast(x_rows, ((a_spec, False),))
+        b = self._cast(weight.t(), ((b_spec, True),))
+        return self._mm("output", *a, *b, x_rows.dtype)
 
-    def grad_input(self, grad_rows: Tensor, weight: Tensor) -> Tensor:
-        """``grad_rows [n, out] @ weight [out, in] -> [n, in]`` (the weight cast as its
-        transpose, scaled along ``in`` as torchao's rowwise recipe does)."""
-        return self._mm("grad_input", grad_rows, weight.t(), grad_rows.dtype)
+    def cast_grad(self, grad_rows: Tensor) -> "Float8Grad":
+        """The output gradient ``[n, out]`` cast for both backward GEMMs at once (one cast
+        for both where the recipe scales them alike)."""
+        uses = ((self.casts["grad_input"][0], False), (self.casts["grad_weight"][0], False))
+        gi_bits, gi_scale, gw_bits, gw_scale = self._cast(grad_rows, uses)
+        return Float8Grad(grad_rows.dtype, [gi_bits, gi_scale], [gw_bits, gw_scale])
 
-    def grad_weight(self, grad_rows: Tensor, input_rows: Tensor,
+    def grad_input(self, grad: "Float8Grad | Tensor", weight: Tensor) -> Tensor:
+        """``grad [n, out] @ weight [out, in] -> [n, in]`` (the weight cast as its
+        transpose, scaled along ``in`` as torchao's rowwise recipe does). ``grad``: the
+        output gradient or its :meth:`cast_grad`, whose cast for this GEMM is released."""
+        grad = grad if isinstance(grad, Float8Grad) else self.cast_grad(grad)
+        b = self._cast(weight.t(), ((self.casts["grad_input"][1], True),))
+        a, grad.for_grad_input = grad.for_grad_input, None
+        return self._mm("grad_input", *a, *b, grad.dtype)
+
+    def grad_weight(self, grad: "Float8Grad | Tensor", input_rows: Tensor,
                     out_dtype: torch.dtype) -> Tensor:
-        """``grad_rows [n, out].T @ input_rows [n, in] -> [out, in]`` in ``out_dtype``
-        (the float32 of ``main_grad``: the scaled GEMM writes float32, module docstring)."""
-        return self._mm("grad_weight", grad_rows, input_rows, out_dtype)
+        """``grad [n, out].T @ input_rows [n, in] -> [out, in]`` in ``out_dtype`` (the
+        float32 of ``main_grad``: the scaled GEMM writes float32, module docstring).
+        ``grad``: the output gradient or its :meth:`cast_grad`."""
+        grad = grad if isinstance(grad, Float8Grad) else self.cast_grad(grad)
+        b = self._cast(input_rows, ((self.casts["grad_weight"][1], True),))
+        return self._mm("grad_weight", *grad.for_grad_weight, *b, out_dtype)
 
 
-__all__ = ["CastSpec", "Float8Gemms", "Float8Unavailable", "float8_linear_config", "float8_mm"]
+class Float8Grad:
+    """An output gradient cast for the two backward GEMMs (:meth:`Float8Gemms.cast_grad`):
+    ``[bits, scale]`` for the input gradient's GEMM (released once used) and for the weight
+    gradient's (``[out, n]``, row-major)."""
+
+    __slots__ = ("dtype", "for_grad_input", "for_grad_weight")
+
+    def __init__(self, dtype: torch.dtype, for_grad_input: Optional[List[Tensor]],
+                 for_grad_weight: List[Tensor]):
+        self.dtype = dtype
+        self.for_grad_input = for_grad_input
+        self.for_grad_weight = for_grad_weight
+
+
+__all__ = ["CastSpec", "Float8Gemms", "Float8Grad", "Float8Unavailable", "float8_linear_config",
+           "compiled_casts", "float8_operands", "scaled_mm"]

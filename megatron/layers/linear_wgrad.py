@@ -77,7 +77,8 @@ def weight_grad(param: Optional[Tensor], grad_output: Tensor, total_input: Tenso
     into its ``main_grad`` (:func:`_fused_param`); the gradient is added there and an
     uninitialised stand-in returned for DDP's hook (zeros where megatron-core asks for
     them, ``zero_out_wgrad``). ``None``: the gradient is returned. ``gemms``: the float8
-    GEMMs (module docstring), None for the input dtype's."""
+    GEMMs (module docstring; ``grad_output`` then may be its ``cast_grad``), None for the
+    input dtype's."""
     if param is None:
         if gemms is not None:
             return gemms.grad_weight(grad_output, total_input, total_input.dtype)
@@ -125,11 +126,18 @@ def _forward_gemm(x: Tensor, weight: Tensor, gemms) -> Tensor:
     return gemms.output(_rows(x), weight).view(*x.shape[:-1], weight.shape[0])
 
 
-def _grad_input_gemm(grad: Tensor, weight: Tensor, gemms) -> Tensor:
-    """``grad [..., out] @ weight [out, in] -> [..., in]``."""
+def _grad_input_gemm(grad: Tensor, weight: Tensor, gemms, grad_cast=None) -> Tensor:
+    """``grad [..., out] @ weight [out, in] -> [..., in]`` (float8: ``grad_cast``, the
+    gradient's :meth:`~megatron.layers.float8_gemms.Float8Gemms.cast_grad`)."""
     if gemms is None:
         return grad.matmul(weight)
-    return gemms.grad_input(_rows(grad), weight).view(*grad.shape[:-1], weight.shape[1])
+    return gemms.grad_input(grad_cast, weight).view(*grad.shape[:-1], weight.shape[1])
+
+
+def _cast_grad(grad_rows: Tensor, gemms):
+    """The output gradient as both backward GEMMs take it: cast once into float8 for both
+    (``gemms``), or itself."""
+    return grad_rows if gemms is None else gemms.cast_grad(grad_rows)
 
 
 class _Linear(torch.autograd.Function):
@@ -158,10 +166,11 @@ class _Linear(torch.autograd.Function):
             total_input, handle = _gather_sequence(input_, tp_group, async_op=True)
         else:
             total_input = input_
-        grad_input = _grad_input_gemm(grad_output, weight, ctx.gemms)
+        grad_rows = _cast_grad(_rows(grad_output), ctx.gemms)
+        grad_input = _grad_input_gemm(grad_output, weight, ctx.gemms, grad_rows)
         if handle is not None:
             handle.wait()
-        grad_rows, input_rows = _rows(grad_output), _rows(total_input)
+        input_rows = _rows(total_input)
         # The input gradient's reduction runs while the weight gradient is computed.
         if ctx.sequence_parallel:
             sub_grad_input = torch.empty(input_.shape, dtype=input_.dtype, device=input_.device)
@@ -170,7 +179,7 @@ class _Linear(torch.autograd.Function):
         elif ctx.allreduce_dgrad:
             handle = dist.all_reduce(grad_input, group=tp_group, async_op=True)
         grad_weight = weight_grad(ctx.param, grad_rows, input_rows, ctx.gemms)
-        grad_bias = grad_rows.sum(dim=0) if ctx.use_bias else None
+        grad_bias = _rows(grad_output).sum(dim=0) if ctx.use_bias else None
         if handle is not None:
             handle.wait()
         if ctx.sequence_parallel:
@@ -194,10 +203,11 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_rows = _rows(grad_output.contiguous())               # [n, out]
-        grad_act = _grad_input_gemm(grad_rows, weight, ctx.gemms)   # [n, F]
+        grad_cast = _cast_grad(grad_rows, ctx.gemms)
+        grad_act = _grad_input_gemm(grad_rows, weight, ctx.gemms, grad_cast)   # [n, F]
         # dx from grad_act, and grad_act's storage rewritten with SwiGLU(x), in one pass
         grad_x = lean_kernels.swiglu_backward_refill(grad_act, _rows(x))
-        grad_weight = weight_grad(ctx.param, grad_rows, grad_act, ctx.gemms)
+        grad_weight = weight_grad(ctx.param, grad_cast, grad_act, ctx.gemms)
         return grad_x.view(x.shape), grad_weight, None, None
 
 

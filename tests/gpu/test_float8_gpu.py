@@ -148,7 +148,7 @@ def test_gpt_trains_with_float8_linears():
 
 @pytest.mark.parametrize("fmt,recipe", RECIPES)
 def test_compiled_gemms_are_torchaos_float8_linear(fmt, recipe):
-    """On CUDA each GEMM runs as one compiled function; it gives what torchao's own float8
+    """On CUDA the casts run as one compiled function; each GEMM gives what torchao's own float8
     linear (eager casts, its float8 mm) gives on the same bf16 operands. torchao's weight
     gradient leaves in bf16, ours in float32, so that one agrees to bf16's rounding."""
     x, w = _randn(TOKENS, HIDDEN, seed=40), _randn(3072, HIDDEN, seed=41, scale=0.02)

@@ -294,39 +294,67 @@ def test_each_gemm_is_torchaos_float8_linear(fmt, recipe):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_the_gemm_function_compiles_on_cuda_only():
+def test_the_cast_function_compiles_on_cuda_only():
     from megatron.layers import float8_gemms
 
-    assert float8_gemms._mm_function(torch.device("cpu")) is float8_gemms.float8_mm
-    compiled = float8_gemms._mm_function(torch.device("cuda", 0))
-    assert compiled is not float8_gemms.float8_mm
-    assert float8_gemms._mm_function(torch.device("cuda", 1)) is compiled    # once
+    assert float8_gemms._cast_function(torch.device("cpu")) is float8_gemms.float8_operands
+    compiled = float8_gemms._cast_function(torch.device("cuda", 0))
+    assert compiled is not float8_gemms.float8_operands
+    assert float8_gemms._cast_function(torch.device("cuda", 1)) is compiled    # once
     # torchao's guard against the Triton float8 store miscompile is on before it compiles
     patch = pytest.importorskip("torchao.float8._inductor_patch")
     assert patch._PATCHED
 
 
+def test_a_tensorwise_output_gradient_is_cast_once_for_both_backward_gemms(monkeypatch):
+    """Tensorwise: one amax and one scaled cast of the output gradient serve the input- and
+    the weight-gradient GEMM (their layouts differ, their values and scale do not); rowwise
+    scales them along different axes: two casts."""
+    from megatron.layers import float8_gemms
+
+    real = float8_gemms.scaled_float8_bits
+    for recipe, fmt, want in (("tensorwise", "e4m3", 1), ("tensorwise", "hybrid", 1),
+                              ("rowwise", "e4m3", 2)):
+        calls = []
+        monkeypatch.setattr(float8_gemms, "scaled_float8_bits",
+                            lambda *a, seen=calls, **k: seen.append(a[1]) or real(*a, **k))
+        gemms = Float8Gemms(_emulated(fmt, recipe))
+        grad = gemms.cast_grad(torch.randn(32, 16))
+        assert len(calls) == want, (recipe, fmt, calls)
+        gi_bits, gi_scale = grad.for_grad_input
+        gw_bits, gw_scale = grad.for_grad_weight
+        assert gi_bits.shape == (32, 16) and gi_bits.is_contiguous()
+        assert gw_bits.shape == (16, 32) and gw_bits.is_contiguous()      # [out, n] row-major
+        if want == 1:
+            assert torch.equal(gw_bits.view(torch.uint8), gi_bits.t().view(torch.uint8))
+            assert torch.equal(gw_scale, gi_scale)
+        gemms.grad_input(grad, torch.randn(16, 8) * 0.1)
+        assert grad.for_grad_input is None                     # released once used
+
+
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "g++", "clang")),
                     reason="torch.compile on the CPU needs a C compiler")
 @pytest.mark.parametrize("fmt,recipe", [("hybrid", "tensorwise"), ("e4m3", "rowwise")])
-def test_the_compiled_gemms_are_the_eager_ones(fmt, recipe):
-    """The compiled GEMM function (what CUDA runs; here compiled for the CPU, emulated) on two
-    shapes of one graph per GEMM kind (dynamic shapes) gives the eager function's values."""
-    from megatron.layers.float8_gemms import float8_mm
+def test_the_compiled_casts_are_the_eager_ones(fmt, recipe, monkeypatch):
+    """The three GEMMs with the cast function compiled (what CUDA runs; here compiled for the
+    CPU, emulated) on two shapes give the eager casts' values."""
+    from megatron.layers import float8_gemms
 
     gemms = Float8Gemms(_emulated(fmt, recipe))
-    compiled = torch.compile(float8_mm, dynamic=True)
+    compiled = float8_gemms.compiled_casts()
     gen = torch.Generator().manual_seed(23)
     for n, n_in, n_out in ((64, 32, 48), (96, 48, 32)):
         x = torch.randn(n, n_in, generator=gen).bfloat16()
         w = (torch.randn(n_out, n_in, generator=gen) * 0.05).bfloat16()
         dy = torch.randn(n, n_out, generator=gen).bfloat16()
-        for gemm, a, b, out in (("output", x, w.t(), torch.bfloat16),
-                                ("grad_input", dy, w.t(), torch.bfloat16),
-                                ("grad_weight", dy, x, torch.float32)):
-            args = (a, b, *gemms.casts[gemm], out, gemms.fast_accum[gemm], True)
-            torch.testing.assert_close(compiled(*args), float8_mm(*args), rtol=1e-5,
-                                       atol=1e-5, msg=f"{gemm} {n}x{n_in}->{n_out}")
+        results = []
+        for cast in (float8_gemms.float8_operands, compiled):
+            monkeypatch.setattr(float8_gemms, "_cast_function", lambda device, f=cast: f)
+            results.append((gemms.output(x, w), gemms.grad_input(dy, w),
+                            gemms.grad_weight(dy, x, torch.float32)))
+        for name, want, got in zip(("output", "grad_input", "grad_weight"), *results):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                       msg=f"{name} {n}x{n_in}->{n_out}")
 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "g++", "clang")),
@@ -352,18 +380,21 @@ def test_the_compiled_cast_is_the_eager_one_bit_for_bit():
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "g++", "clang")),
                     reason="torch.compile on the CPU needs a C compiler")
-def test_one_compiled_graph_per_gemm_kind(monkeypatch):
+def test_one_compiled_graph_per_shape_and_kind_of_cast(monkeypatch):
     """Through a linear layer's forward and backward, with and without the input's gradient
-    and on two shapes, the compiled GEMM function builds one graph per GEMM kind (output,
-    input gradient, weight gradient): operands' autograd flags never multiply the graphs
-    (dynamo stops compiling after 8 and runs every GEMM eagerly)."""
+    and on two shapes, the compiled cast function builds one graph per tensor shape and kind
+    of cast (a tensorwise recipe: the input row-major and column-major, the weight's
+    transposed view and the weight transposed, the output gradient in both layouts: five
+    per shape) and never falls back to eager: the tensors' autograd flags never multiply
+    the graphs, and a model's shapes stay below the recompile limit (dynamo's default, 8,
+    would run every cast past the eighth graph eagerly)."""
     import torch._dynamo
 
     from megatron.layers import float8_gemms
 
     torch._dynamo.reset()
-    compiled = torch.compile(float8_gemms.float8_mm, dynamic=True)
-    monkeypatch.setattr(float8_gemms, "_mm_function", lambda device: compiled)
+    compiled = float8_gemms.compiled_casts()
+    monkeypatch.setattr(float8_gemms, "_cast_function", lambda device: compiled)
     torch._dynamo.utils.counters.clear()
     gemms = Float8Gemms(_emulated("hybrid", "tensorwise"))
     gen = torch.Generator().manual_seed(29)
@@ -374,6 +405,8 @@ def test_one_compiled_graph_per_gemm_kind(monkeypatch):
             dy = torch.randn(n, n_out, generator=gen).bfloat16()
             linear_wgrad.linear(x, weight, None, False, False, None, gemms=gemms).backward(dy)
             assert weight.grad_added_to_main_grad
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3, \
-        dict(torch._dynamo.utils.counters["stats"])
+    stats = dict(torch._dynamo.utils.counters["stats"])
+    assert stats["unique_graphs"] == 10, stats
+    assert not torch._dynamo.utils.counters["frames"].get("recompile_limit"), \
+        dict(torch._dynamo.utils.counters["frames"])
     torch._dynamo.reset()
