@@ -9,7 +9,8 @@
   float8 values; the two differ in accumulation order only), and, compiled, against
   torchao's own float8 linear on the same operands (the same result);
 * a 2-layer bf16 GPT with every linear in float8 (``--fp8-linears all``) trains 4 AdamW
-  steps with finite losses, its first loss within 2 % of the bf16 model's; the ``auto``
+  steps with finite losses, its first loss within 2 % of the bf16 model's, every compiled
+  cast graph built (none fell back to eager past dynamo's recompile limit); the ``auto``
   choice times each shape and reports positive times.
 """
 
@@ -136,8 +137,14 @@ def _train(float8: str, steps: int = 4):
 
 
 def test_gpt_trains_with_float8_linears():
+    import torch._dynamo
+
     ref, _ = _train("off", steps=1)
+    torch._dynamo.utils.counters.clear()
     losses, report = _train("all")
+    # the casts compiled (static shapes, a graph per shape and kind) and none ran eagerly
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    assert frames.get("total", 0) >= 5 and frames.get("ok") == frames["total"], frames
     assert all(math.isfinite(v) for v in losses), losses
     assert abs(losses[0] - ref[0]) / ref[0] < 0.02, (losses[0], ref[0])
     assert losses[-1] < losses[0], losses
