@@ -26,8 +26,9 @@ transposed float8 copy. On the GPU those passes cost more than the float8 GEMM s
 own speed-ups assume ``torch.compile``). So the casts are one function of plain tensors,
 :func:`float8_operands` (torchao's ``tensor_to_scale`` and its saturated cast, so the same
 values), compiled once per process on CUDA with static shapes (:func:`compiled_casts`):
-an operand's amax, cast and layout change become one reduction and one pass, and an output gradient that both backward GEMMs take alike (a
-tensorwise recipe) is cast once, into both layouts (:meth:`Float8Gemms.cast_grad`). The
+an operand's amax, cast and layout change become one reduction and one pass, and an output
+gradient that both backward GEMMs take alike (a tensorwise recipe) is cast once, into both
+layouts (:meth:`Float8Gemms.cast_grad`). The
 GEMM itself is torchao's ``addmm_float8_unwrapped`` (:func:`scaled_mm`), called eagerly.
 Elsewhere the casts run eagerly, and with ``emulate`` the GEMM multiplies the float8 values
 in float32 as torchao's emulation does.
@@ -179,8 +180,8 @@ def _avoid_the_float8_store_miscompile() -> None:
     inductor's NaN-propagating min/max codegen can make Triton mis-lower a neighbouring
     transposed 1-byte store, writing bytes that read as NaN/Inf in float8 (a Triton bug that
     torchao's ``float8._inductor_patch`` describes), and the casts here write transposed
-    float8. torchao's patch switches that
-    codegen to an equivalent ``tl.where`` form; torchao releases without it need none."""
+    float8. torchao's patch switches that codegen to an equivalent ``tl.where`` form;
+    torchao releases without it need none."""
     try:
         from torchao.float8._inductor_patch import (  # optional dependency
             _patch_inductor_min_max_codegen,
@@ -252,9 +253,12 @@ class Float8Gemms:
         """``grad [n, out] @ weight [out, in] -> [n, in]`` (the weight cast as its
         transpose, scaled along ``in`` as torchao's rowwise recipe does). ``grad``: the
         output gradient or its :meth:`cast_grad`, whose cast for this GEMM is released."""
-        grad = grad if isinstance(grad, Float8Grad) else self.cast_grad(grad)
-        b = self._cast(weight.t(), ((self.casts["grad_input"][1], True),))
-        a, grad.for_grad_input = grad.for_grad_input, None
+        a_spec, b_spec = self.casts["grad_input"]
+        if isinstance(grad, Float8Grad):
+            a, grad.for_grad_input = grad.for_grad_input, None
+        else:       # this GEMM's cast alone
+            a = self._cast(grad, ((a_spec, False),))
+        b = self._cast(weight.t(), ((b_spec, True),))
         return self._mm("grad_input", *a, *b, grad.dtype)
 
     def grad_weight(self, grad: "Float8Grad | Tensor", input_rows: Tensor,
@@ -262,9 +266,11 @@ class Float8Gemms:
         """``grad [n, out].T @ input_rows [n, in] -> [out, in]`` in ``out_dtype`` (the
         float32 of ``main_grad``: the scaled GEMM writes float32, module docstring).
         ``grad``: the output gradient or its :meth:`cast_grad`."""
-        grad = grad if isinstance(grad, Float8Grad) else self.cast_grad(grad)
-        b = self._cast(input_rows, ((self.casts["grad_weight"][1], True),))
-        return self._mm("grad_weight", *grad.for_grad_weight, *b, out_dtype)
+        a_spec, b_spec = self.casts["grad_weight"]
+        a = (grad.for_grad_weight if isinstance(grad, Float8Grad)
+             else self._cast(grad, ((a_spec, False),)))      # this GEMM's cast alone
+        b = self._cast(input_rows, ((b_spec, True),))
+        return self._mm("grad_weight", *a, *b, out_dtype)
 
 
 class Float8Grad:

@@ -166,8 +166,8 @@ class _Linear(torch.autograd.Function):
             total_input, handle = _gather_sequence(input_, tp_group, async_op=True)
         else:
             total_input = input_
-        grad_rows = _cast_grad(_rows(grad_output), ctx.gemms)
-        grad_input = _grad_input_gemm(grad_output, weight, ctx.gemms, grad_rows)
+        grad_cast = _cast_grad(_rows(grad_output), ctx.gemms)
+        grad_input = _grad_input_gemm(grad_output, weight, ctx.gemms, grad_cast)
         if handle is not None:
             handle.wait()
         input_rows = _rows(total_input)
@@ -178,7 +178,7 @@ class _Linear(torch.autograd.Function):
                                                 async_op=True)
         elif ctx.allreduce_dgrad:
             handle = dist.all_reduce(grad_input, group=tp_group, async_op=True)
-        grad_weight = weight_grad(ctx.param, grad_rows, input_rows, ctx.gemms)
+        grad_weight = weight_grad(ctx.param, grad_cast, input_rows, ctx.gemms)
         grad_bias = _rows(grad_output).sum(dim=0) if ctx.use_bias else None
         if handle is not None:
             handle.wait()
