@@ -28,8 +28,12 @@ own speed-ups assume ``torch.compile``). So the casts are one function of plain 
 values), compiled once per process on CUDA with static shapes (:func:`compiled_casts`):
 an operand's amax, cast and layout change become one reduction and one pass, and an output
 gradient that both backward GEMMs take alike (a tensorwise recipe) is cast once, into both
-layouts (:meth:`Float8Gemms.cast_grad`). The
-GEMM itself is torchao's ``addmm_float8_unwrapped`` (:func:`scaled_mm`), called eagerly.
+layouts (:meth:`Float8Gemms.cast_grad`). Each compiled call costs the host more than a
+kernel launch (guards, the compiled wrapper), which a small GEMM does not hide, so the
+operands go in as few calls as the data allows: the forward's two in one, the backward's
+three in one (two where the input arrives later: a sequence-parallel gather, FC2's rebuilt
+SwiGLU output). The GEMM itself is torchao's ``addmm_float8_unwrapped`` (:func:`scaled_mm`),
+called eagerly.
 Elsewhere the casts run eagerly, and with ``emulate`` the GEMM multiplies the float8 values
 in float32 as torchao's emulation does.
 
@@ -105,12 +109,11 @@ class CastSpec(NamedTuple):
     transpose: bool = False
 
 
-def float8_operands(t: Tensor, uses: Tuple[Tuple[CastSpec, bool], ...]) -> Tuple[Tensor, ...]:
-    """``t`` cast into float8 for each of its ``uses`` (``(spec, column_major)``: how it is
-    cast, and the layout the GEMM takes it in), flattened ``(bits, scale)`` per use. Uses whose
-    casts differ only in ``transpose`` (a tensorwise recipe's output gradient, taken by both
-    backward GEMMs) share one scale and one cast: on CUDA, where this function is compiled,
-    one read of ``t`` for its amax and one for the values, written in both layouts."""
+Uses = Tuple[Tuple[CastSpec, bool], ...]
+
+
+def _operands_of(t: Tensor, uses: Uses) -> List[Tensor]:
+    """``t`` cast for each of its ``uses``, flattened ``(bits, scale)`` per use."""
     casts = {}
     out: List[Tensor] = []
     for spec, column_major in uses:
@@ -122,6 +125,21 @@ def float8_operands(t: Tensor, uses: Tuple[Tuple[CastSpec, bool], ...]) -> Tuple
         if spec.transpose:
             bits, scale = bits.t(), (scale.t() if scale.dim() > 1 else scale)
         out += [bits.t().contiguous().t() if column_major else bits.contiguous(), scale]
+    return out
+
+
+def float8_operands(tensors: Tuple[Tensor, ...], uses: Tuple[Uses, ...]) -> Tuple[Tensor, ...]:
+    """Each of ``tensors`` cast into float8 for each of its ``uses`` (``(spec,
+    column_major)``: how it is cast, and the layout the GEMM takes it in), flattened
+    ``(bits, scale)`` per use, tensor after tensor. Uses of one tensor whose casts differ
+    only in ``transpose`` (a tensorwise recipe's output gradient, taken by both backward
+    GEMMs) share one scale and one cast: on CUDA, where this function is compiled, one read
+    of the tensor for its amax and one for the values, written in both layouts. The
+    operands of one GEMM (or of both backward GEMMs) go in one call: one compiled call's
+    host cost instead of one per operand."""
+    out: List[Tensor] = []
+    for t, t_uses in zip(tensors, uses):
+        out += _operands_of(t, t_uses)
     return tuple(out)
 
 
@@ -157,9 +175,9 @@ def compiled_casts():
     _avoid_the_float8_store_miscompile()
     compiled = torch.compile(float8_operands, dynamic=False)
 
-    def cast(t: Tensor, uses: Tuple[Tuple[CastSpec, bool], ...]) -> Tuple[Tensor, ...]:
+    def cast(tensors: Tuple[Tensor, ...], uses: Tuple[Uses, ...]) -> Tuple[Tensor, ...]:
         with torch._dynamo.config.patch(recompile_limit=CAST_GRAPHS_LIMIT):
-            return compiled(t, uses)
+            return compiled(tensors, uses)
 
     return cast
 
@@ -222,13 +240,15 @@ class Float8Gemms:
                            "grad_input": c.gemm_config_grad_input.use_fast_accum,
                            "grad_weight": c.gemm_config_grad_weight.use_fast_accum}
 
-    def _cast(self, t: Tensor, uses: Tuple[Tuple[CastSpec, bool], ...]) -> Tuple[Tensor, ...]:
-        """:func:`float8_operands` of ``t``, compiled on CUDA. ``t`` goes in detached: the
-        callers are autograd functions that compute their own gradients, and a compiled
-        function guards on ``requires_grad``, so a tensor that sometimes carries it (a weight,
-        an input that needs its gradient) would compile a graph per pattern and soon hit
-        dynamo's recompile limit, after which every cast runs eagerly."""
-        return _cast_function(t.device)(t.detach(), uses)
+    def _cast(self, *operands: Tuple[Tensor, Uses]) -> Tuple[Tensor, ...]:
+        """:func:`float8_operands` of ``(tensor, uses)`` pairs in one call, compiled on CUDA.
+        The tensors go in detached: the callers are autograd functions that compute their own
+        gradients, and a compiled function guards on ``requires_grad``, so a tensor that
+        sometimes carries it (a weight, an input that needs its gradient) would compile a
+        graph per pattern and soon hit dynamo's recompile limit, after which every cast runs
+        eagerly."""
+        tensors = tuple(t.detach() for t, _ in operands)
+        return _cast_function(tensors[0].device)(tensors, tuple(u for _, u in operands))
 
     def _mm(self, gemm: str, a_bits: Tensor, a_scale: Tensor, b_bits: Tensor,
             b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -236,55 +256,81 @@ class Float8Gemms:
                          self.config.emulate)
 
     def output(self, x_rows: Tensor, weight: Tensor) -> Tensor:
-        """``x_rows [n, in] @ weight [out, in].T -> [n, out]``."""
+        """``x_rows [n, in] @ weight [out, in].T -> [n, out]`` (both operands cast in one
+        call)."""
         a_spec, b_spec = self.casts["output"]
-        a = self._cast(x_rows, ((a_spec, False),))
-        b = self._cast(weight.t(), ((b_spec, True),))
-        return self._mm("output", *a, *b, x_rows.dtype)
+        ops = self._cast((x_rows, ((a_spec, False),)), (weight.t(), ((b_spec, True),)))
+        return self._mm("output", *ops, x_rows.dtype)
 
-    def cast_grad(self, grad_rows: Tensor) -> "Float8Grad":
-        """The output gradient ``[n, out]`` cast for both backward GEMMs at once (one cast
-        for both where the recipe scales them alike)."""
-        uses = ((self.casts["grad_input"][0], False), (self.casts["grad_weight"][0], False))
-        gi_bits, gi_scale, gw_bits, gw_scale = self._cast(grad_rows, uses)
-        return Float8Grad(grad_rows.dtype, [gi_bits, gi_scale], [gw_bits, gw_scale])
+    def cast_grad(self, grad_rows: Tensor, weight: Optional[Tensor] = None,
+                  input_rows: Optional[Tensor] = None) -> "Float8Grad":
+        """The backward's operands cast in one call: the output gradient ``[n, out]`` for
+        both backward GEMMs (one cast for both where the recipe scales them alike) and, when
+        given, the weight ``[out, in]`` for the input gradient's GEMM and the input
+        ``[n, in]`` for the weight gradient's."""
+        (gi_spec, w_spec), (gw_spec, x_spec) = self.casts["grad_input"], self.casts["grad_weight"]
+        operands = [(grad_rows, ((gi_spec, False), (gw_spec, False)))]
+        if weight is not None:
+            operands.append((weight.t(), ((w_spec, True),)))
+        if input_rows is not None:
+            operands.append((input_rows, ((x_spec, True),)))
+        ops = list(self._cast(*operands))
+        cast = Float8Grad(grad_rows.dtype, ops[0:2], ops[2:4])
+        rest = ops[4:]
+        if weight is not None:
+            cast.weight_cast, rest = rest[0:2], rest[2:]
+        if input_rows is not None:
+            cast.input_cast = rest[0:2]
+        return cast
 
     def grad_input(self, grad: "Float8Grad | Tensor", weight: Tensor) -> Tensor:
         """``grad [n, out] @ weight [out, in] -> [n, in]`` (the weight cast as its
         transpose, scaled along ``in`` as torchao's rowwise recipe does). ``grad``: the
-        output gradient or its :meth:`cast_grad`, whose cast for this GEMM is released."""
+        output gradient or its :meth:`cast_grad`, whose casts for this GEMM are used (the
+        weight's too, if it holds one) and released."""
         a_spec, b_spec = self.casts["grad_input"]
-        if isinstance(grad, Float8Grad):
-            a, grad.for_grad_input = grad.for_grad_input, None
-        else:       # this GEMM's cast alone
-            a = self._cast(grad, ((a_spec, False),))
-        b = self._cast(weight.t(), ((b_spec, True),))
+        if not isinstance(grad, Float8Grad):     # this GEMM's casts alone, in one call
+            ops = self._cast((grad, ((a_spec, False),)), (weight.t(), ((b_spec, True),)))
+            return self._mm("grad_input", *ops, grad.dtype)
+        a, grad.for_grad_input = grad.for_grad_input, None
+        b, grad.weight_cast = grad.weight_cast, None
+        if b is None:
+            b = self._cast((weight.t(), ((b_spec, True),)))
         return self._mm("grad_input", *a, *b, grad.dtype)
 
     def grad_weight(self, grad: "Float8Grad | Tensor", input_rows: Tensor,
                     out_dtype: torch.dtype) -> Tensor:
         """``grad [n, out].T @ input_rows [n, in] -> [out, in]`` in ``out_dtype`` (the
         float32 of ``main_grad``: the scaled GEMM writes float32, module docstring).
-        ``grad``: the output gradient or its :meth:`cast_grad`."""
+        ``grad``: the output gradient or its :meth:`cast_grad` (whose cast of the input is
+        used if it holds one)."""
         a_spec, b_spec = self.casts["grad_weight"]
-        a = (grad.for_grad_weight if isinstance(grad, Float8Grad)
-             else self._cast(grad, ((a_spec, False),)))      # this GEMM's cast alone
-        b = self._cast(input_rows, ((b_spec, True),))
-        return self._mm("grad_weight", *a, *b, out_dtype)
+        if not isinstance(grad, Float8Grad):     # this GEMM's casts alone, in one call
+            ops = self._cast((grad, ((a_spec, False),)), (input_rows, ((b_spec, True),)))
+            return self._mm("grad_weight", *ops, out_dtype)
+        b, grad.input_cast = grad.input_cast, None
+        if b is None:
+            b = self._cast((input_rows, ((b_spec, True),)))
+        return self._mm("grad_weight", *grad.for_grad_weight, *b, out_dtype)
 
 
 class Float8Grad:
-    """An output gradient cast for the two backward GEMMs (:meth:`Float8Gemms.cast_grad`):
-    ``[bits, scale]`` for the input gradient's GEMM (released once used) and for the weight
-    gradient's (``[out, n]``, row-major)."""
+    """The backward's operands cast by :meth:`Float8Gemms.cast_grad`: the output gradient's
+    ``[bits, scale]`` for the input gradient's GEMM and for the weight gradient's
+    (``[out, n]``, row-major), and, where they were cast with it, the weight's for the input
+    gradient's GEMM and the input's for the weight gradient's. Each but the weight
+    gradient's output gradient is released once its GEMM has used it."""
 
-    __slots__ = ("dtype", "for_grad_input", "for_grad_weight")
+    __slots__ = ("dtype", "for_grad_input", "for_grad_weight", "weight_cast", "input_cast")
 
     def __init__(self, dtype: torch.dtype, for_grad_input: Optional[List[Tensor]],
-                 for_grad_weight: List[Tensor]):
+                 for_grad_weight: List[Tensor], weight_cast: Optional[List[Tensor]] = None,
+                 input_cast: Optional[List[Tensor]] = None):
         self.dtype = dtype
         self.for_grad_input = for_grad_input
         self.for_grad_weight = for_grad_weight
+        self.weight_cast = weight_cast
+        self.input_cast = input_cast
 
 
 __all__ = ["CastSpec", "Float8Gemms", "Float8Grad", "Float8Unavailable", "float8_linear_config",

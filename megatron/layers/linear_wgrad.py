@@ -134,10 +134,11 @@ def _grad_input_gemm(grad: Tensor, weight: Tensor, gemms, grad_cast=None) -> Ten
     return gemms.grad_input(grad_cast, weight).view(*grad.shape[:-1], weight.shape[1])
 
 
-def _cast_grad(grad_rows: Tensor, gemms):
-    """The output gradient as both backward GEMMs take it: cast once into float8 for both
-    (``gemms``), or itself."""
-    return grad_rows if gemms is None else gemms.cast_grad(grad_rows)
+def _cast_grad(grad_rows: Tensor, gemms, weight: Tensor, input_rows: Optional[Tensor] = None):
+    """The output gradient as both backward GEMMs take it: with ``gemms``, cast into float8
+    for both in one call with the weight (and ``input_rows``, where already there), or
+    itself."""
+    return grad_rows if gemms is None else gemms.cast_grad(grad_rows, weight, input_rows)
 
 
 class _Linear(torch.autograd.Function):
@@ -166,7 +167,9 @@ class _Linear(torch.autograd.Function):
             total_input, handle = _gather_sequence(input_, tp_group, async_op=True)
         else:
             total_input = input_
-        grad_cast = _cast_grad(_rows(grad_output), ctx.gemms)
+        # without the gather the input is here already: its cast joins the gradient's
+        grad_cast = _cast_grad(_rows(grad_output), ctx.gemms, weight,
+                               None if handle is not None else _rows(total_input))
         grad_input = _grad_input_gemm(grad_output, weight, ctx.gemms, grad_cast)
         if handle is not None:
             handle.wait()
@@ -203,7 +206,7 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_rows = _rows(grad_output.contiguous())               # [n, out]
-        grad_cast = _cast_grad(grad_rows, ctx.gemms)
+        grad_cast = _cast_grad(grad_rows, ctx.gemms, weight)
         grad_act = _grad_input_gemm(grad_rows, weight, ctx.gemms, grad_cast)   # [n, F]
         # dx from grad_act, and grad_act's storage rewritten with SwiGLU(x), in one pass
         grad_x = lean_kernels.swiglu_backward_refill(grad_act, _rows(x))

@@ -380,14 +380,14 @@ def test_the_compiled_cast_is_the_eager_one_bit_for_bit():
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "g++", "clang")),
                     reason="torch.compile on the CPU needs a C compiler")
-def test_one_compiled_graph_per_shape_and_kind_of_cast(monkeypatch):
+def test_one_compiled_graph_per_shape_and_call_site(monkeypatch):
     """Through a linear layer's forward and backward, with and without the input's gradient
-    and on two shapes, the compiled cast function builds one graph per tensor shape and kind
-    of cast (a tensorwise recipe: the input row-major and column-major, the weight's
-    transposed view and the weight transposed, the output gradient in both layouts: five
-    per shape) and never falls back to eager: the tensors' autograd flags never multiply
-    the graphs, and a model's shapes stay below the recompile limit (dynamo's default, 8,
-    would run every cast past the eighth graph eagerly)."""
+    and on two shapes, the compiled cast function builds one graph per tensor shapes and call
+    site (a linear: the forward's input and weight, the backward's output gradient in both
+    layouts with the weight and the input: two per shape) and never falls back to eager: the
+    tensors' autograd flags never multiply the graphs, and a model's shapes stay below the
+    recompile limit (dynamo's default, 8, would run every cast past the eighth graph
+    eagerly)."""
     import torch._dynamo
 
     from megatron.layers import float8_gemms
@@ -406,7 +406,39 @@ def test_one_compiled_graph_per_shape_and_kind_of_cast(monkeypatch):
             linear_wgrad.linear(x, weight, None, False, False, None, gemms=gemms).backward(dy)
             assert weight.grad_added_to_main_grad
     stats = dict(torch._dynamo.utils.counters["stats"])
-    assert stats["unique_graphs"] == 10, stats
+    assert stats["unique_graphs"] == 4, stats
     assert not torch._dynamo.utils.counters["frames"].get("recompile_limit"), \
         dict(torch._dynamo.utils.counters["frames"])
     torch._dynamo.reset()
+
+
+def test_the_casts_take_few_calls(monkeypatch):
+    """Each call of the cast function costs the host a compiled call: a linear layer makes
+    two per forward and backward (the forward's operands; the backward's output gradient,
+    weight and input), FC2 with its SwiGLU three (its input, the SwiGLU output, is rebuilt
+    between the backward's GEMMs), and the values are the ones each GEMM's own casts give."""
+    from megatron.layers import float8_gemms
+
+    calls = []
+
+    def counting(tensors, uses):
+        calls.append(len(tensors))
+        return float8_gemms.float8_operands(tensors, uses)
+
+    monkeypatch.setattr(float8_gemms, "_cast_function", lambda device: counting)
+    gemms = Float8Gemms(_emulated("hybrid", "tensorwise"))
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(64, 32, generator=gen, requires_grad=True)
+    weight = _param(torch.randn(48, 32, generator=gen) * 0.05)
+    dy = torch.randn(64, 48, generator=gen)
+    linear_wgrad.linear(x, weight, None, False, False, None, gemms=gemms).backward(dy)
+    assert calls == [2, 3]
+    torch.testing.assert_close(x.grad, gemms.grad_input(dy, weight), rtol=0, atol=0)
+    torch.testing.assert_close(weight.main_grad, gemms.grad_weight(dy, x.detach(),
+                                                                   torch.float32),
+                               rtol=0, atol=0)
+    calls.clear()
+    h = torch.randn(64, 96, generator=gen, requires_grad=True)
+    w2 = _param(torch.randn(32, 48, generator=gen) * 0.05)
+    linear_wgrad.swiglu_linear(h, w2, gemms=gemms).backward(torch.randn(64, 32, generator=gen))
+    assert calls == [2, 2, 1]
