@@ -102,7 +102,7 @@ from megatron.training.peer_faults import PeerLostError, peer_lost
 from megatron.training.process_guard import children_ignore_stop_signals, stop_with_the_rank
 from megatron.usp.backend_names import backend_installed
 from megatron.usp.core_attention import layer_window
-from megatron.usp.packed_documents import cost_tables, describe_costs
+from megatron.usp.packed_documents import batched_shapes, cost_tables, describe_costs
 from megatron.usp.parallel_state import USPGroups
 
 logger = logging.getLogger(__name__)
@@ -639,10 +639,12 @@ class _Loop:
         args = config.args
         it = st.iteration + 1
         self.profiler.before(it)
+        shapes_before = batched_shapes()
         t0 = time.perf_counter()
         loss, grad_norm, skipped, pairs = train_step(config, self.rt, self.step_fn, train_iter,
                                                      self.model, self.optimizer, it)
         step_time = time.perf_counter() - t0
+        new_shapes = batched_shapes() - shapes_before if args.reset_attention_mask else None
         if self.profiler.after(it):
             print(f"rank {self.rt.rank}: profile of iterations {self.profiler.start}-"
                   f"{it} written to {self.profiler.written}.txt/.json", flush=True)
@@ -671,7 +673,8 @@ class _Loop:
             iteration=it, consumed_samples=st.consumed_train_samples, lm_loss=loss,
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
             step_time_s=step_time, skipped=skipped, mem_gib=mem,
-            host_mem_gib=peak_host_memory_gib(), attention_pairs=pairs or None), max_mem)
+            host_mem_gib=peak_host_memory_gib(), attention_pairs=pairs or None,
+            new_plan_shapes=new_shapes), max_mem)
 
     def _out_of_time(self) -> bool:
         """Whether ``--exit-duration-in-mins`` has passed since start-up on the slowest rank

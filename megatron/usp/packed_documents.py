@@ -299,6 +299,7 @@ class KernelCosts:
         self.max_masked_elements = max_masked_elements
         self.layers = layers
         self._sightings: Dict[tuple, int] = {}
+        self._built: set = set()             # shapes run batched so far (shared by the views)
         self._views: Dict[int, "KernelCosts"] = {}
 
     def for_layers(self, layers: int) -> "KernelCosts":
@@ -334,6 +335,14 @@ class KernelCosts:
         key = (n, count) if shape is None else shape
         seen = self._sightings.get(key, 0) + 1
         self._sightings[key] = max(seen, self.reuse_before_build) if built else seen
+        if built:
+            self._built.add(key)
+
+    @property
+    def new_shapes(self) -> int:
+        """How many shapes this table has put in a batched call so far in the process: on
+        CUDA each one's first call built a cuDNN plan (:func:`batched_shapes`)."""
+        return len(self._built)
 
     def _at(self, table: Sequence[float], n: int) -> float:
         xs = self.lengths
@@ -470,6 +479,13 @@ def describe_costs(key: tuple, costs: KernelCosts) -> str:
 def cost_tables() -> List[Tuple[tuple, KernelCosts]]:
     """The cost tables this process has measured or fixed so far (key, table)."""
     return list(_COSTS.items())
+
+
+def batched_shapes() -> int:
+    """The distinct shapes this process's cost tables have put in batched calls so far: the
+    training loop records how many each step added (``new_plan_shapes``), the steps that
+    built cuDNN plans."""
+    return sum(costs.new_shapes for _, costs in cost_tables())
 
 
 def costs_state(costs: KernelCosts) -> List[float]:

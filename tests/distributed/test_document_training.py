@@ -138,6 +138,20 @@ def test_every_layout_counts_the_documents_work(document_runs):
     assert any(f < dense * (1 - 1e-4) for f, _ in reference), (reference, dense)
 
 
+def test_every_step_records_its_new_attention_shapes(document_runs):
+    """Packed documents: each train record says how many attention shapes the step ran
+    batched for the first time in the process (``new_plan_shapes``: on a GPU the steps that
+    built cuDNN plans), on every layout. The layouts train one after another in the same
+    processes, so the first (dp4) meets the first shapes: its first step has some."""
+    for name in LAYOUTS:
+        counts = [r["new_plan_shapes"] for r in
+                  _records(os.path.join(document_runs, f"{name}.jsonl")) if r["kind"] == "train"]
+        assert len(counts) == STEPS and all(isinstance(c, int) and c >= 0 for c in counts), \
+            (name, counts)
+        if name == "dp4":
+            assert counts[0] > 0, counts
+
+
 # --------------------------------------------------------------------------- empty shards
 # Every document is 3 tokens and 61 EODs, 64 tokens: GPTDataset's samples (64 tokens plus
 # one, each starting 64 after the last) are whole documents, so every micro-batch has its

@@ -151,6 +151,30 @@ def test_summarize_counts_the_measured_iterations_documents(tmp_path):
     assert dense.flops_count == "dense causal" and dense.docs is None
 
 
+def test_summarize_tells_the_steps_that_built_plans(tmp_path):
+    """The loop's ``new_plan_shapes``: the measured iterations that built no plan and their
+    mean time beside the mean of all; absent from any record, neither is reported."""
+    cfg = _cfg(tmp_path, "fixed:32", warmup=1)
+    spec = config.RunSpec(128, 1, 2, "none", 4)
+    pairs = dict(attention_pairs=[2048.0] * 4, documents=[4] * 4)
+    records = [dict(r, new_plan_shapes=n) for r, n in
+               zip(_records([900.0, 100.0, 400.0, 300.0]), [5, 0, 2, 0])]
+    r = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, records, "l", [], **pairs))
+    assert r.iter_ms == pytest.approx(800.0 / 3)
+    assert r.steady_iterations == 2 and r.iter_ms_steady == pytest.approx(200.0)
+    assert "2 of 3 iterations built no new attention plans: 200.0 ms/iter" in \
+        output.progress_line(r)
+    every = [dict(r, new_plan_shapes=1) for r in records]
+    r = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, every, "l", [], **pairs))
+    assert r.steady_iterations == 0 and r.iter_ms_steady is None
+    line = output.progress_line(r)
+    assert "0 of 3 iterations built no new attention plans" in line
+    assert "new attention plans:" not in line
+    records[2].pop("new_plan_shapes")
+    r = summary.summarize(cfg, spec, config.RunOutcome("ok", 0, records, "l", [], **pairs))
+    assert r.steady_iterations is None and "new attention plans" not in output.progress_line(r)
+
+
 def test_summarize_takes_the_loops_count_of_a_sliding_window(tmp_path):
     # --extra-args "--window-size ...": the loop counts the window's pairs; the tool uses them
     cfg = _cfg(tmp_path, None, warmup=1, peak_tflops=100.0)

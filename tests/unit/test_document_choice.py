@@ -277,3 +277,31 @@ def test_auto_kernels_see_the_table_as_their_layers_do():
     q, k = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
     assert auto.layers == 12 and auto.costs(q, k, True).layers == 12
     assert get_document_kernel("auto", get_kernel("math")).costs(q, k, True).layers == 1
+
+
+def test_a_table_counts_the_shapes_it_ran_batched():
+    """``new_shapes`` (and the process's ``batched_shapes``, what the training loop records
+    per step): each shape counted once, at its first batched call however often it was seen
+    before in the varlen call; the layer views of a table share the count."""
+    from megatron.usp import packed_documents
+
+    costs = gpu_like()
+    view = costs.for_layers(16)
+    costs.sighted(100, 2, built=False)
+    costs.sighted(100, 2, built=False)
+    costs.sighted(100, 2, built=False)
+    costs.sighted(100, 2, built=False)        # seen past reuse_before_build, never batched
+    assert costs.new_shapes == 0
+    view.sighted(100, 2, built=True)          # its first batched call: a plan build
+    costs.sighted(100, 2, built=True)
+    view.sighted(0, 0, built=True, shape=("tile", 64, 32))
+    assert costs.new_shapes == view.new_shapes == 2
+    costs.restore_sightings({})               # the benches' reset forgets sightings only
+    assert costs.new_shapes == 2
+    before = packed_documents.batched_shapes()
+    key = ("test", None, torch.float32, 3, 3, 8, True, "counted")
+    packed_documents._COSTS[key] = costs
+    try:
+        assert packed_documents.batched_shapes() == before + 2
+    finally:
+        del packed_documents._COSTS[key]

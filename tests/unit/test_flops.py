@@ -136,7 +136,8 @@ def test_metrics_writer(tmp_path):
     for it in range(1, 5):
         w.train_step(StepStats(iteration=it, consumed_samples=8 * it, lm_loss=9.0 - it,
                                grad_norm=1.5, lr=1e-3, step_time_s=0.5, skipped=it == 3,
-                               mem_gib=1.25), max_mem_gib=2.5 if it % 2 == 0 else None)
+                               mem_gib=1.25, new_plan_shapes=None if it == 1 else 4 - it),
+                     max_mem_gib=2.5 if it % 2 == 0 else None)
     w.validation(4, 4.5)
     w.close()
     text = out.getvalue().splitlines()
@@ -153,6 +154,9 @@ def test_metrics_writer(tmp_path):
     records = [json.loads(r) for r in metrics.read_text().splitlines()]
     assert [r["kind"] for r in records] == ["run", "train", "train", "train", "train", "valid"]
     assert records[3]["skipped"] is True and records[1]["mfu"] > 0
+    # packed documents' new plan shapes: recorded where the loop gives them (not for dense)
+    assert "new_plan_shapes" not in records[1]
+    assert [r["new_plan_shapes"] for r in records[2:5]] == [2, 1, 0]
     assert records[-1] == {"kind": "valid", "iteration": 4, "lm_loss": 4.5,
                            "ppl": pytest.approx(90.0171313)}
     assert any(p.name.startswith("events.out.tfevents") for p in tb.iterdir())

@@ -8,6 +8,9 @@ first ``--warmup`` iterations and reports, over the rest:
 
 * ``iter_ms``: mean iteration time (the loop's ``step_time_s``), and ``iter_ms_each`` the
   measured iterations one by one (their spread says how far one run's mean can be trusted);
+  with ``--docs``, ``steady_iterations`` and ``iter_ms_steady``: those of the measured
+  iterations that ran no attention shape batched for the first time (the loop's
+  ``new_plan_shapes``: on CUDA a new shape builds a cuDNN plan) and their mean;
 * ``tokens_per_s = global_batch * S / iter_time``;
 * ``tflops_per_gpu = model FLOPs per iteration / iter_time / GPUs`` and
   ``mfu = tflops_per_gpu / peak``, the peak being ``--peak-tflops`` or else the one the

@@ -120,6 +120,10 @@ class E2EResult:
     iterations_measured: int = 0
     iter_ms: Optional[float] = None
     iter_ms_each: Optional[List[float]] = None   # the measured iterations, in order
+    # packed documents: the measured iterations that ran no attention shape batched for the
+    # first time (no cuDNN plan build), their count and mean; None without the loop's record
+    steady_iterations: Optional[int] = None
+    iter_ms_steady: Optional[float] = None
     tokens_per_s: Optional[float] = None
     tflops_per_gpu: Optional[float] = None
     mfu: Optional[float] = None

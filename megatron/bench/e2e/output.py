@@ -40,6 +40,10 @@ def progress_line(r: E2EResult) -> str:
                  f"({report.fmt(r.ceiling_mfu, pct=True)} MFU)")
     if r.docs is not None:
         line += f"; FLOPs {r.flops_count}, {report.fmt(r.documents_per_iteration, 0)} docs/iter"
+        if r.steady_iterations is not None:
+            line += (f"; {r.steady_iterations} of {r.iterations_measured} iterations built no "
+                     f"new attention plans"
+                     + (f": {r.iter_ms_steady:.1f} ms/iter" if r.iter_ms_steady else ""))
         if r.attention_path:
             line += f", attention {r.attention_path}"
     return line

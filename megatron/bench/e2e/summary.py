@@ -87,12 +87,24 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     _count_window(cfg, measured, res)
     res.iter_ms = 1e3 * seconds
     res.iter_ms_each = [1e3 * t for t in times]
+    _count_steady(measured, times, res)
     res.tokens_per_s = gbs * spec.seq_len / seconds
     res.tokens_per_s_per_gpu = res.tokens_per_s / cfg.nproc_per_node
     res.tflops_per_gpu = tflops_per_gpu(res.flops_per_iteration, seconds, cfg.nproc_per_node)
     res.peak_tflops = cfg.peak_tflops or peak_tflops_of_run(steps)
     res.mfu = res.tflops_per_gpu / res.peak_tflops if res.peak_tflops else None
     return res
+
+
+def _count_steady(measured: List[dict], times: List[float], res: E2EResult) -> None:
+    """Packed documents: which measured iterations built no cuDNN plan (the loop's
+    ``new_plan_shapes`` is 0) and their mean time; left None when the records lack the field
+    (dense sequences, or a loop that does not record it)."""
+    if not measured or any(not isinstance(r.get("new_plan_shapes"), int) for r in measured):
+        return
+    steady = [t for r, t in zip(measured, times) if r["new_plan_shapes"] == 0]
+    res.steady_iterations = len(steady)
+    res.iter_ms_steady = 1e3 * sum(steady) / len(steady) if steady else None
 
 
 def _count_window(cfg: E2EConfig, measured: List[dict], res: E2EResult) -> None:

@@ -23,6 +23,11 @@ Metrics-file records (one JSON object per line, ``kind`` says which)::
      "skipped": false}
     {"kind": "valid", "iteration": 10, "lm_loss": 5.01, "ppl": 149.9}
 
+With packed documents (``--reset-attention-mask``) a train record also has
+``new_plan_shapes``: the attention shapes this rank's step ran batched for the first time in
+the process, on CUDA each one a cuDNN plan build, so steps that built plans can be told from
+the steady ones (``tools/bench_e2e.py`` reports both).
+
 A resumed run appends to the file, after dropping the records of iterations past the one it
 starts from (:func:`drop_records_after`): those were written by a run that stopped after its
 last checkpoint and are trained again, so a resumed run leaves one record per iteration. The
@@ -113,6 +118,9 @@ class StepStats:
     mem_gib: float
     host_mem_gib: Optional[float] = None
     attention_pairs: Optional[float] = None   # computed by core attention; None: not reported
+    # packed documents: shapes this step ran batched for the first time (each a cuDNN plan
+    # build on CUDA; packed_documents.batched_shapes), None without documents
+    new_plan_shapes: Optional[int] = None
 
 
 class Throughput:
@@ -263,7 +271,9 @@ class MetricsWriter:
                       "consumed_samples": st.consumed_samples, "lm_loss": st.lm_loss,
                       "grad_norm": st.grad_norm, "lr": st.lr, "step_time_s": st.step_time_s,
                       **rates, "mem_gib": st.mem_gib, "host_mem_gib": st.host_mem_gib,
-                      "skipped": st.skipped})
+                      "skipped": st.skipped,
+                      **({} if st.new_plan_shapes is None
+                         else {"new_plan_shapes": st.new_plan_shapes})})
         self._window.append(st)
         if st.iteration % self.log_interval == 0 or st.iteration == self.train_iters:
             self._print_interval(max_mem_gib if max_mem_gib is not None else st.mem_gib)
