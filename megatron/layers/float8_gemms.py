@@ -274,14 +274,11 @@ class Float8Gemms:
             operands.append((weight.t(), ((w_spec, True),)))
         if input_rows is not None:
             operands.append((input_rows, ((x_spec, True),)))
-        ops = list(self._cast(*operands))
-        cast = Float8Grad(grad_rows.dtype, ops[0:2], ops[2:4])
-        rest = ops[4:]
-        if weight is not None:
-            cast.weight_cast, rest = rest[0:2], rest[2:]
-        if input_rows is not None:
-            cast.input_cast = rest[0:2]
-        return cast
+        ops = self._cast(*operands)
+        pairs = iter([list(ops[i:i + 2]) for i in range(0, len(ops), 2)])
+        return Float8Grad(grad_rows.dtype, next(pairs), next(pairs),
+                          next(pairs) if weight is not None else None,
+                          next(pairs) if input_rows is not None else None)
 
     def grad_input(self, grad: "Float8Grad | Tensor", weight: Tensor) -> Tensor:
         """``grad [n, out] @ weight [out, in] -> [n, in]`` (the weight cast as its

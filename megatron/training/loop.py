@@ -639,7 +639,7 @@ class _Loop:
         args = config.args
         it = st.iteration + 1
         self.profiler.before(it)
-        shapes_before = batched_shapes()
+        shapes_before = batched_shapes() if args.reset_attention_mask else 0
         t0 = time.perf_counter()
         loss, grad_norm, skipped, pairs = train_step(config, self.rt, self.step_fn, train_iter,
                                                      self.model, self.optimizer, it)
