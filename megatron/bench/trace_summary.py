@@ -7,7 +7,12 @@ What a per-phase profile needs, read from the device events of one rank's trace:
   largest ones with their neighbours and position (exposed communication and CPU-bound
   launches show up here);
 * device time by category: cuDNN attention forward / backward, NCCL, GEMMs, reorder copies
-  (PyTorch's strided-copy kernel), other kernels.
+  (PyTorch's strided-copy kernel), other kernels;
+* device time by caller, for the kernels outside GEMMs, attention and NCCL: each kernel is
+  matched to its launch on the host (the ``correlation`` id the profiler gives both) and
+  named after the innermost host event around that launch that is not a bare ``aten::`` op
+  (an autograd function's forward or backward, the optimizer's step, a ``record_function``
+  range), so element-wise passes are told apart by the code that runs them.
 
 ``python -m megatron.bench.trace_summary TRACE.json [...]`` prints it; :func:`summarize`
 returns it as a dict (used by tests and by the docs' tables).
@@ -39,13 +44,62 @@ def category(name: str) -> str:
     return "other"
 
 
+HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
+_ENGINE = "autograd::engine::evaluate_function: "
+UNATTRIBUTED = ("gemm", "attention forward", "attention backward", "nccl")
+
+
+def _caller(names: Sequence[str]) -> str:
+    """The label of a launch whose enclosing host events are ``names`` (outermost first):
+    the innermost that is not an ``aten::`` op or a runtime call, else the outermost
+    ``aten::`` op."""
+    for name in reversed(names):
+        if not name.startswith(("aten::", "cuda", "cu")):
+            return name[len(_ENGINE):] if name.startswith(_ENGINE) else name
+    ops = [n for n in names if n.startswith("aten::")]
+    return ops[0] if ops else "(no host event)"
+
+
+def launch_callers(trace: dict) -> Dict[int, str]:
+    """correlation id -> the caller label (:func:`_caller`) of the host launch carrying it."""
+    host = [e for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X" and e.get("cat") in HOST_CATS]
+    host.sort(key=lambda e: (str(e.get("pid")), str(e.get("tid")), e["ts"], -e["dur"]))
+    callers: Dict[int, str] = {}
+    stack: List[dict] = []
+    for e in host:
+        while stack and ((stack[-1].get("pid"), stack[-1].get("tid")) != (e.get("pid"), e.get("tid"))
+                         or stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]):
+            stack.pop()
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and corr is not None:
+            callers[corr] = _caller([s["name"] for s in stack])
+        stack.append(e)
+    return callers
+
+
+def by_caller(trace: dict, events: Sequence[dict]) -> Dict[str, Dict]:
+    """Device time (ms) and kernel count per caller of the ``events`` outside
+    :data:`UNATTRIBUTED`'s categories, largest first."""
+    callers = launch_callers(trace)
+    time: Counter = Counter()
+    count: Counter = Counter()
+    for e in events:
+        if category(e["name"]) in UNATTRIBUTED:
+            continue
+        name = callers.get((e.get("args") or {}).get("correlation"), "(no host event)")
+        time[name] += e["dur"]
+        count[name] += 1
+    return {name: {"ms": us / 1e3, "kernels": count[name]} for name, us in time.most_common()}
+
+
 def summarize(trace: dict, min_gap_us: float = 50.0, top: int = 8) -> Dict:
     """Per-stream busy time, compute-stream gaps and time by category (module docstring)."""
     events = [e for e in trace.get("traceEvents", [])
               if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
     if not events:
         return {"span_ms": 0.0, "streams": {}, "gaps_ms": 0.0, "largest_gaps": [],
-                "by_category_ms": {}}
+                "by_category_ms": {}, "by_caller": {}}
     t0 = min(e["ts"] for e in events)
     t1 = max(e["ts"] + e["dur"] for e in events)
     streams: Dict[str, List[dict]] = {}
@@ -72,10 +126,11 @@ def summarize(trace: dict, min_gap_us: float = 50.0, top: int = 8) -> Dict:
         "gaps_ms": sum(g["gap_us"] for g in gaps) / 1e3,
         "largest_gaps": gaps[:top],
         "by_category_ms": {k: v / 1e3 for k, v in by_cat.most_common()},
+        "by_caller": by_caller(trace, events),
     }
 
 
-def render(name: str, s: Dict) -> str:
+def render(name: str, s: Dict, callers: int = 25) -> str:
     lines = [f"{name}: device span {s['span_ms']:.2f} ms"]
     for tid, st in s["streams"].items():
         mark = " (compute)" if tid == s.get("compute_stream") else ""
@@ -87,6 +142,10 @@ def render(name: str, s: Dict) -> str:
     lines.append("  device time by category:")
     for k, v in s["by_category_ms"].items():
         lines.append(f"    {k:<28} {v:9.2f} ms")
+    if s.get("by_caller"):
+        lines.append("  device time by caller (kernels outside GEMMs, attention and NCCL):")
+        for name, c in list(s["by_caller"].items())[:callers]:
+            lines.append(f"    {name[:56]:<56} {c['ms']:9.2f} ms  {c['kernels']:5d} kernels")
     return "\n".join(lines)
 
 

@@ -44,3 +44,58 @@ def test_cli_prints(tmp_path, capsys):
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "compute-stream idle gaps: 0.48 ms" in out and "(compute)" in out
+
+
+def _host(name, ts, dur, cat="cpu_op", corr=None, tid=1):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def _kc(name, ts, dur, corr):
+    e = _k(name, ts, dur)
+    e["args"] = {"correlation": corr}
+    return e
+
+
+CALLER_TRACE = {"traceEvents": [
+    # an autograd function's backward launching a Triton kernel through an aten op
+    _host("autograd::engine::evaluate_function: _RMSNormBackward", 0, 50),
+    _host("_RMSNormBackward", 1, 40),
+    _host("aten::empty", 2, 3),
+    _host("cuLaunchKernel", 10, 5, cat="cuda_driver", corr=1),
+    # the optimizer's step: two launches
+    _host("Optimizer.step#AdamW.step", 100, 50),
+    _host("aten::_fused_adamw_", 101, 40),
+    _host("cudaLaunchKernel", 110, 5, cat="cuda_runtime", corr=2),
+    _host("cudaLaunchKernel", 120, 5, cat="cuda_runtime", corr=3),
+    # a bare aten op at top level, and a GEMM that is left out of the table
+    _host("aten::add_", 200, 20),
+    _host("cudaLaunchKernel", 205, 5, cat="cuda_runtime", corr=4),
+    _host("aten::mm", 300, 20),
+    _host("cudaLaunchKernel", 305, 5, cat="cuda_runtime", corr=5),
+    _kc("rms_bwd", 1000, 30, 1),
+    _kc("multi_tensor_apply_kernel", 1100, 20, 2),
+    _kc("multi_tensor_apply_kernel", 1200, 25, 3),
+    _kc("vectorized_elementwise_kernel", 1300, 10, 4),
+    _kc("nvjet_sm90_tst_256x128", 1400, 90, 5),
+    _kc("vectorized_elementwise_kernel", 1500, 7, 99),      # no launch recorded
+]}
+
+
+def test_device_time_by_caller():
+    got = summarize(CALLER_TRACE)["by_caller"]
+    assert got == {"Optimizer.step#AdamW.step": {"ms": 0.045, "kernels": 2},
+                   "_RMSNormBackward": {"ms": 0.03, "kernels": 1},
+                   "aten::add_": {"ms": 0.01, "kernels": 1},
+                   "(no host event)": {"ms": 0.007, "kernels": 1}}
+    assert list(got)[0] == "Optimizer.step#AdamW.step"
+
+
+def test_cli_prints_callers(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(CALLER_TRACE))
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "device time by caller" in out and "_RMSNormBackward" in out
