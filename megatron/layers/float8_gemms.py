@@ -16,7 +16,10 @@ Weight gradient into ``main_grad``: torch._scaled_mm cannot add into an existing
 :meth:`Float8Gemms.grad_weight` asks for its output in ``main_grad``'s dtype (float32:
 ``_scaled_mm``'s float32 output with tensorwise scales; torchao rounds the rowwise kernel's
 output through bf16) and the caller adds it: no bf16 rounding of a tensorwise weight gradient,
-one float32 ``[out, in]`` temporary per GEMM.
+one float32 ``[out, in]`` temporary per GEMM. Where ``main_grad`` holds nothing yet (the
+step's first micro-batch: DDP zeroed it and nothing was added since), the caller passes it as
+``out`` and a tensorwise GEMM writes it directly, with no temporary and no addition: the same
+values (``0 + g == g``), three fewer float32 passes over the weight's size.
 
 The casts and layouts: torchao's eager path runs amax, scale, an upcast to float32, the
 multiply, the clamp and the float8 conversion as separate passes over each operand, then copies
@@ -144,12 +147,23 @@ def float8_operands(tensors: Tuple[Tensor, ...], uses: Tuple[Uses, ...]) -> Tupl
 
 
 def scaled_mm(a_bits: Tensor, a_scale: Tensor, b_bits: Tensor, b_scale: Tensor,
-              out_dtype: torch.dtype, use_fast_accum: bool, emulate: bool) -> Tensor:
+              out_dtype: torch.dtype, use_fast_accum: bool, emulate: bool,
+              out: Optional[Tensor] = None) -> Tensor:
     """``a @ b`` of two cast operands (``a`` row-major, ``b`` column-major), in ``out_dtype``:
     torchao's ``addmm_float8_unwrapped`` (``torch._scaled_mm`` with the inverse scales) or,
-    emulated, the float8 values times their inverse scales multiplied in float32."""
+    emulated, the float8 values times their inverse scales multiplied in float32.
+    ``out``: a row-major tensor of ``out_dtype`` that receives the product; with tensorwise
+    scales the GEMM writes it directly (no temporary), else the product is copied in."""
     if emulate:
-        return torch.mm(a_bits.float() / a_scale, b_bits.float() / b_scale).to(out_dtype)
+        product = torch.mm(a_bits.float() / a_scale, b_bits.float() / b_scale).to(out_dtype)
+        return product if out is None else out.copy_(product)
+    if out is not None and a_scale.dim() == 0 and b_scale.dim() == 0:
+        return torch._scaled_mm(a_bits, b_bits, scale_a=a_scale.reciprocal(),
+                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype,
+                                use_fast_accum=use_fast_accum, out=out)
+    if out is not None:
+        return out.copy_(scaled_mm(a_bits, a_scale, b_bits, b_scale, out_dtype,
+                                   use_fast_accum, emulate))
     from torchao.float8.float8_ops import addmm_float8_unwrapped  # optional dependency
     # one operand tensorwise and the other axiswise: the tensorwise scale repeated
     if a_scale.dim() < 2 <= b_scale.dim():
@@ -251,9 +265,9 @@ class Float8Gemms:
         return _cast_function(tensors[0].device)(tensors, tuple(u for _, u in operands))
 
     def _mm(self, gemm: str, a_bits: Tensor, a_scale: Tensor, b_bits: Tensor,
-            b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+            b_scale: Tensor, out_dtype: torch.dtype, out: Optional[Tensor] = None) -> Tensor:
         return scaled_mm(a_bits, a_scale, b_bits, b_scale, out_dtype, self.fast_accum[gemm],
-                         self.config.emulate)
+                         self.config.emulate, out)
 
     def output(self, x_rows: Tensor, weight: Tensor) -> Tensor:
         """``x_rows [n, in] @ weight [out, in].T -> [n, out]`` (both operands cast in one
@@ -296,19 +310,19 @@ class Float8Gemms:
         return self._mm("grad_input", *a, *b, grad.dtype)
 
     def grad_weight(self, grad: "Float8Grad | Tensor", input_rows: Tensor,
-                    out_dtype: torch.dtype) -> Tensor:
+                    out_dtype: torch.dtype, out: Optional[Tensor] = None) -> Tensor:
         """``grad [n, out].T @ input_rows [n, in] -> [out, in]`` in ``out_dtype`` (the
-        float32 of ``main_grad``: the scaled GEMM writes float32, module docstring).
-        ``grad``: the output gradient or its :meth:`cast_grad` (whose cast of the input is
-        used if it holds one)."""
+        float32 of ``main_grad``: the scaled GEMM writes float32, module docstring), into
+        ``out`` if given (:func:`scaled_mm`). ``grad``: the output gradient or its
+        :meth:`cast_grad` (whose cast of the input is used if it holds one)."""
         a_spec, b_spec = self.casts["grad_weight"]
         if not isinstance(grad, Float8Grad):     # this GEMM's casts alone, in one call
             ops = self._cast((grad, ((a_spec, False),)), (input_rows, ((b_spec, True),)))
-            return self._mm("grad_weight", *ops, out_dtype)
+            return self._mm("grad_weight", *ops, out_dtype, out)
         b, grad.input_cast = grad.input_cast, None
         if b is None:
             b = self._cast((input_rows, ((b_spec, True),)))
-        return self._mm("grad_weight", *grad.for_grad_weight, *b, out_dtype)
+        return self._mm("grad_weight", *grad.for_grad_weight, *b, out_dtype, out)
 
 
 class Float8Grad:

@@ -9,6 +9,18 @@ timings are averaged over the ranks of ``group`` so that every rank makes the sa
 and :func:`choose_float8` (pure) keeps float8 where it is faster by a margin.
 ``--fp8-linears all`` skips the timing and runs every eligible shape in float8 (tests).
 
+Two times per shape and precision. The device's: the calls queued behind a kernel that keeps
+the GPU busy until the host has issued them all, timed by CUDA events, as a training step
+runs them when the host is ahead. The host's: the time to issue them. Float8 costs the host
+more (its casts are compiled calls: about 1 ms per forward and backward of a linear, against
+0.2-0.3 ms for bf16, on an H100 host), and timing the calls back to back would charge that
+to every shape whose GPU work is shorter, even though a step hides it wherever the GPU is
+the slower side. So the choice is made on the device's times, then checked against the
+host's: the chosen linears of a layer must cost the host no more than they cost the GPU (the
+layer's attention and norms add more GPU time than host time, so a layer that passes stays
+GPU-bound), else float8 is given back, shape by shape, where it saves the least GPU time per
+unit of host time added.
+
 Eligible: with real float8 GEMMs (``torch._scaled_mm``) every dimension, the tokens
 included (the weight gradient's inner dimension), must be a multiple of 16; emulation
 takes any shape.
@@ -56,10 +68,13 @@ class LinearShape:
 @dataclass(frozen=True)
 class Timing:
     """Seconds for one forward and backward of a linear layer, in high precision and in
-    float8."""
+    float8: on the device (``high``, ``float8``) and on the host to issue them (``*_host``;
+    0: not measured, no host limit)."""
 
     high: float
     float8: float
+    high_host: float = 0.0
+    float8_host: float = 0.0
 
 
 def float8_eligible(shape: LinearShape, emulate: bool) -> bool:
@@ -82,7 +97,34 @@ def choose_float8(shapes: Iterable[LinearShape], options: Float8Options,
             t = timings[shape]
             ok = t.float8 * (1.0 + options.margin) < t.high
         out[shape] = ok
+    if options.linears != "all" and timings:
+        out = keep_host_ahead(out, timings)
     return out
+
+
+def keep_host_ahead(chosen: Mapping[LinearShape, bool],
+                    timings: Mapping[LinearShape, Timing]) -> Dict[LinearShape, bool]:
+    """``chosen`` with float8 given back where the timed shapes, one call each as in one
+    layer, would cost the host more than the GPU (module docstring): the float8 shape that
+    saves the least device time per second of host time it adds goes first."""
+    out = dict(chosen)
+
+    def cost(use_float8: bool, t: Timing) -> Tuple[float, float]:
+        return (t.float8, t.float8_host) if use_float8 else (t.high, t.high_host)
+
+    while True:
+        timed = [s for s in out if s in timings]
+        device = sum(cost(out[s], timings[s])[0] for s in timed)
+        host = sum(cost(out[s], timings[s])[1] for s in timed)
+        in_float8 = [s for s in timed if out[s]]
+        if host <= device or not in_float8:
+            return out
+
+        def gain_per_host(s: LinearShape) -> float:
+            t = timings[s]
+            return (t.high - t.float8) / max(t.float8_host - t.high_host, 1e-12)
+
+        out[min(in_float8, key=gain_per_host)] = False
 
 
 def _sync(device: torch.device) -> None:
@@ -90,13 +132,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# GPU clock cycles of the kernel that keeps the device busy while the timed calls are
+# issued (~0.1 s at Hopper's clocks: far longer than issuing a few linears takes)
+BUSY_CYCLES = 200_000_000
+
+
 def _fwd_bwd_seconds(shape: LinearShape, gemms, device: torch.device, dtype: torch.dtype,
-                     repeats: int) -> float:
-    """Seconds per forward+backward of one linear layer: one warm-up call (it compiles the
-    float8 GEMMs), then ``repeats`` calls back to back between two synchronisations, as a
-    training step issues them: the host's launch cost is hidden where the GPU is the slower
-    side, as in the step, and counted where it is not. Random operands from a private
-    generator, so the run's random streams are untouched."""
+                     repeats: int) -> Tuple[float, float]:
+    """``(device, host)`` seconds per forward+backward of one linear layer: one warm-up call
+    (it compiles the float8 GEMMs), then ``repeats`` calls issued behind a kernel that keeps
+    the GPU busy, so the host's issue time is measured apart and the device's (CUDA events
+    around the calls) runs them back to back, as a step does when the host is ahead. On the
+    CPU both are the wall time. Random operands from a private generator, so the run's
+    random streams are untouched."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(shape.tokens, shape.in_features, device=device, dtype=dtype,
                     generator=gen).requires_grad_(True)
@@ -113,11 +161,22 @@ def _fwd_bwd_seconds(shape: LinearShape, gemms, device: torch.device, dtype: tor
 
     once()
     _sync(device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeats):
+            once()
+        wall = (time.perf_counter() - start) / repeats
+        return wall, wall
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(BUSY_CYCLES)
+    first.record()
     start = time.perf_counter()
     for _ in range(repeats):
         once()
-    _sync(device)
-    return (time.perf_counter() - start) / repeats
+    host = (time.perf_counter() - start) / repeats
+    last.record()
+    last.synchronize()
+    return first.elapsed_time(last) / 1e3 / repeats, host
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,8 +185,9 @@ def time_linear(shape: LinearShape, options: Float8Options, device: str, dtype: 
     """Forward+backward seconds of ``shape`` in ``dtype`` and in float8 on ``device``;
     measured once per process (cached)."""
     dev = torch.device(device)
-    return Timing(_fwd_bwd_seconds(shape, None, dev, dtype, repeats),
-                  _fwd_bwd_seconds(shape, Float8Gemms(options), dev, dtype, repeats))
+    high, high_host = _fwd_bwd_seconds(shape, None, dev, dtype, repeats)
+    low, low_host = _fwd_bwd_seconds(shape, Float8Gemms(options), dev, dtype, repeats)
+    return Timing(high, low, high_host, low_host)
 
 
 def measure(shapes: List[LinearShape], options: Float8Options, device: torch.device,
@@ -138,14 +198,14 @@ def measure(shapes: List[LinearShape], options: Float8Options, device: torch.dev
     if not shapes:
         return {}
     local = [time_linear(s, options, str(device), dtype) for s in shapes]
-    values = torch.tensor([[t.high, t.float8] for t in local], dtype=torch.float64,
-                          device=device).reshape(len(shapes), 2)
+    values = torch.tensor([[t.high, t.float8, t.high_host, t.float8_host] for t in local],
+                          dtype=torch.float64, device=device).reshape(len(shapes), 4)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(values, group=group)
         values /= dist.get_world_size(group)
     if device.type == "cuda":      # the timing's operands go back before the optimizer's state
         torch.cuda.empty_cache()
-    return {s: Timing(float(v[0]), float(v[1])) for s, v in zip(shapes, values.tolist())}
+    return {s: Timing(*(float(x) for x in v)) for s, v in zip(shapes, values.tolist())}
 
 
 def float8_linears(model_chunks) -> List[Tuple[str, str, torch.nn.Module]]:
@@ -194,7 +254,8 @@ def apply_float8(model_chunks, options: Float8Options, tokens: Mapping[str, int]
 def report_lines(shapes: List[Tuple[str, LinearShape]], chosen: Mapping[LinearShape, bool],
                  timings: Optional[Mapping[LinearShape, Timing]],
                  options: Float8Options) -> List[str]:
-    """``fp8 (...): QKV 4096 x 1024 -> 3072 float8 (bf16 1.20 ms, float8 0.81 ms)`` lines."""
+    """``fp8 (...): QKV 4096 x 1024 -> 3072: float8 (high 1.200 ms, float8 0.810 ms;
+    host 0.210 / 1.050 ms)`` lines: device times, then the host's issue times."""
     lines = [f"fp8 ({options.short()}, --fp8-linears {options.linears}): "
              f"{sum(chosen[s] for _, s in shapes)} of {len(shapes)} linear shapes in float8"]
     for kind, shape in shapes:
@@ -202,7 +263,8 @@ def report_lines(shapes: List[Tuple[str, LinearShape]], chosen: Mapping[LinearSh
         why = ""
         if timings is not None and shape in timings:
             t = timings[shape]
-            why = f" (high {t.high * 1e3:.3f} ms, float8 {t.float8 * 1e3:.3f} ms)"
+            why = (f" (high {t.high * 1e3:.3f} ms, float8 {t.float8 * 1e3:.3f} ms; host "
+                   f"{t.high_host * 1e3:.3f} / {t.float8_host * 1e3:.3f} ms)")
         elif not float8_eligible(shape, options.emulate):
             why = f" (a dimension is not a multiple of {SCALED_MM_ALIGNMENT})"
         lines.append(f"  {kind:5s} {shape.short()}: {what}{why}")
@@ -210,4 +272,5 @@ def report_lines(shapes: List[Tuple[str, LinearShape]], chosen: Mapping[LinearSh
 
 
 __all__ = ["LINEAR_KINDS", "LinearShape", "Timing", "float8_eligible", "choose_float8",
+           "keep_host_ahead",
            "time_linear", "measure", "float8_linears", "apply_float8", "report_lines"]

@@ -34,7 +34,9 @@ computed in float32 from the upcast operands (exact products, float32 sums, as t
 
 Float8 (``--fp8-format``): given ``gemms`` (a :class:`megatron.layers.float8_gemms.Float8Gemms`),
 the same functions run their three GEMMs through it and nothing else changes; the weight
-gradient comes out of the float8 GEMM in ``main_grad``'s dtype and is added there.
+gradient comes out of the float8 GEMM in ``main_grad``'s dtype and is added there, or, while
+``grad_added_to_main_grad`` is still False (megatron-core's DDP resets it when it zeroes the
+buffers, so nothing is there yet), written there by the GEMM itself.
 """
 
 from __future__ import annotations
@@ -83,7 +85,11 @@ def weight_grad(param: Optional[Tensor], grad_output: Tensor, total_input: Tenso
         if gemms is not None:
             return gemms.grad_weight(grad_output, total_input, total_input.dtype)
         return grad_output.t().matmul(total_input)
-    if gemms is not None:
+    if gemms is not None and not param.grad_added_to_main_grad:
+        # nothing added since DDP zeroed main_grad: the float8 GEMM writes it
+        gemms.grad_weight(grad_output, total_input, param.main_grad.dtype,
+                          out=param.main_grad)
+    elif gemms is not None:
         param.main_grad.add_(gemms.grad_weight(grad_output, total_input,
                                                param.main_grad.dtype))
     else:

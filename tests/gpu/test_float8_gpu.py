@@ -97,6 +97,25 @@ def test_fc2_with_swiglu_inside_in_real_float8(fmt, recipe):
 
 
 @pytest.mark.parametrize("fmt,recipe", RECIPES)
+def test_weight_gradient_written_into_main_grad_equals_the_added_one(fmt, recipe):
+    """The step's first float8 weight gradient goes into ``main_grad`` as the GEMM's own
+    output (tensorwise: ``torch._scaled_mm(out=...)``; rowwise: copied in); it equals the
+    returned product bit for bit, and the next micro-batch's is added to it."""
+    gemms = _gemms(fmt, recipe)
+    w = _param(_randn(3072, HIDDEN, seed=40, scale=0.02))
+    w.main_grad.fill_(float("nan"))
+    grads = []
+    for i in range(2):
+        x = _randn(TOKENS, HIDDEN, seed=41 + 2 * i).requires_grad_(True)
+        dy = _randn(TOKENS, 3072, seed=42 + 2 * i)
+        linear_wgrad.linear(x, w, None, False, False, None, gemms=gemms).backward(dy)
+        grads.append(gemms.grad_weight(dy, x.detach(), torch.float32))
+        if i == 0:
+            assert torch.equal(w.main_grad, grads[0])
+    assert torch.equal(w.main_grad, grads[0] + grads[1])
+
+
+@pytest.mark.parametrize("fmt,recipe", RECIPES)
 def test_real_gemms_match_torchaos_emulation(fmt, recipe):
     x, w = _randn(TOKENS, HIDDEN, seed=30), _randn(3072, HIDDEN, seed=31, scale=0.02)
     dy = _randn(TOKENS, 3072, seed=32)

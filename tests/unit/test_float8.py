@@ -27,6 +27,7 @@ from megatron.layers.float8_policy import (
     Timing,
     choose_float8,
     float8_eligible,
+    keep_host_ahead,
     report_lines,
 )
 from megatron.training.cli.errors import ArgumentsError
@@ -123,13 +124,39 @@ def test_choice_keeps_float8_only_where_faster_by_the_margin():
     assert float8_eligible(odd, emulate=True)
 
 
+def test_choice_is_made_on_device_time_when_the_host_keeps_ahead():
+    """A shape whose float8 calls cost the host more than the GPU still runs in float8 when
+    the layer's linears together keep the GPU the slower side (the host's time hides)."""
+    opts = Float8Options(linears="auto", margin=0.05)
+    qkv, fc1 = LinearShape(8192, 4096, 6144), LinearShape(8192, 4096, 28672)
+    timings = {qkv: Timing(1.53e-3, 1.25e-3, 0.21e-3, 1.27e-3),   # host > device alone
+               fc1: Timing(7.55e-3, 5.08e-3, 0.29e-3, 1.43e-3)}
+    assert choose_float8([qkv, fc1], opts, timings) == {qkv: True, fc1: True}
+
+
+def test_float8_is_given_back_where_the_host_would_fall_behind():
+    """Small shapes: float8 wins on the GPU but its host cost exceeds what the layer's GPU
+    work hides; float8 goes back first where it saves the least GPU time per host time."""
+    opts = Float8Options(linears="auto", margin=0.05)
+    a, b = LinearShape(1024, 512, 512), LinearShape(1024, 512, 2048)
+    timings = {a: Timing(0.30e-3, 0.20e-3, 0.2e-3, 1.2e-3),    # saves 0.1 ms for 1.0 ms host
+               b: Timing(1.00e-3, 0.60e-3, 0.2e-3, 1.0e-3)}    # saves 0.4 ms for 0.8 ms host
+    # both in float8: host 2.2 ms > device 0.8 ms; without a: host 1.2 > device 0.9; neither
+    assert choose_float8([a, b], opts, timings) == {a: False, b: False}
+    roomy = {a: timings[a], b: Timing(3.0e-3, 1.5e-3, 0.2e-3, 1.0e-3)}
+    # both: host 2.2 > device 1.7; without a (0.1 ms per ms of host, b: 1.9): 1.2 <= 1.8
+    assert choose_float8([a, b], opts, roomy) == {a: False, b: True}
+    assert keep_host_ahead({a: True}, {a: Timing(1e-3, 5e-4)}) == {a: True}  # host unmeasured
+
+
 def test_report_names_each_kind_and_its_timing():
     opts = Float8Options(linears="auto")
     qkv, fc2 = LinearShape(4096, 1024, 3072), LinearShape(4096, 2816, 1024)
     lines = report_lines([("QKV", qkv), ("FC2", fc2)], {qkv: True, fc2: False},
-                         {qkv: Timing(1e-3, 6e-4), fc2: Timing(1e-3, 2e-3)}, opts)
+                         {qkv: Timing(1e-3, 6e-4, 2e-4, 9e-4), fc2: Timing(1e-3, 2e-3)}, opts)
     assert lines[0].startswith("fp8 (tensorwise hybrid, --fp8-linears auto): 1 of 2")
-    assert "QKV" in lines[1] and "float8 (high 1.000 ms, float8 0.600 ms)" in lines[1]
+    assert "QKV" in lines[1] and ("float8 (high 1.000 ms, float8 0.600 ms; host 0.200 / "
+                                  "0.900 ms)") in lines[1]
     assert "FC2" in lines[2] and "high precision" in lines[2]
 
 
@@ -212,6 +239,40 @@ def test_weight_gradient_accumulates_in_float32():
         assert not torch.equal(single, single.to(torch.bfloat16).float())
     assert weight.main_grad.dtype == torch.float32
     assert sqnr_db(weight.main_grad, total) > SQNR_FLOOR_DB
+
+
+@pytest.mark.parametrize("fmt,recipe", RECIPES)
+def test_the_first_weight_gradient_is_written_into_main_grad_then_added(fmt, recipe):
+    """While ``grad_added_to_main_grad`` is False (DDP zeroed ``main_grad``), the float8
+    weight gradient is written there (as ``out``, no temporary); afterwards it is added. Both
+    give what the GEMM returns on its own: the first micro-batch's gradient exactly, the
+    second's sum as ``add_`` makes it."""
+    gemms = Float8Gemms(_emulated(fmt, recipe))
+    gen = torch.Generator().manual_seed(17)
+    weight = _param((torch.randn(32, 64, generator=gen) * 0.05).to(torch.bfloat16))
+    weight.main_grad.fill_(float("nan"))      # written, not added to: nothing of this survives
+    grads = []
+    for _ in range(2):
+        x = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
+        dy = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
+        linear_wgrad.linear(x, weight, None, False, False, None, gemms=gemms).backward(dy)
+        grads.append(gemms.grad_weight(dy, x, torch.float32))
+        if len(grads) == 1:
+            assert weight.grad_added_to_main_grad
+            assert torch.equal(weight.main_grad, grads[0])
+    assert torch.equal(weight.main_grad, grads[0] + grads[1])
+
+
+def test_scaled_mm_into_out_is_the_product():
+    """``scaled_mm(..., out=t)`` fills ``t`` with the product it would return (emulated on
+    the CPU; the real GEMM's direct write is checked on a GPU)."""
+    gemms = Float8Gemms(_emulated("hybrid", "tensorwise"))
+    gen = torch.Generator().manual_seed(19)
+    dy, x = torch.randn(40, 24, generator=gen), torch.randn(40, 16, generator=gen)
+    want = gemms.grad_weight(dy, x, torch.float32)
+    out = torch.full((24, 16), 7.0)
+    got = gemms.grad_weight(dy, x, torch.float32, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
 
 
 def test_without_wgrad_fusion_the_weight_gradient_is_returned():
