@@ -987,6 +987,15 @@ def test_fp8_speedup_per_length_and_the_floor():
     assert lines[1].endswith("missed")
     larger = fp8_speedup.compare([_fp8_row(8, 10.0, 1.0, False)], [_fp8_row(8, 11.0, 1.1, True)])
     assert larger[0]["floor_holds"] is False                  # faster, but more memory
+    # a float8 run's own fixed buffers (~2 MiB) are within the slack; 32 MiB more is not
+    same = fp8_speedup.compare([_fp8_row(8, 10.0, 55.826, False)],
+                               [_fp8_row(8, 11.0, 55.826 + 2 / 1024, True)])
+    assert same[0]["floor_holds"] is True
+    assert fp8_speedup.summary_lines(same)[0].endswith("(1.000x, +2 MiB); never slower, "
+                                                       "never larger: holds")
+    above = fp8_speedup.compare([_fp8_row(8, 10.0, 55.826, False)],
+                                [_fp8_row(8, 11.0, 55.826 + 32 / 1024, True)])
+    assert above[0]["floor_holds"] is False
     with pytest.raises(ValueError, match="no sequence length"):
         fp8_speedup.compare(bf16, [_fp8_row(128, 1.0, 1.0, True)])
 
