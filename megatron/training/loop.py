@@ -438,8 +438,7 @@ def train_step(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator,
     optimizer.zero_grad()
     losses = forward_backward(config, step_fn, data_iterator, model, forward_only=False)
     total = reduce_lm_loss(losses, rt.groups, rt.device)
-    updated, loss, grad_norm = guarded_optimizer_step(optimizer, model, total[:2], rt.device)
-    pairs = float(total[2].item())      # the step has synchronised for the loss already
+    updated, loss, grad_norm, pairs = guarded_optimizer_step(optimizer, model, total, rt.device)
     if not math.isfinite(loss):
         if not args.skip_nan_steps:
             raise NonFiniteLossError(
@@ -460,17 +459,17 @@ def _has_loss_scaler(optimizer) -> bool:
                for sub in grad_clip.sub_optimizers(optimizer))
 
 
-def _read_loss_and_norm(mean_loss: torch.Tensor, norm: torch.Tensor):
-    """(loss, grad norm) as Python floats, in one device-to-host read."""
-    return torch.stack([mean_loss.float(), norm.to(mean_loss.device)]).tolist()
+def _read_on_host(*values: torch.Tensor) -> List[float]:
+    """Scalar tensors of one device as Python floats, in one device-to-host read."""
+    return torch.stack([v.float().to(values[0].device) for v in values]).tolist()
 
 
 def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.device):
     """megatron-core's optimizer step, refused for a non-finite loss or grad norm.
 
-    ``total`` is :func:`reduce_lm_loss`'s [loss sum, loss tokens] of the global batch, on
-    ``device`` (where the norm is computed too); the grads are still the sums over its tokens
-    (:func:`finalize_grads_without_token_division`).
+    ``total`` is :func:`reduce_lm_loss`'s [loss sum, loss tokens, attention pairs] of the
+    global batch, on ``device`` (where the norm is computed too); the grads are still the sums
+    over its tokens (:func:`finalize_grads_without_token_division`).
     The steps of ``MegatronOptimizer.step`` (``prepare_grads``, the grad norm over the model-
     and data-parallel groups, clipping by that norm, ``step_with_ready_grads``), with the
     division by the number of loss tokens that megatron-core's ``finalize_model_grads`` does,
@@ -481,14 +480,17 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
 
     When every sub-optimizer steps with PyTorch's fused Adam (``grad_clip.fused_adams``:
     the default), the division, the clip and the skip all happen inside that kernel
-    (``grad_clip.scaled_in_adam``) and the loss and the norm are read on the host once, after
-    the step is queued. Otherwise the grads are divided first (megatron-core's
-    ``scale_gradients``, its order), the loss and the norm read in one transfer, and the
-    clip and step follow; with a loss scaler (fp16) the loss is read first, as before (its
-    ``prepare_grads`` updates the scale).
+    (``grad_clip.scaled_in_adam``), and the loss, the norm and the pairs are read on the
+    host once, before the step is queued: the host then goes on to the next step (its batch,
+    its document plan, its first layers) while the GPU runs the optimizer, instead of waiting
+    for it and leaving the GPU idle while it prepares that batch. Otherwise the grads are
+    divided first (megatron-core's ``scale_gradients``, its order), the loss and the norm read
+    in one transfer, and the clip and step follow; with a loss scaler (fp16) the loss is read
+    first, as before (its ``prepare_grads`` updates the scale).
 
-    Returns (updated, loss, grad norm); the norm is the same on every rank (it is
-    all-reduced), so every rank skips alike; a non-finite loss comes back with a NaN norm.
+    Returns (updated, loss, grad norm, attention pairs); the norm is the same on every rank
+    (it is all-reduced), so every rank skips alike; a non-finite loss comes back with a NaN
+    norm.
     """
     mean_loss = total[0] / total[1]
     num_tokens = total[1].float().clamp_min(1.0)   # no loss token: no gradient, loss NaN
@@ -497,32 +499,32 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
         optimizer.prepare_grads()      # no loss scaler: views / copies of the grads only
         norm = grad_clip.grad_norm(optimizer, device) / num_tokens
         ok = torch.isfinite(norm) & torch.isfinite(mean_loss)
+        loss, grad_norm, pairs = _read_on_host(mean_loss, norm, total[2])
         with grad_clip.scaled_in_adam(optimizer, adams, num_tokens, norm, ok):
             optimizer.step_with_ready_grads()
-        loss, grad_norm = _read_loss_and_norm(mean_loss, norm)
         if not math.isfinite(loss):
-            return False, loss, float("nan")
-        return math.isfinite(grad_norm), loss, grad_norm
+            return False, loss, float("nan"), pairs
+        return math.isfinite(grad_norm), loss, grad_norm, pairs
     for chunk in model:
         chunk.scale_gradients(1.0 / num_tokens)
     if _has_loss_scaler(optimizer):
-        loss = mean_loss.item()
+        loss, pairs = _read_on_host(mean_loss, total[2])
         if not math.isfinite(loss):
-            return False, loss, float("nan")
+            return False, loss, float("nan"), pairs
         if optimizer.prepare_grads():  # the loss scaler found inf/nan
-            return False, loss, float("nan")
+            return False, loss, float("nan"), pairs
         norm = grad_clip.grad_norm(optimizer, device)
         grad_norm = norm.item()
     else:
         optimizer.prepare_grads()
         norm = grad_clip.grad_norm(optimizer, device)
-        loss, grad_norm = _read_loss_and_norm(mean_loss, norm)
+        loss, grad_norm, pairs = _read_on_host(mean_loss, norm, total[2])
         if not math.isfinite(loss):
-            return False, loss, float("nan")
+            return False, loss, float("nan"), pairs
     if not math.isfinite(grad_norm):
-        return False, loss, grad_norm
+        return False, loss, grad_norm, pairs
     grad_clip.clip_grads(optimizer, grad_norm)
-    return optimizer.step_with_ready_grads(), loss, grad_norm
+    return optimizer.step_with_ready_grads(), loss, grad_norm, pairs
 
 
 def nonfinite_grad_message(iteration: int, grad_norm: float, loss: float,
@@ -576,7 +578,10 @@ class StopSignalFlag:
         self._previous = {}
 
     def any_rank(self, device: torch.device) -> int:
-        """The signal received by any rank (the highest number), 0 for none."""
+        """The signal received by any rank (the highest number), 0 for none. One process
+        asks no collective, so the host does not wait here for the step it queued."""
+        if dist.get_world_size() == 1:
+            return self.received
         flag = torch.tensor([self.received], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
@@ -584,6 +589,8 @@ class StopSignalFlag:
 
 # --------------------------------------------------------------------------- the loop
 def _max_over_ranks(value: float, device: torch.device) -> float:
+    if dist.get_world_size() == 1:     # no collective: nothing waits for the queued step
+        return value
     t = torch.tensor([value], dtype=torch.float32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())

@@ -4,6 +4,7 @@ chained sub-optimizers, with and without clipping; grads on mixed dtypes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -221,3 +222,36 @@ def test_use_fused_adam_switches_cpu_and_cuda_adams_only():
         torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))]))])
     assert use_fused_adam(chained) == 1
     assert "fused" not in sgd.param_groups[0] or not sgd.param_groups[0]["fused"]
+
+
+def test_fused_step_reads_the_host_values_before_it_queues_the_step(monkeypatch):
+    """With the fused Adam step, the loss, the norm and the attention pairs are read in one
+    transfer before the step is queued, so the host is free to prepare the next batch while
+    the GPU runs the optimizer; the values returned are the reduced ones."""
+    from megatron.training import loop
+
+    events = []
+
+    class _Optimizer:
+        def prepare_grads(self):
+            events.append("prepare")
+            return False
+
+        def step_with_ready_grads(self):
+            events.append("step")
+            return True
+
+    read = loop._read_on_host
+
+    def spy(*values):
+        events.append("read")
+        return read(*values)
+
+    monkeypatch.setattr(grad_clip, "fused_adams", lambda optimizer: ["adam"])
+    monkeypatch.setattr(grad_clip, "grad_norm", lambda optimizer, device: torch.tensor(6.0))
+    monkeypatch.setattr(grad_clip, "scaled_in_adam", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(loop, "_read_on_host", spy)
+    total = torch.tensor([12.0, 3.0, 4096.0])
+    got = loop.guarded_optimizer_step(_Optimizer(), [], total, torch.device("cpu"))
+    assert events == ["prepare", "read", "step"]
+    assert got == (True, 4.0, 2.0, 4096.0)
