@@ -54,7 +54,7 @@ def _caller(names: Sequence[str]) -> str:
     the innermost that is not an ``aten::`` op or a runtime call, else the outermost
     ``aten::`` op."""
     for name in reversed(names):
-        if not name.startswith(("aten::", "cuda", "cu")):
+        if not name.startswith(("aten::", "cu")):     # cuda*/cu* runtime and driver calls
             return name[len(_ENGINE):] if name.startswith(_ENGINE) else name
     ops = [n for n in names if n.startswith("aten::")]
     return ops[0] if ops else "(no host event)"

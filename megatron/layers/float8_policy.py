@@ -108,22 +108,18 @@ def keep_host_ahead(chosen: Mapping[LinearShape, bool],
     layer, would cost the host more than the GPU (module docstring): the float8 shape that
     saves the least device time per second of host time it adds goes first."""
     out = dict(chosen)
+    timed = [s for s in out if s in timings]
 
-    def cost(use_float8: bool, t: Timing) -> Tuple[float, float]:
-        return (t.float8, t.float8_host) if use_float8 else (t.high, t.high_host)
+    def gain_per_host(s: LinearShape) -> float:
+        t = timings[s]
+        return (t.high - t.float8) / max(t.float8_host - t.high_host, 1e-12)
 
     while True:
-        timed = [s for s in out if s in timings]
-        device = sum(cost(out[s], timings[s])[0] for s in timed)
-        host = sum(cost(out[s], timings[s])[1] for s in timed)
+        device = sum(timings[s].float8 if out[s] else timings[s].high for s in timed)
+        host = sum(timings[s].float8_host if out[s] else timings[s].high_host for s in timed)
         in_float8 = [s for s in timed if out[s]]
         if host <= device or not in_float8:
             return out
-
-        def gain_per_host(s: LinearShape) -> float:
-            t = timings[s]
-            return (t.high - t.float8) / max(t.float8_host - t.high_host, 1e-12)
-
         out[min(in_float8, key=gain_per_host)] = False
 
 
