@@ -661,7 +661,12 @@ def _segment_block(lengths: Sequence[int], causal: bool, window: Optional[int] =
 
 def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: AttentionKernel,
                    scale: float) -> Tuple[Tensor, List[Tensor]]:
-    """out [s, b, h, d] (q's dtype) and each segment's lse, in plan order."""
+    """out [s, b, h, d] (q's dtype) and each segment's lse, in plan order. A plan of one
+    unbatched call (:func:`_one_call`) returns that call's output as ``out``, uncopied."""
+    if _one_call(plan):
+        o, lse = _unbatched_forward(q[:, 0], k[:, 0], v[:, 0], plan.segments[0][0], plan, 0,
+                                    scale)
+        return o.reshape(q.shape), [lse]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lses: List[Tensor] = []
     for i, row in enumerate(plan.segments):
@@ -677,23 +682,53 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: At
                 else:
                     o, lse = window_forward(q_c, k_c, v_c, True, window, scale)
                 _docs_view(out[a:e, i], n, length).copy_(o[:, :, :length])
-            elif flash_varlen.usable(q):
-                cu, longest = plan.cu[(i, a)], max(seg.lengths)
-                o, lse = flash_varlen.forward(qs, ks, vs, cu, cu, longest, longest, plan.causal,
-                                              scale, window)
-                out[a:e, i].copy_(o)
             else:
-                o, lse = _math_segment_forward(qs, ks, vs, seg.lengths, plan.causal, scale,
-                                               window)
+                o, lse = _unbatched_forward(qs, ks, vs, seg, plan, i, scale)
                 out[a:e, i].copy_(o)
             lses.append(lse)
     return out, lses
 
 
+def _one_call(plan: PackedPlan) -> bool:
+    """One sample whose tokens are one unbatched (varlen or exact) segment: the kernel's
+    ``[T, h, d]`` results are the layer's ``[s, 1, h, d]`` tensors as they are."""
+    return plan.batch == 1 and len(plan.segments[0]) == 1 and \
+        plan.segments[0][0].kind != BATCHED
+
+
+def _unbatched_forward(qs: Tensor, ks: Tensor, vs: Tensor, seg: Segment, plan: PackedPlan,
+                       i: int, scale: float) -> Tuple[Tensor, Tensor]:
+    """A varlen segment's ``[T, h, d]`` output and lse: PyTorch's flash varlen op where it
+    runs, else the exact masked product."""
+    window = plan.segment_window(seg)
+    if flash_varlen.usable(qs):
+        cu, longest = plan.cu[(i, seg.start)], max(seg.lengths)
+        return flash_varlen.forward(qs, ks, vs, cu, cu, longest, longest, plan.causal, scale,
+                                    window)
+    return _math_segment_forward(qs, ks, vs, seg.lengths, plan.causal, scale, window)
+
+
+def _unbatched_backward(parts: Sequence[Tensor], lse: Tensor, seg: Segment, plan: PackedPlan,
+                        i: int, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`_unbatched_forward`'s gradients ``[T, h(k), d]``; ``parts``: dout, q, k, v, out
+    of the segment."""
+    window = plan.segment_window(seg)
+    if flash_varlen.usable(parts[1]):
+        cu, longest = plan.cu[(i, seg.start)], max(seg.lengths)
+        return flash_varlen.backward(*parts, lse, cu, cu, longest, longest, plan.causal, scale,
+                                     window)
+    return _math_segment_backward(*parts, lse, seg.lengths, plan.causal, scale, window)
+
+
 def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                     lses: Sequence[Tensor], plan: PackedPlan, kernel: AttentionKernel,
                     scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq [s, b, h, d], dk, dv [s, b, hk, d] in the inputs' dtypes."""
+    """dq [s, b, h, d], dk, dv [s, b, hk, d] in the inputs' dtypes (a plan of one unbatched
+    call: that call's gradients, uncopied)."""
+    if _one_call(plan):
+        grads = _unbatched_backward([x[:, 0] for x in (dout, q, k, v, out)], lses[0],
+                                    plan.segments[0][0], plan, 0, scale)
+        return tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))  # type: ignore
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -707,14 +742,7 @@ def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                 _batched_backward(seg, i, (dout, q, k, v, out), lse, (dq, dk, dv), plan,
                                   kernel, scale)
                 continue
-            window = plan.segment_window(seg)
-            if flash_varlen.usable(q):
-                cu, longest = plan.cu[(i, a)], max(seg.lengths)
-                grads = flash_varlen.backward(*parts, lse, cu, cu, longest, longest, plan.causal,
-                                              scale, window)
-            else:
-                grads = _math_segment_backward(*parts, lse, seg.lengths, plan.causal, scale,
-                                               window)
+            grads = _unbatched_backward(parts, lse, seg, plan, i, scale)
             for dst, g in zip((dq, dk, dv), grads):
                 dst[a:e, i].copy_(g)
     return dq, dk, dv

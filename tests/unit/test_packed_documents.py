@@ -199,6 +199,34 @@ def test_usp_attention_reads_documents_in_place_at_one_rank(monkeypatch, causal,
         torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("flash", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_unbatched_call_is_returned_uncopied(request, monkeypatch, flash, causal):
+    """One sample in one varlen call: the layer's out and gradients are the kernel's own
+    tensors (no buffer, no copy), with the values of the oracle."""
+    if flash:
+        request.getfixturevalue("fake_flash")
+    lengths = [[5, 1, 9, 3, 6]]
+    plan = build_packed_plan(lengths, causal, _ALWAYS_VARLEN)
+    assert [seg.kind for seg in plan.segments[0]] == [VARLEN]
+    made = []
+    for name in ("_unbatched_forward", "_unbatched_backward"):
+        original = getattr(pd, name)
+        monkeypatch.setattr(pd, name, lambda *a, f=original: made.append(f(*a)) or made[-1])
+    q, k, v = _inputs(11, 24, 1, 4, 2, 8)
+    scale = 1 / math.sqrt(8)
+    out = PackedDocumentAttention.apply(q, k, v, plan, get_kernel("torch"), scale)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    if flash:                          # the stand-in's tensors are [T, h, d] like the op's
+        assert out.data_ptr() == made[0][0].data_ptr()
+        assert [g.data_ptr() for g in grads] == [g.data_ptr() for g in made[1]]
+    want = oracle(q, k, v, lengths, causal, scale)
+    torch.testing.assert_close(out, want, **(FAKE_FLASH_TOL if flash else TOL))
+    for got, ref in zip(grads, torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(got, ref, **(FAKE_FLASH_TOL if flash else TOL))
+
+
 def test_cpu_masks_only_tiny_documents_in_small_segments():
     segs = choose_segments([3] * 2000, cpu_costs())
     assert all(s.kind == VARLEN and s.tokens <= 512 for s in segs)
