@@ -661,39 +661,108 @@ def _segment_block(lengths: Sequence[int], causal: bool, window: Optional[int] =
 
 def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: AttentionKernel,
                    scale: float) -> Tuple[Tensor, List[Tensor]]:
-    """out [s, b, h, d] (q's dtype) and each segment's lse, in plan order. A plan of one
-    unbatched call (:func:`_one_call`) returns that call's output as ``out``, uncopied."""
+    """out [s, b, h, d] (q's dtype) and each segment's lse, in plan order. A plan of one call
+    (:func:`_one_call`) returns that call's output as ``out``, uncopied where its layout is
+    already ``[s, 1, h, d]``."""
     if _one_call(plan):
-        o, lse = _unbatched_forward(q[:, 0], k[:, 0], v[:, 0], plan.segments[0][0], plan, 0,
-                                    scale)
+        seg = plan.segments[0][0]
+        if seg.kind == BATCHED:
+            o, lse = _batched_forward(seg, 0, q, k, v, plan, kernel, scale)
+            return o.transpose(1, 2).reshape(q.shape), [lse]
+        o, lse = _unbatched_forward(q[:, 0], k[:, 0], v[:, 0], seg, plan, 0, scale)
         return o.reshape(q.shape), [lse]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lses: List[Tensor] = []
     for i, row in enumerate(plan.segments):
         for seg in row:
             a, e = seg.start, seg.end
-            qs, ks, vs = q[a:e, i], k[a:e, i], v[a:e, i]          # [T, h(k), d] views
-            window = plan.segment_window(seg)
             if seg.kind == BATCHED:
-                n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
-                q_c, k_c, v_c = (_docs_view(x[a:a + n * call, i], n, call) for x in (q, k, v))
-                if window is None:
-                    o, lse = kernel.forward(q_c, k_c, v_c, plan.causal, scale)
-                else:
-                    o, lse = window_forward(q_c, k_c, v_c, True, window, scale)
-                _docs_view(out[a:e, i], n, length).copy_(o[:, :, :length])
+                o, lse = _batched_forward(seg, i, q, k, v, plan, kernel, scale)
+                _docs_view(out[a:e, i], len(seg.lengths), seg.lengths[0]).copy_(o)
             else:
-                o, lse = _unbatched_forward(qs, ks, vs, seg, plan, i, scale)
+                o, lse = _unbatched_forward(q[a:e, i], k[a:e, i], v[a:e, i], seg, plan, i,
+                                            scale)
                 out[a:e, i].copy_(o)
             lses.append(lse)
     return out, lses
 
 
+def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    lses: Sequence[Tensor], plan: PackedPlan, kernel: AttentionKernel,
+                    scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq [s, b, h, d], dk, dv [s, b, hk, d] in the inputs' dtypes (a plan of one call: that
+    call's gradients, uncopied where their layout allows)."""
+    xs = (dout, q, k, v, out)
+    if _one_call(plan):
+        seg = plan.segments[0][0]
+        if seg.kind == BATCHED:
+            grads = _batched_backward(seg, 0, xs, lses[0], plan, kernel, scale)
+            return tuple(g.transpose(1, 2).reshape(x.shape)  # type: ignore[return-value]
+                         for g, x in zip(grads, (q, k, v)))
+        grads = _unbatched_backward([x[:, 0] for x in xs], lses[0], seg, plan, 0, scale)
+        return tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))  # type: ignore
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    lse_iter = iter(lses)
+    for i, row in enumerate(plan.segments):
+        for seg in row:
+            a, e = seg.start, seg.end
+            lse = next(lse_iter)
+            if seg.kind == BATCHED:
+                grads = _batched_backward(seg, i, xs, lse, plan, kernel, scale)
+                for dst, g in zip((dq, dk, dv), grads):
+                    _docs_view(dst[a:e, i], len(seg.lengths), seg.lengths[0]).copy_(g)
+                continue
+            grads = _unbatched_backward([x[a:e, i] for x in xs], lse, seg, plan, i, scale)
+            for dst, g in zip((dq, dk, dv), grads):
+                dst[a:e, i].copy_(g)
+    return dq, dk, dv
+
+
 def _one_call(plan: PackedPlan) -> bool:
-    """One sample whose tokens are one unbatched (varlen or exact) segment: the kernel's
-    ``[T, h, d]`` results are the layer's ``[s, 1, h, d]`` tensors as they are."""
-    return plan.batch == 1 and len(plan.segments[0]) == 1 and \
-        plan.segments[0][0].kind != BATCHED
+    """One sample whose tokens are one call: an unbatched (varlen or exact) segment, or a
+    batched one that reads no padding. The call's results then hold exactly the layer's
+    ``[s, 1, h, d]`` tensors, and are returned as they are."""
+    if plan.batch != 1 or len(plan.segments[0]) != 1:
+        return False
+    seg = plan.segments[0][0]
+    return seg.kind != BATCHED or seg.call_len == seg.lengths[0]
+
+
+def _batched_forward(seg: Segment, i: int, q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan,
+                     kernel: AttentionKernel, scale: float) -> Tuple[Tensor, Tensor]:
+    """A batched segment of sample ``i``: its documents' output ``[n, h, L, d]`` (a padded
+    call's extra rows dropped) and the call's lse."""
+    n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
+    a = seg.start
+    q_c, k_c, v_c = (_docs_view(x[a:a + n * call, i], n, call) for x in (q, k, v))
+    window = plan.segment_window(seg)
+    if window is None:
+        o, lse = kernel.forward(q_c, k_c, v_c, plan.causal, scale)
+    else:
+        o, lse = window_forward(q_c, k_c, v_c, True, window, scale)
+    return o[:, :, :length], lse
+
+
+def _batched_backward(seg: Segment, i: int, xs: Sequence[Tensor], lse: Tensor,
+                      plan: PackedPlan, kernel: AttentionKernel, scale: float
+                      ) -> Tuple[Tensor, Tensor, Tensor]:
+    """A batched segment's dq, dk, dv ``[n, h(k), L, d]`` from ``xs`` = (dout, q, k, v, out)
+    of the whole batch; a padded call's extra rows get a zero output gradient, so they add
+    nothing to the document's keys, and their gradients are dropped."""
+    n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
+    a = seg.start
+    dout, q, k, v, out = (x[a:a + n * call, i] for x in xs)
+    if call > length:
+        dout = torch.cat([dout[:length], dout.new_zeros((call - length,) + dout.shape[1:])])
+    views = [_docs_view(x, n, call) for x in (dout, q, k, v, out)]
+    window = plan.segment_window(seg)
+    if window is None:
+        grads = kernel.backward(*views, lse, plan.causal, scale)
+    else:
+        grads = window_backward(*views, lse, True, window, scale)
+    return tuple(g[:, :, :length] for g in grads)  # type: ignore[return-value]
 
 
 def _unbatched_forward(qs: Tensor, ks: Tensor, vs: Tensor, seg: Segment, plan: PackedPlan,
@@ -718,53 +787,6 @@ def _unbatched_backward(parts: Sequence[Tensor], lse: Tensor, seg: Segment, plan
         return flash_varlen.backward(*parts, lse, cu, cu, longest, longest, plan.causal, scale,
                                      window)
     return _math_segment_backward(*parts, lse, seg.lengths, plan.causal, scale, window)
-
-
-def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                    lses: Sequence[Tensor], plan: PackedPlan, kernel: AttentionKernel,
-                    scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq [s, b, h, d], dk, dv [s, b, hk, d] in the inputs' dtypes (a plan of one unbatched
-    call: that call's gradients, uncopied)."""
-    if _one_call(plan):
-        grads = _unbatched_backward([x[:, 0] for x in (dout, q, k, v, out)], lses[0],
-                                    plan.segments[0][0], plan, 0, scale)
-        return tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))  # type: ignore
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    lse_iter = iter(lses)
-    for i, row in enumerate(plan.segments):
-        for seg in row:
-            a, e = seg.start, seg.end
-            parts = [x[a:e, i] for x in (dout, q, k, v, out)]
-            lse = next(lse_iter)
-            if seg.kind == BATCHED:
-                _batched_backward(seg, i, (dout, q, k, v, out), lse, (dq, dk, dv), plan,
-                                  kernel, scale)
-                continue
-            grads = _unbatched_backward(parts, lse, seg, plan, i, scale)
-            for dst, g in zip((dq, dk, dv), grads):
-                dst[a:e, i].copy_(g)
-    return dq, dk, dv
-
-
-def _batched_backward(seg: Segment, i: int, xs, lse: Tensor, grads_out, plan: PackedPlan,
-                      kernel: AttentionKernel, scale: float) -> None:
-    """A batched segment's gradients into ``grads_out`` (dq, dk, dv); a padded call's extra
-    rows get a zero output gradient, so they add nothing to the document's keys."""
-    n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
-    a = seg.start
-    dout, q, k, v, out = (x[a:a + n * call, i] for x in xs)
-    if call > length:
-        dout = torch.cat([dout[:length], dout.new_zeros((call - length,) + dout.shape[1:])])
-    views = [_docs_view(x, n, call) for x in (dout, q, k, v, out)]
-    window = plan.segment_window(seg)
-    if window is None:
-        grads = kernel.backward(*views, lse, plan.causal, scale)
-    else:
-        grads = window_backward(*views, lse, True, window, scale)
-    for dst, g in zip(grads_out, grads):
-        _docs_view(dst[a:seg.end, i], n, length).copy_(g[:, :, :length])
 
 
 class PackedDocumentAttention(torch.autograd.Function):

@@ -8,6 +8,7 @@ causal and full masks. The segment choice is a pure function of lengths and cost
 """
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -199,16 +200,18 @@ def test_usp_attention_reads_documents_in_place_at_one_rank(monkeypatch, causal,
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("flash", [False, True])
+@pytest.mark.parametrize("kind", ["varlen", "flash", "batched"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_one_unbatched_call_is_returned_uncopied(request, monkeypatch, flash, causal):
-    """One sample in one varlen call: the layer's out and gradients are the kernel's own
-    tensors (no buffer, no copy), with the values of the oracle."""
-    if flash:
+def test_one_call_is_returned_uncopied(request, monkeypatch, kind, causal):
+    """One sample in one call (the varlen op, the exact product, or one batched call of equal
+    documents): the layer's out and gradients are the call's own results, with the values of
+    the oracle; a padded call is not one call (its extra rows are dropped)."""
+    if kind == "flash":
         request.getfixturevalue("fake_flash")
-    lengths = [[5, 1, 9, 3, 6]]
-    plan = build_packed_plan(lengths, causal, _ALWAYS_VARLEN)
-    assert [seg.kind for seg in plan.segments[0]] == [VARLEN]
+    lengths = [[6, 6, 6, 6]] if kind == "batched" else [[5, 1, 9, 3, 6]]
+    plan = build_packed_plan(lengths, causal, _ALWAYS_BATCHED if kind == "batched"
+                             else _ALWAYS_VARLEN)
+    assert len(plan.segments[0]) == 1 and pd._one_call(plan)
     made = []
     for name in ("_unbatched_forward", "_unbatched_backward"):
         original = getattr(pd, name)
@@ -218,13 +221,16 @@ def test_one_unbatched_call_is_returned_uncopied(request, monkeypatch, flash, ca
     out = PackedDocumentAttention.apply(q, k, v, plan, get_kernel("torch"), scale)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    if flash:                          # the stand-in's tensors are [T, h, d] like the op's
+    if kind == "flash":                # the stand-in's tensors are [T, h, d] like the op's
         assert out.data_ptr() == made[0][0].data_ptr()
         assert [g.data_ptr() for g in grads] == [g.data_ptr() for g in made[1]]
     want = oracle(q, k, v, lengths, causal, scale)
-    torch.testing.assert_close(out, want, **(FAKE_FLASH_TOL if flash else TOL))
+    tol = FAKE_FLASH_TOL if kind == "flash" else TOL
+    torch.testing.assert_close(out, want, **tol)
     for got, ref in zip(grads, torch.autograd.grad(want, (q, k, v), dout)):
-        torch.testing.assert_close(got, ref, **(FAKE_FLASH_TOL if flash else TOL))
+        torch.testing.assert_close(got, ref, **tol)
+    padded = SimpleNamespace(batch=1, segments=((Segment(BATCHED, 0, (5, 5), span=6),),))
+    assert not pd._one_call(padded)
 
 
 def test_cpu_masks_only_tiny_documents_in_small_segments():
