@@ -18,6 +18,10 @@ A sample's documents are cut into *segments*, each one kernel call:
   on the ``[T, h, d]`` view with the documents' cumulative lengths (CUDA fp16/bf16); elsewhere
   the exact masked product of the segment (tiny CPU shapes).
 
+A micro-batch of one sample whose documents are one call (one varlen call, or one batched
+call of equal documents) takes the call's output and gradients as the layer's tensors, with
+no buffer and no copy: the kernels write them ``[T, h, d]``, which is ``[s, 1, h, d]``.
+
 Which documents go to which kind is chosen per micro-batch from measured costs
 (:class:`KernelCosts`): on CUDA each kernel is timed once per process and shape (heads, head
 dim, dtype) on documents of 64 to 16K tokens and the costs are interpolated between them; a
