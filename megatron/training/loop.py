@@ -43,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -556,9 +556,10 @@ def evaluate(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator, m
 
 # --------------------------------------------------------------------------- signals
 class StopSignalFlag:
-    """Records a SIGTERM or SIGINT (torchrun passes a Ctrl-C on as SIGINT); every rank
-    learns of it at the same iteration (all-reduce MAX of the signal number), so all stop
-    together instead of one rank's KeyboardInterrupt cutting the others' collectives."""
+    """Records a SIGTERM or SIGINT (torchrun passes a Ctrl-C on as SIGINT) in
+    :attr:`received` (the highest signal number, 0 for none); the loop makes every rank learn
+    of it at the same iteration through :class:`RankMaxima`, so all stop together instead of
+    one rank's KeyboardInterrupt cutting the others' collectives."""
 
     def __init__(self) -> None:
         self.received = 0
@@ -577,14 +578,48 @@ class StopSignalFlag:
             signal.signal(sig, previous)
         self._previous = {}
 
-    def any_rank(self, device: torch.device) -> int:
-        """The signal received by any rank (the highest number), 0 for none. One process
-        asks no collective, so the host does not wait here for the step it queued."""
+
+class RankMaxima:
+    """The maximum over all ranks of a few host numbers each iteration (the stop signal
+    received, the minutes since start-up), read one iteration late.
+
+    An all-reduce on the GPU read at once by the host would wait for everything queued
+    before it, the optimizer step included, and the GPU would then idle while the host
+    prepares the next step. :meth:`exchange` queues the all-reduce after the step, copies
+    its result to pinned memory without blocking, and returns the result queued by the
+    previous call: by then the current step's own loss read has waited past it. Every rank
+    reads the same reduction at the same iteration, so all stop together, one iteration
+    after the event; ``now=True`` (the last iteration, or a stop already decided) reduces and
+    reads at once. One process needs no collective and returns its own values at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: Optional[Tuple[torch.Tensor, Optional[torch.cuda.Event]]] = None
+
+    def exchange(self, values: Sequence[float], now: bool = False) -> Optional[List[float]]:
+        """Queue the maxima of ``values`` over the ranks; return those queued by the previous
+        call (None on the first), or with ``now`` this call's."""
         if dist.get_world_size() == 1:
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+            return [float(v) for v in values]
+        previous = self._pending
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if now:
+            self._pending = None
+            return t.tolist()
+        event = None
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            t = host
+        self._pending = (t, event)
+        if previous is None:
+            return None
+        if previous[1] is not None:
+            previous[1].synchronize()
+        return previous[0].tolist()
 
 
 # --------------------------------------------------------------------------- the loop
@@ -626,6 +661,7 @@ class _Loop:
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.step_fn, self.writer, self.result = step_fn, writer, result
         self.stop_signal = StopSignalFlag()
+        self.maxima = RankMaxima(rt.device)
         args = config.args
         self.profiler = StepProfiler(
             bool(args.profile) and rt.rank in args.profile_ranks, args.profile_step_start,
@@ -683,20 +719,18 @@ class _Loop:
             host_mem_gib=peak_host_memory_gib(), attention_pairs=pairs or None,
             new_plan_shapes=new_shapes), max_mem)
 
-    def _out_of_time(self) -> bool:
-        """Whether ``--exit-duration-in-mins`` has passed since start-up on the slowest rank
-        (an all-reduce, so every rank stops at the same iteration)."""
+    def _stop_reasons(self, last: bool) -> Tuple[int, Optional[float]]:
+        """(the stop signal any rank received, 0 for none; the minutes since start-up on the
+        slowest rank, or None when they do not stop the run yet), each the same on every
+        rank (:class:`RankMaxima`: as of the previous iteration, or of this one when
+        ``last``)."""
         limit = self.config.args.exit_duration_in_mins
-        if limit is None:
-            return False
-        minutes = _max_over_ranks(time.monotonic() - self.started, self.rt.device) / 60
-        if minutes < limit:
-            return False
-        what = ("saving at iteration {} and exiting" if self.config.args.save else
-                "stopping at iteration {} without a checkpoint (no --save)")
-        print_rank_0(self.rt, f"--exit-duration-in-mins {limit:g} reached ({minutes:.2f} min "
-                              f"since start-up): " + what.format(self.state.iteration))
-        return True
+        minutes = (time.monotonic() - self.started) / 60 if limit is not None else 0.0
+        maxima = self.maxima.exchange([self.stop_signal.received, minutes], now=last)
+        if maxima is None:
+            return 0, None
+        received, minutes = int(maxima[0]), maxima[1]
+        return received, (minutes if limit is not None and minutes >= limit else None)
 
     def _validate(self, valid_iter) -> None:
         config = self.config
@@ -720,9 +754,15 @@ class _Loop:
                 if saved_now:
                     self._save()
                 stop = bool(args.exit_interval) and it % args.exit_interval == 0
-                if self._out_of_time():
+                received, minutes = self._stop_reasons(last=stop or it >= args.train_iters)
+                if minutes is not None:
                     stop = self.result.stopped_by_time = True
-                received = self.stop_signal.any_rank(self.rt.device)
+                    limit = args.exit_duration_in_mins
+                    what = ("saving at iteration {} and exiting" if args.save else
+                            "stopping at iteration {} without a checkpoint (no --save)")
+                    print_rank_0(self.rt, f"--exit-duration-in-mins {limit:g} reached "
+                                          f"({minutes:.2f} min since start-up): " +
+                                          what.format(it))
                 if received:
                     stop = self.result.stopped_by_signal = True
                     self.result.stop_signal = received
