@@ -464,6 +464,24 @@ def _read_on_host(*values: torch.Tensor) -> List[float]:
     return torch.stack([v.float().to(values[0].device) for v in values]).tolist()
 
 
+def _copy_to_host(*values: torch.Tensor) -> Callable[[], List[float]]:
+    """Queue the device-to-host copy of scalar tensors of one device now; the returned
+    function waits for that copy only (not for work queued after it) and gives the values
+    as Python floats. On the CPU the copy is made at once."""
+    stacked = torch.stack([v.float().to(values[0].device) for v in values])
+    if not stacked.is_cuda:
+        return stacked.tolist
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> List[float]:
+        copied.synchronize()
+        return host.tolist()
+    return read
+
+
 def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.device):
     """megatron-core's optimizer step, refused for a non-finite loss or grad norm.
 
@@ -480,10 +498,11 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
 
     When every sub-optimizer steps with PyTorch's fused Adam (``grad_clip.fused_adams``:
     the default), the division, the clip and the skip all happen inside that kernel
-    (``grad_clip.scaled_in_adam``), and the loss, the norm and the pairs are read on the
-    host once, before the step is queued: the host then goes on to the next step (its batch,
-    its document plan, its first layers) while the GPU runs the optimizer, instead of waiting
-    for it and leaving the GPU idle while it prepares that batch. Otherwise the grads are
+    (``grad_clip.scaled_in_adam``), and the loss, the norm and the pairs are copied to the
+    host in one transfer queued before the step and read after it is queued: the host waits
+    neither before the step (the GPU would idle while it queues the step) nor for it, and
+    goes on to the next step (its batch, its document plan, its first layers) while the GPU
+    runs the optimizer. Otherwise the grads are
     divided first (megatron-core's ``scale_gradients``, its order), the loss and the norm read
     in one transfer, and the clip and step follow; with a loss scaler (fp16) the loss is read
     first, as before (its ``prepare_grads`` updates the scale).
@@ -499,9 +518,10 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
         optimizer.prepare_grads()      # no loss scaler: views / copies of the grads only
         norm = grad_clip.grad_norm(optimizer, device) / num_tokens
         ok = torch.isfinite(norm) & torch.isfinite(mean_loss)
-        loss, grad_norm, pairs = _read_on_host(mean_loss, norm, total[2])
+        read = _copy_to_host(mean_loss, norm, total[2])
         with grad_clip.scaled_in_adam(optimizer, adams, num_tokens, norm, ok):
             optimizer.step_with_ready_grads()
+        loss, grad_norm, pairs = read()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
         return math.isfinite(grad_norm), loss, grad_norm, pairs

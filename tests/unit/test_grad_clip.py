@@ -224,10 +224,12 @@ def test_use_fused_adam_switches_cpu_and_cuda_adams_only():
     assert "fused" not in sgd.param_groups[0] or not sgd.param_groups[0]["fused"]
 
 
-def test_fused_step_reads_the_host_values_before_it_queues_the_step(monkeypatch):
-    """With the fused Adam step, the loss, the norm and the attention pairs are read in one
-    transfer before the step is queued, so the host is free to prepare the next batch while
-    the GPU runs the optimizer; the values returned are the reduced ones."""
+def test_fused_step_copies_the_host_values_before_it_queues_the_step(monkeypatch):
+    """With the fused Adam step, the loss, the norm and the attention pairs are copied to the
+    host in one transfer queued before the step and read after the step is queued (on a GPU
+    the read waits for the copy only: tests/gpu/test_training_kernels_gpu.py), so the host
+    neither leaves the GPU idle before the step nor waits for it; the values returned are
+    the reduced ones."""
     from megatron.training import loop
 
     events = []
@@ -241,17 +243,18 @@ def test_fused_step_reads_the_host_values_before_it_queues_the_step(monkeypatch)
             events.append("step")
             return True
 
-    read = loop._read_on_host
+    copy = loop._copy_to_host
 
     def spy(*values):
-        events.append("read")
-        return read(*values)
+        events.append("copy")
+        read = copy(*values)
+        return lambda: events.append("read") or read()
 
     monkeypatch.setattr(grad_clip, "fused_adams", lambda optimizer: ["adam"])
     monkeypatch.setattr(grad_clip, "grad_norm", lambda optimizer, device: torch.tensor(6.0))
     monkeypatch.setattr(grad_clip, "scaled_in_adam", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(loop, "_read_on_host", spy)
+    monkeypatch.setattr(loop, "_copy_to_host", spy)
     total = torch.tensor([12.0, 3.0, 4096.0])
     got = loop.guarded_optimizer_step(_Optimizer(), [], total, torch.device("cpu"))
-    assert events == ["prepare", "read", "step"]
+    assert events == ["prepare", "copy", "step", "read"]
     assert got == (True, 4.0, 2.0, 4096.0)
