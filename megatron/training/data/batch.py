@@ -212,7 +212,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor,
     num_tokens = mask.sum().to(torch.int)
     report = {"lm loss": torch.stack([loss_sum.detach(), mask.sum().detach()])}
     if attention_pairs is not None:
-        report["attention pairs"] = torch.tensor([attention_pairs], dtype=torch.float64)
+        # on the loss's device through pinned memory: the loop sums the reports after the
+        # backward is queued, and a copy from pageable memory would wait for the backward
+        report["attention pairs"] = pinned_to_device(
+            torch.tensor([attention_pairs], dtype=torch.float64), device=loss_sum.device)
     return loss_sum, num_tokens, report
 
 
