@@ -672,9 +672,9 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: At
         seg = plan.segments[0][0]
         if seg.kind == BATCHED:
             o, lse = _batched_forward(seg, 0, q, k, v, plan, kernel, scale)
-            return o.transpose(1, 2).reshape(q.shape), [lse]
+            return _as_layer(o.transpose(1, 2), q), [lse]
         o, lse = _unbatched_forward(q[:, 0], k[:, 0], v[:, 0], seg, plan, 0, scale)
-        return o.reshape(q.shape), [lse]
+        return _as_layer(o, q), [lse]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lses: List[Tensor] = []
     for i, row in enumerate(plan.segments):
@@ -701,10 +701,10 @@ def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         seg = plan.segments[0][0]
         if seg.kind == BATCHED:
             grads = _batched_backward(seg, 0, xs, lses[0], plan, kernel, scale)
-            return tuple(g.transpose(1, 2).reshape(x.shape)  # type: ignore[return-value]
+            return tuple(_as_layer(g.transpose(1, 2), x)  # type: ignore[return-value]
                          for g, x in zip(grads, (q, k, v)))
         grads = _unbatched_backward([x[:, 0] for x in xs], lses[0], seg, plan, 0, scale)
-        return tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))  # type: ignore
+        return tuple(_as_layer(g, x) for g, x in zip(grads, (q, k, v)))  # type: ignore
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -722,6 +722,12 @@ def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             for dst, g in zip((dq, dk, dv), grads):
                 dst[a:e, i].copy_(g)
     return dq, dk, dv
+
+
+def _as_layer(t: Tensor, like: Tensor) -> Tensor:
+    """A call's result ``[T, h, d]`` (or ``[n, L, h, d]``) as the layer's contiguous
+    ``[s, 1, h, d]``: a view where the kernel wrote it in that order, else a copy."""
+    return t.contiguous().view(like.shape)
 
 
 def _one_call(plan: PackedPlan) -> bool:

@@ -200,7 +200,7 @@ def test_usp_attention_reads_documents_in_place_at_one_rank(monkeypatch, causal,
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("kind", ["varlen", "flash", "batched"])
+@pytest.mark.parametrize("kind", ["varlen", "flash", "batched", "one"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_one_call_is_returned_uncopied(request, monkeypatch, kind, causal):
     """One sample in one call (the varlen op, the exact product, or one batched call of equal
@@ -208,8 +208,8 @@ def test_one_call_is_returned_uncopied(request, monkeypatch, kind, causal):
     the oracle; a padded call is not one call (its extra rows are dropped)."""
     if kind == "flash":
         request.getfixturevalue("fake_flash")
-    lengths = [[6, 6, 6, 6]] if kind == "batched" else [[5, 1, 9, 3, 6]]
-    plan = build_packed_plan(lengths, causal, _ALWAYS_BATCHED if kind == "batched"
+    lengths = {"batched": [[6, 6, 6, 6]], "one": [[24]]}.get(kind, [[5, 1, 9, 3, 6]])
+    plan = build_packed_plan(lengths, causal, _ALWAYS_BATCHED if kind in ("batched", "one")
                              else _ALWAYS_VARLEN)
     assert len(plan.segments[0]) == 1 and pd._one_call(plan)
     made = []
@@ -224,6 +224,7 @@ def test_one_call_is_returned_uncopied(request, monkeypatch, kind, causal):
     if kind == "flash":                # the stand-in's tensors are [T, h, d] like the op's
         assert out.data_ptr() == made[0][0].data_ptr()
         assert [g.data_ptr() for g in grads] == [g.data_ptr() for g in made[1]]
+    assert out.is_contiguous() and all(g.is_contiguous() for g in grads)
     want = oracle(q, k, v, lengths, causal, scale)
     tol = FAKE_FLASH_TOL if kind == "flash" else TOL
     torch.testing.assert_close(out, want, **tol)
