@@ -102,6 +102,7 @@ from megatron.training.peer_faults import PeerLostError, peer_lost
 from megatron.training.process_guard import children_ignore_stop_signals, stop_with_the_rank
 from megatron.usp.backend_names import backend_installed
 from megatron.usp.core_attention import layer_window
+from megatron.usp.document_kernels import pinned_to_device
 from megatron.usp.packed_documents import batched_shapes, cost_tables, describe_costs
 from megatron.usp.parallel_state import USPGroups
 
@@ -622,7 +623,10 @@ class RankMaxima:
         if dist.get_world_size() == 1:
             return [float(v) for v in values]
         previous = self._pending
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        # through pinned memory: a copy from pageable memory would make PyTorch wait for the
+        # stream, the very wait this class avoids
+        t = pinned_to_device(torch.tensor([float(v) for v in values], dtype=torch.float64),
+                             device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if now:
             self._pending = None
