@@ -469,11 +469,15 @@ def _copy_to_host(*values: torch.Tensor) -> Callable[[], List[float]]:
     """Queue the device-to-host copy of scalar tensors of one device now; the returned
     function waits for that copy only (not for work queued after it) and gives the values
     as Python floats. On the CPU the copy is made at once."""
-    stacked = torch.stack([v.float().to(values[0].device) for v in values])
-    if not stacked.is_cuda:
-        return stacked.tolist
-    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-    host.copy_(stacked, non_blocking=True)
+    return _queued_read(torch.stack([v.float().to(values[0].device) for v in values]))
+
+
+def _queued_read(t: torch.Tensor) -> Callable[[], List[float]]:
+    """:func:`_copy_to_host` of a 1-d tensor: pinned memory, a non-blocking copy, an event."""
+    if not t.is_cuda:
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
 
@@ -615,7 +619,7 @@ class RankMaxima:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pending: Optional[Tuple[torch.Tensor, Optional[torch.cuda.Event]]] = None
+        self._pending: Optional[Callable[[], List[float]]] = None
 
     def exchange(self, values: Sequence[float], now: bool = False) -> Optional[List[float]]:
         """Queue the maxima of ``values`` over the ranks; return those queued by the previous
@@ -631,19 +635,8 @@ class RankMaxima:
         if now:
             self._pending = None
             return t.tolist()
-        event = None
-        if t.is_cuda:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            t = host
-        self._pending = (t, event)
-        if previous is None:
-            return None
-        if previous[1] is not None:
-            previous[1].synchronize()
-        return previous[0].tolist()
+        self._pending = _queued_read(t)
+        return None if previous is None else previous()
 
 
 # --------------------------------------------------------------------------- the loop
