@@ -20,7 +20,8 @@ A sample's documents are cut into *segments*, each one kernel call:
 
 A micro-batch of one sample whose documents are one call (one varlen call, or one batched
 call of equal documents) takes the call's output and gradients as the layer's tensors, with
-no buffer and no copy: the kernels write them ``[T, h, d]``, which is ``[s, 1, h, d]``.
+no buffer and no copy where the kernel wrote them ``[T, h, d]`` in token order, which is
+``[s, 1, h, d]`` (the CUDA kernels); otherwise (the CPU's exact product) one contiguous copy.
 
 Which documents go to which kind is chosen per micro-batch from measured costs
 (:class:`KernelCosts`): on CUDA each kernel is timed once per process and shape (heads, head
