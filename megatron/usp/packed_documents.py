@@ -670,24 +670,14 @@ def packed_forward(q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan, kernel: At
     (:func:`_one_call`) returns that call's output as ``out``, uncopied where its layout is
     already ``[s, 1, h, d]``."""
     if _one_call(plan):
-        seg = plan.segments[0][0]
-        if seg.kind == BATCHED:
-            o, lse = _batched_forward(seg, 0, q, k, v, plan, kernel, scale)
-            return _as_layer(o.transpose(1, 2), q), [lse]
-        o, lse = _unbatched_forward(q[:, 0], k[:, 0], v[:, 0], seg, plan, 0, scale)
+        o, lse = _segment_forward(plan.segments[0][0], 0, q, k, v, plan, kernel, scale)
         return _as_layer(o, q), [lse]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lses: List[Tensor] = []
     for i, row in enumerate(plan.segments):
         for seg in row:
-            a, e = seg.start, seg.end
-            if seg.kind == BATCHED:
-                o, lse = _batched_forward(seg, i, q, k, v, plan, kernel, scale)
-                _docs_view(out[a:e, i], len(seg.lengths), seg.lengths[0]).copy_(o)
-            else:
-                o, lse = _unbatched_forward(q[a:e, i], k[a:e, i], v[a:e, i], seg, plan, i,
-                                            scale)
-                out[a:e, i].copy_(o)
+            o, lse = _segment_forward(seg, i, q, k, v, plan, kernel, scale)
+            out[seg.start:seg.end, i].view(o.shape).copy_(o)
             lses.append(lse)
     return out, lses
 
@@ -699,12 +689,7 @@ def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     call's gradients, uncopied where their layout allows)."""
     xs = (dout, q, k, v, out)
     if _one_call(plan):
-        seg = plan.segments[0][0]
-        if seg.kind == BATCHED:
-            grads = _batched_backward(seg, 0, xs, lses[0], plan, kernel, scale)
-            return tuple(_as_layer(g.transpose(1, 2), x)  # type: ignore[return-value]
-                         for g, x in zip(grads, (q, k, v)))
-        grads = _unbatched_backward([x[:, 0] for x in xs], lses[0], seg, plan, 0, scale)
+        grads = _segment_backward(plan.segments[0][0], 0, xs, lses[0], plan, kernel, scale)
         return tuple(_as_layer(g, x) for g, x in zip(grads, (q, k, v)))  # type: ignore
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -712,17 +697,32 @@ def packed_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     lse_iter = iter(lses)
     for i, row in enumerate(plan.segments):
         for seg in row:
-            a, e = seg.start, seg.end
-            lse = next(lse_iter)
-            if seg.kind == BATCHED:
-                grads = _batched_backward(seg, i, xs, lse, plan, kernel, scale)
-                for dst, g in zip((dq, dk, dv), grads):
-                    _docs_view(dst[a:e, i], len(seg.lengths), seg.lengths[0]).copy_(g)
-                continue
-            grads = _unbatched_backward([x[a:e, i] for x in xs], lse, seg, plan, i, scale)
+            grads = _segment_backward(seg, i, xs, next(lse_iter), plan, kernel, scale)
             for dst, g in zip((dq, dk, dv), grads):
-                dst[a:e, i].copy_(g)
+                dst[seg.start:seg.end, i].view(g.shape).copy_(g)
     return dq, dk, dv
+
+
+def _segment_forward(seg: Segment, i: int, q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan,
+                     kernel: AttentionKernel, scale: float) -> Tuple[Tensor, Tensor]:
+    """Segment ``seg`` of sample ``i``: its output in token order (``[T, h, d]``, or
+    ``[n, L, h, d]`` for a batched call) and its lse."""
+    if seg.kind == BATCHED:
+        o, lse = _batched_forward(seg, i, q, k, v, plan, kernel, scale)
+        return o.transpose(1, 2), lse
+    a, e = seg.start, seg.end
+    return _unbatched_forward(q[a:e, i], k[a:e, i], v[a:e, i], seg, plan, i, scale)
+
+
+def _segment_backward(seg: Segment, i: int, xs: Sequence[Tensor], lse: Tensor,
+                      plan: PackedPlan, kernel: AttentionKernel, scale: float
+                      ) -> Tuple[Tensor, ...]:
+    """:func:`_segment_forward`'s dq, dk, dv in token order; ``xs`` = (dout, q, k, v, out)
+    of the whole batch."""
+    if seg.kind == BATCHED:
+        return tuple(g.transpose(1, 2)
+                     for g in _batched_backward(seg, i, xs, lse, plan, kernel, scale))
+    return _unbatched_backward([x[seg.start:seg.end, i] for x in xs], lse, seg, plan, i, scale)
 
 
 def _as_layer(t: Tensor, like: Tensor) -> Tensor:
