@@ -460,11 +460,6 @@ def _has_loss_scaler(optimizer) -> bool:
                for sub in grad_clip.sub_optimizers(optimizer))
 
 
-def _read_on_host(*values: torch.Tensor) -> List[float]:
-    """Scalar tensors of one device as Python floats, in one device-to-host read."""
-    return torch.stack([v.float().to(values[0].device) for v in values]).tolist()
-
-
 def _copy_to_host(*values: torch.Tensor) -> Callable[[], List[float]]:
     """Queue the device-to-host copy of scalar tensors of one device now; the returned
     function waits for that copy only (not for work queued after it) and gives the values
@@ -533,7 +528,7 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
     for chunk in model:
         chunk.scale_gradients(1.0 / num_tokens)
     if _has_loss_scaler(optimizer):
-        loss, pairs = _read_on_host(mean_loss, total[2])
+        loss, pairs = _copy_to_host(mean_loss, total[2])()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
         if optimizer.prepare_grads():  # the loss scaler found inf/nan
@@ -543,7 +538,7 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
     else:
         optimizer.prepare_grads()
         norm = grad_clip.grad_norm(optimizer, device)
-        loss, grad_norm, pairs = _read_on_host(mean_loss, norm, total[2])
+        loss, grad_norm, pairs = _copy_to_host(mean_loss, norm, total[2])()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
     if not math.isfinite(grad_norm):
