@@ -430,16 +430,21 @@ def forward_backward(config: RunConfig, step_fn: Callable, data_iterator, model,
 
 
 def train_step(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator, model,
-               optimizer, iteration: int):
+               optimizer, iteration: int, more_steps: bool = False):
     """One optimizer step; returns (lm loss, grad norm or None, skipped, attention pairs of
-    the global batch, 0.0 where not reported)."""
+    the global batch, 0.0 where not reported). With ``more_steps`` and a
+    :class:`~megatron.training.data.batch.PreparedBatches` iterator, the next step's first
+    micro-batch is prepared once this step's work is queued, before the host waits for it."""
     args = config.args
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = forward_backward(config, step_fn, data_iterator, model, forward_only=False)
     total = reduce_lm_loss(losses, rt.groups, rt.device)
-    updated, loss, grad_norm, pairs = guarded_optimizer_step(optimizer, model, total, rt.device)
+    prepare = (data_iterator.prepare_next
+               if more_steps and isinstance(data_iterator, batch_mod.PreparedBatches) else None)
+    updated, loss, grad_norm, pairs = guarded_optimizer_step(optimizer, model, total, rt.device,
+                                                             before_read=prepare)
     if not math.isfinite(loss):
         if not args.skip_nan_steps:
             raise NonFiniteLossError(
@@ -482,7 +487,13 @@ def _queued_read(t: torch.Tensor) -> Callable[[], List[float]]:
     return read
 
 
-def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.device):
+def _run(hook: Optional[Callable[[], None]]) -> None:
+    if hook is not None:
+        hook()
+
+
+def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.device,
+                           before_read: Optional[Callable[[], None]] = None):
     """megatron-core's optimizer step, refused for a non-finite loss or grad norm.
 
     ``total`` is :func:`reduce_lm_loss`'s [loss sum, loss tokens, attention pairs] of the
@@ -507,6 +518,9 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
     in one transfer, and the clip and step follow; with a loss scaler (fp16) the loss is read
     first, as before (its ``prepare_grads`` updates the scale).
 
+    ``before_read`` (the next micro-batch's preparation) runs on the host just before the
+    first read, while the GPU still works through the queued step.
+
     Returns (updated, loss, grad norm, attention pairs); the norm is the same on every rank
     (it is all-reduced), so every rank skips alike; a non-finite loss comes back with a NaN
     norm.
@@ -521,6 +535,7 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
         read = _copy_to_host(mean_loss, norm, total[2])
         with grad_clip.scaled_in_adam(optimizer, adams, num_tokens, norm, ok):
             optimizer.step_with_ready_grads()
+        _run(before_read)
         loss, grad_norm, pairs = read()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
@@ -528,7 +543,9 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
     for chunk in model:
         chunk.scale_gradients(1.0 / num_tokens)
     if _has_loss_scaler(optimizer):
-        loss, pairs = _copy_to_host(mean_loss, total[2])()
+        read = _copy_to_host(mean_loss, total[2])
+        _run(before_read)
+        loss, pairs = read()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
         if optimizer.prepare_grads():  # the loss scaler found inf/nan
@@ -538,7 +555,9 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
     else:
         optimizer.prepare_grads()
         norm = grad_clip.grad_norm(optimizer, device)
-        loss, grad_norm, pairs = _copy_to_host(mean_loss, norm, total[2])()
+        read = _copy_to_host(mean_loss, norm, total[2])
+        _run(before_read)
+        loss, grad_norm, pairs = read()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
     if not math.isfinite(grad_norm):
@@ -697,7 +716,8 @@ class _Loop:
         shapes_before = batched_shapes() if args.reset_attention_mask else 0
         t0 = time.perf_counter()
         loss, grad_norm, skipped, pairs = train_step(config, self.rt, self.step_fn, train_iter,
-                                                     self.model, self.optimizer, it)
+                                                     self.model, self.optimizer, it,
+                                                     more_steps=it < args.train_iters)
         step_time = time.perf_counter() - t0
         new_shapes = batched_shapes() - shapes_before if args.reset_attention_mask else None
         if self.profiler.after(it):
@@ -895,10 +915,10 @@ def _pretrain(args: argparse.Namespace, forward_step_func: Optional[Callable],
         writer = _make_writer(config, rt, state.iteration)
         writer.run_header(rt.groups.dims.short(), rt.world_size,
                           plain_args(config, rt.data_source.resolved_args()))
-        step_fn = partial(forward_step_func or batch_mod.forward_step,
-                          batch_context(rt, config))
+        ctx = batch_context(rt, config)
+        step_fn = partial(forward_step_func or batch_mod.forward_step, ctx)
         _Loop(config, rt, model, optimizer, scheduler, state, step_fn, writer, result,
-              memory, started).run(train_iter, valid_iter)
+              memory, started).run(batch_mod.PreparedBatches(train_iter, ctx), valid_iter)
         result.iteration = state.iteration
         return result
     except BaseException:

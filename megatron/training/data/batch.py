@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -161,6 +161,23 @@ def _document_params(full: Dict, ctx: BatchContext):
     return DocumentParams.for_plan(plan)
 
 
+def reads_batches(ctx: BatchContext) -> bool:
+    """Whether this rank reads micro-batches: the first and last pipeline stages, and every
+    stage when the batches carry documents (their positions and plan)."""
+    return ctx.first_stage or ctx.last_stage or ctx.documents
+
+
+def prepare_batch(full: Dict, ctx: BatchContext) -> Dict[str, Optional[torch.Tensor]]:
+    """A full micro-batch ``[b, s]`` cut to this CP rank's tokens, queued to ``ctx.device``
+    through pinned memory, with its document plan and attention pairs (:func:`get_batch`)."""
+    local = shard_batch_for_cp(full, ctx.cp_rank, ctx.cp_size)   # [b, s/CP]
+    out = {key: (pinned_to_device(local[key], device=ctx.device) if local.get(key) is not None
+                 else None) for key in SEQUENCE_KEYS}
+    out["packed_seq_params"] = _document_params(full, ctx)
+    out["attention_pairs"] = attention_pairs(full, ctx.documents, ctx.window, ctx.window_share)
+    return out
+
+
 def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tensor]]:
     """Next micro-batch, cut to this CP rank's tokens and moved to ``ctx.device``.
 
@@ -168,19 +185,77 @@ def get_batch(data_iterator, ctx: BatchContext) -> Dict[str, Optional[torch.Tens
     get ``None`` for every key, unless the batches carry documents (module docstring); the
     first stage needs tokens and positions, the last labels and the loss mask, and both read
     the full micro-batch, which ``ctx.agreement`` compares across the TP x CP group.
-    ``packed_seq_params`` is the document mask (None without one).
+    ``packed_seq_params`` is the document mask (None without one). From a
+    :class:`PreparedBatches` it is the micro-batch that iterator prepared ahead, if any.
     """
-    if not (ctx.first_stage or ctx.last_stage or ctx.documents):
+    if not reads_batches(ctx):
         return {key: None for key in SEQUENCE_KEYS + ("packed_seq_params",)}
-    full = next(data_iterator)                                   # [b, s]
-    if ctx.agreement is not None:
+    prepared = None
+    if isinstance(data_iterator, PreparedBatches) and data_iterator.ctx == ctx:
+        full, prepared = data_iterator.next_prepared()
+    else:
+        full = next(data_iterator)
+    if ctx.agreement is not None:     # where the micro-batch is used, prepared ahead or not
         ctx.agreement.check(full)
-    local = shard_batch_for_cp(full, ctx.cp_rank, ctx.cp_size)   # [b, s/CP]
-    out = {key: (pinned_to_device(local[key], device=ctx.device) if local.get(key) is not None
-                 else None) for key in SEQUENCE_KEYS}
-    out["packed_seq_params"] = _document_params(full, ctx)
-    out["attention_pairs"] = attention_pairs(full, ctx.documents, ctx.window, ctx.window_share)
-    return out
+    return prepared if prepared is not None else prepare_batch(full, ctx)
+
+
+class PreparedBatches:
+    """The training iterator, able to prepare its next micro-batch ahead of use.
+
+    Between steps the GPU still runs the optimizer while the host reads the next batch,
+    cuts it, queues its copies and builds its document plan; when that host work outlasts
+    the optimizer (a long packed sequence: several milliseconds of plan building) the GPU
+    idles at the start of every step. :meth:`prepare_next`, called by the training loop
+    once a step's work is queued and before it waits for the step's loss, does that work
+    while the GPU is still busy with the backward; :func:`get_batch` then takes the prepared
+    micro-batch. The order of micro-batches is unchanged, and a run that stops leaves at
+    most one prepared micro-batch unused (resuming counts consumed samples, not reads). The
+    ranks' batch agreement (``--batch-agreement-interval``) is checked where a micro-batch
+    is used, so a rank that reads differently is still caught at the same micro-batch.
+
+    ``next()`` gives the full micro-batches as the wrapped iterator does (a custom forward
+    step that reads them itself sees no difference: nothing is prepared for it). The end
+    of the wrapped iterator is raised where the micro-batch is asked for, not where it is
+    prepared.
+    """
+
+    def __init__(self, source: Iterator[Dict], ctx: BatchContext) -> None:
+        self.source, self.ctx = source, ctx
+        self._ready: Optional[Tuple[Dict, Dict]] = None   # (full, prepared)
+        self._ended = False
+
+    def __iter__(self) -> "PreparedBatches":
+        return self
+
+    def __next__(self) -> Dict:
+        if self._ready is not None:
+            full, self._ready = self._ready[0], None
+            return full
+        if self._ended:
+            raise StopIteration
+        return next(self.source)
+
+    def prepare_next(self) -> None:
+        """Read and prepare the next micro-batch now (nothing if one is waiting already, if
+        this rank reads no batches, or at the end of the data)."""
+        if self._ready is not None or self._ended or not reads_batches(self.ctx):
+            return
+        try:
+            full = next(self.source)
+        except StopIteration:
+            self._ended = True
+            return
+        self._ready = (full, prepare_batch(full, self.ctx))
+
+    def next_prepared(self) -> Tuple[Dict, Dict[str, Optional[torch.Tensor]]]:
+        """The next micro-batch, full and as :func:`prepare_batch` gives it: prepared ahead,
+        or now."""
+        if self._ready is not None:
+            ready, self._ready = self._ready, None
+            return ready
+        full = next(self)
+        return full, prepare_batch(full, self.ctx)
 
 
 def attention_pairs(full: Dict[str, torch.Tensor], documents: bool,
