@@ -231,17 +231,17 @@ def linear_cross_entropy_forward_with_grads(hidden, weight, labels, row_weights,
 def common_scale(grad_loss: torch.Tensor, row_weights: torch.Tensor) -> Optional[float]:
     """``c`` with ``grad_loss == c * row_weights`` (to float32 rounding), or None.
 
-    One device-to-host read per call: the backward needs to know whether the gradients the
-    forward computed apply."""
+    One device-to-host read per call (the backward needs to know whether the gradients the
+    forward computed apply), of the four numbers it decides by at once: each read waits for
+    the queued work, and the GPU idles while the host then queues the backward."""
     w = row_weights.to(grad_loss.dtype)
-    scale = grad_loss.abs().max()
-    peak = w.abs().max()
-    if float(peak) == 0.0:
-        return 0.0 if float(scale) == 0.0 else None
     idx = torch.argmax(w.abs())
     c = grad_loss[idx] / w[idx]
-    tol = 1e-6 * float(scale) + 1e-30
-    return float(c) if float((grad_loss - c * w).abs().max()) <= tol else None
+    peak, scale, c, err = torch.stack([w.abs().max(), grad_loss.abs().max(), c,
+                                       (grad_loss - c * w).abs().max()]).tolist()
+    if peak == 0.0:
+        return 0.0 if scale == 0.0 else None
+    return c if err <= 1e-6 * scale + 1e-30 else None
 
 
 def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor,
