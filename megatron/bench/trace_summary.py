@@ -80,17 +80,25 @@ def launch_callers(trace: dict) -> Dict[int, str]:
 
 def by_caller(trace: dict, events: Sequence[dict]) -> Dict[str, Dict]:
     """Device time (ms) and kernel count per caller of the ``events`` outside
-    :data:`UNATTRIBUTED`'s categories, largest first."""
+    :data:`UNATTRIBUTED`'s categories, largest first; ``by_kernel`` splits each caller's
+    time by kernel name (the first 90 characters), largest first."""
     callers = launch_callers(trace)
     time: Counter = Counter()
     count: Counter = Counter()
+    kernels: Dict[str, Counter] = {}
+    kernel_count: Dict[str, Counter] = {}
     for e in events:
         if category(e["name"]) in UNATTRIBUTED:
             continue
         name = callers.get((e.get("args") or {}).get("correlation"), "(no host event)")
         time[name] += e["dur"]
         count[name] += 1
-    return {name: {"ms": us / 1e3, "kernels": count[name]} for name, us in time.most_common()}
+        kernels.setdefault(name, Counter())[e["name"][:90]] += e["dur"]
+        kernel_count.setdefault(name, Counter())[e["name"][:90]] += 1
+    return {name: {"ms": us / 1e3, "kernels": count[name],
+                   "by_kernel": {k: {"ms": kus / 1e3, "kernels": kernel_count[name][k]}
+                                 for k, kus in kernels[name].most_common()}}
+            for name, us in time.most_common()}
 
 
 def summarize(trace: dict, min_gap_us: float = 50.0, top: int = 8) -> Dict:
@@ -130,7 +138,8 @@ def summarize(trace: dict, min_gap_us: float = 50.0, top: int = 8) -> Dict:
     }
 
 
-def render(name: str, s: Dict, callers: int = 25) -> str:
+def render(name: str, s: Dict, callers: int = 25, kernels: int = 0) -> str:
+    """The summary as text; ``kernels`` > 0 lists that many kernels under each caller."""
     lines = [f"{name}: device span {s['span_ms']:.2f} ms"]
     for tid, st in s["streams"].items():
         mark = " (compute)" if tid == s.get("compute_stream") else ""
@@ -146,6 +155,8 @@ def render(name: str, s: Dict, callers: int = 25) -> str:
         lines.append("  device time by caller (kernels outside GEMMs, attention and NCCL):")
         for name, c in list(s["by_caller"].items())[:callers]:
             lines.append(f"    {name[:56]:<56} {c['ms']:9.2f} ms  {c['kernels']:5d} kernels")
+            for kname, k in list(c.get("by_kernel", {}).items())[:kernels]:
+                lines.append(f"        {kname[:52]:<52} {k['ms']:9.2f} ms  {k['kernels']:5d}")
     return "\n".join(lines)
 
 
@@ -154,10 +165,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 description="Summarise torch.profiler Chrome traces.")
     p.add_argument("traces", nargs="+")
     p.add_argument("--min-gap-us", type=float, default=50.0)
+    p.add_argument("--gaps", type=int, default=8, help="largest compute-stream gaps listed")
+    p.add_argument("--kernels", type=int, default=0,
+                   help="kernels listed under each caller, largest first (default none)")
     ns = p.parse_args(argv)
     for path in ns.traces:
         with open(path) as fh:
-            print(render(path, summarize(json.load(fh), ns.min_gap_us)))
+            print(render(path, summarize(json.load(fh), ns.min_gap_us, top=ns.gaps),
+                         kernels=ns.kernels))
     return 0
 
 

@@ -86,11 +86,13 @@ CALLER_TRACE = {"traceEvents": [
 
 def test_device_time_by_caller():
     got = summarize(CALLER_TRACE)["by_caller"]
-    assert got == {"Optimizer.step#AdamW.step": {"ms": 0.045, "kernels": 2},
-                   "_RMSNormBackward": {"ms": 0.03, "kernels": 1},
-                   "aten::add_": {"ms": 0.01, "kernels": 1},
-                   "(no host event)": {"ms": 0.007, "kernels": 1}}
+    assert {k: (v["ms"], v["kernels"]) for k, v in got.items()} == {
+        "Optimizer.step#AdamW.step": (0.045, 2), "_RMSNormBackward": (0.03, 1),
+        "aten::add_": (0.01, 1), "(no host event)": (0.007, 1)}
     assert list(got)[0] == "Optimizer.step#AdamW.step"
+    assert got["Optimizer.step#AdamW.step"]["by_kernel"] == {
+        "multi_tensor_apply_kernel": {"ms": 0.045, "kernels": 2}}
+    assert got["_RMSNormBackward"]["by_kernel"] == {"rms_bwd": {"ms": 0.03, "kernels": 1}}
 
 
 def test_cli_prints_callers(tmp_path, capsys):
@@ -99,3 +101,11 @@ def test_cli_prints_callers(tmp_path, capsys):
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "device time by caller" in out and "_RMSNormBackward" in out
+    kernel_lines = [line.strip() for line in out.splitlines() if line.startswith(" " * 8)]
+    assert kernel_lines == []                            # kernels only when asked for
+    assert main([str(path), "--kernels", "2", "--gaps", "1"]) == 0
+    out = capsys.readouterr().out
+    kernel_lines = [line.split()[0] for line in out.splitlines() if line.startswith(" " * 8)]
+    assert kernel_lines == ["multi_tensor_apply_kernel", "rms_bwd", "vectorized_elementwise_kernel",
+                            "vectorized_elementwise_kernel"]
+    assert out.count(" us at ") == 1                     # one gap listed
