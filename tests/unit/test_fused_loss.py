@@ -294,3 +294,8 @@ def test_common_scale():
     assert common_scale(torch.tensor([0.1, 1.0, 1.0, 0.0]), w) is None
     assert common_scale(torch.zeros(4), torch.zeros(4)) == 0.0
     assert common_scale(torch.ones(4), torch.zeros(4)) is None
+    w2 = torch.tensor([[0.0, 2.0], [0.5, 0.0]])          # [b, s], the largest weight inside
+    assert common_scale(3.0 * w2, w2) == 3.0
+    off = 3.0 * w2
+    off[1, 0] += 0.25                                    # one token off the common scale
+    assert common_scale(off, w2) is None

@@ -233,12 +233,14 @@ def common_scale(grad_loss: torch.Tensor, row_weights: torch.Tensor) -> Optional
 
     One device-to-host read per call (the backward needs to know whether the gradients the
     forward computed apply), of the four numbers it decides by at once: each read waits for
-    the queued work, and the GPU idles while the host then queues the backward."""
-    w = row_weights.to(grad_loss.dtype)
-    idx = torch.argmax(w.abs())
-    c = grad_loss[idx] / w[idx]
-    peak, scale, c, err = torch.stack([w.abs().max(), grad_loss.abs().max(), c,
-                                       (grad_loss - c * w).abs().max()]).tolist()
+    the queued work, and the GPU idles while the host then queues the backward. (Indexing
+    with a 0-dim tensor would be a read of its own: the index is taken as a Python int.)"""
+    g = grad_loss.reshape(-1)
+    w = row_weights.reshape(-1).to(g.dtype)
+    idx = torch.argmax(w.abs()).view(1)
+    c = (g.index_select(0, idx) / w.index_select(0, idx))[0]
+    peak, scale, c, err = torch.stack([w.abs().max(), g.abs().max(), c,
+                                       (g - c * w).abs().max()]).tolist()
     if peak == 0.0:
         return 0.0 if scale == 0.0 else None
     return c if err <= 1e-6 * scale + 1e-30 else None
