@@ -442,7 +442,8 @@ def train_step(config: RunConfig, rt: Runtime, step_fn: Callable, data_iterator,
     losses = forward_backward(config, step_fn, data_iterator, model, forward_only=False)
     total = reduce_lm_loss(losses, rt.groups, rt.device)
     prepare = (data_iterator.prepare_next
-               if more_steps and isinstance(data_iterator, batch_mod.PreparedBatches) else None)
+               if more_steps and isinstance(data_iterator, batch_mod.PreparedBatches)
+               else _nothing)
     updated, loss, grad_norm, pairs = guarded_optimizer_step(optimizer, model, total, rt.device,
                                                              before_read=prepare)
     if not math.isfinite(loss):
@@ -487,13 +488,12 @@ def _queued_read(t: torch.Tensor) -> Callable[[], List[float]]:
     return read
 
 
-def _run(hook: Optional[Callable[[], None]]) -> None:
-    if hook is not None:
-        hook()
+def _nothing() -> None:
+    pass
 
 
 def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.device,
-                           before_read: Optional[Callable[[], None]] = None):
+                           before_read: Callable[[], None] = _nothing):
     """megatron-core's optimizer step, refused for a non-finite loss or grad norm.
 
     ``total`` is :func:`reduce_lm_loss`'s [loss sum, loss tokens, attention pairs] of the
@@ -535,7 +535,7 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
         read = _copy_to_host(mean_loss, norm, total[2])
         with grad_clip.scaled_in_adam(optimizer, adams, num_tokens, norm, ok):
             optimizer.step_with_ready_grads()
-        _run(before_read)
+        before_read()
         loss, grad_norm, pairs = read()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
@@ -544,7 +544,7 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
         chunk.scale_gradients(1.0 / num_tokens)
     if _has_loss_scaler(optimizer):
         read = _copy_to_host(mean_loss, total[2])
-        _run(before_read)
+        before_read()
         loss, pairs = read()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
@@ -556,7 +556,7 @@ def guarded_optimizer_step(optimizer, model, total: torch.Tensor, device: torch.
         optimizer.prepare_grads()
         norm = grad_clip.grad_norm(optimizer, device)
         read = _copy_to_host(mean_loss, norm, total[2])
-        _run(before_read)
+        before_read()
         loss, grad_norm, pairs = read()
         if not math.isfinite(loss):
             return False, loss, float("nan"), pairs
