@@ -74,15 +74,20 @@ def rms_norm_forward_math(x2: Tensor, w: Tensor, eps: float, offset: float, y2: 
 
 
 def rms_norm_backward_math(dy2: Tensor, x2: Tensor, w: Tensor, offset: float,
-                           rstd: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(dx [rows, h] in x2's dtype, dw [h] float32)`` of :func:`rms_norm_forward_math`."""
+                           rstd: Tensor, dres2: Optional[Tensor] = None
+                           ) -> Tuple[Tensor, Tensor]:
+    """``(dx [rows, h] in x2's dtype, dw [h] float32)`` of :func:`rms_norm_forward_math`;
+    ``dres2`` (x2's shape), another gradient of ``x2``, is added to ``dx`` before it is
+    rounded."""
     xf = _wide(x2)
     r = rstd[:, None].to(xf.dtype)
     xhat = xf * r
     g = _wide(dy2) * (_wide(w) + offset)
     c = (g * xhat).mean(dim=-1, keepdim=True)
-    dx = (r * (g - xhat * c)).to(x2.dtype)
-    return dx, (_wide(dy2) * xhat).sum(dim=0)
+    dx = r * (g - xhat * c)
+    if dres2 is not None:
+        dx = dx + _wide(dres2)
+    return dx.to(x2.dtype), (_wide(dy2) * xhat).sum(dim=0)
 
 
 def swiglu_forward_math(x2: Tensor, y2: Tensor) -> None:
@@ -122,8 +127,9 @@ def _triton_kernels():
         tl.store(y + row * h + cols, (xv * r * wv).to(y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def rms_bwd(dy, x, w, rstd, dx, dw_part, n_rows, h, offset, rows_per,
-                BLOCK: tl.constexpr):
+    def rms_bwd(dy, x, w, rstd, dx, dw_part, dres, n_rows, h, offset, rows_per,
+                BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+        # RESIDUAL: dx also gets dres, the gradient x receives from its other consumer
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < h
@@ -139,8 +145,10 @@ def _triton_kernels():
             xhat = xv * r
             g = dyv * wv
             c = tl.sum(g * xhat, axis=0) / h
-            tl.store(dx + row * h + cols, (r * (g - xhat * c)).to(dx.dtype.element_ty),
-                     mask=mm)
+            dxv = r * (g - xhat * c)
+            if RESIDUAL:
+                dxv += tl.load(dres + row * h + cols, mask=mm, other=0.0).to(tl.float32)
+            tl.store(dx + row * h + cols, dxv.to(dx.dtype.element_ty), mask=mm)
             acc += dyv * xhat
         tl.store(dw_part + pid * h + cols, acc, mask=m)
 
@@ -206,9 +214,9 @@ def _rms_forward(x2: Tensor, w: Tensor, eps: float, offset: float, y2: Tensor, r
 
 
 def _rms_backward(dy2: Tensor, x2: Tensor, w: Tensor, offset: float,
-                  rstd: Tensor) -> Tuple[Tensor, Tensor]:
+                  rstd: Tensor, dres2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     if not triton_usable(x2):
-        return rms_norm_backward_math(dy2, x2, w, offset, rstd)
+        return rms_norm_backward_math(dy2, x2, w, offset, rstd, dres2)
     _, bwd, _, _, next_pow2 = _triton_kernels()
     rows, h = x2.shape
     programs = _rms_bwd_programs(rows, x2.device)
@@ -216,7 +224,8 @@ def _rms_backward(dy2: Tensor, x2: Tensor, w: Tensor, offset: float,
     block = next_pow2(h)
     dx = torch.empty_like(x2)
     dw_part = torch.empty(programs, h, dtype=torch.float32, device=x2.device)
-    bwd[(programs,)](dy2, x2, w, rstd, dx, dw_part, rows, h, offset, rows_per, BLOCK=block,
+    bwd[(programs,)](dy2, x2, w, rstd, dx, dw_part, dx if dres2 is None else dres2, rows, h,
+                     offset, rows_per, BLOCK=block, RESIDUAL=dres2 is not None,
                      num_warps=_warps(block))
     return dx, dw_part.sum(dim=0)
 

@@ -70,6 +70,28 @@ def test_rms_norm_on_gpu(impl):
 
 
 @pytest.mark.gpu
+def test_rms_norm_backward_adds_the_residual_gradient_on_gpu():
+    """The ``usp`` RMSNorm backward with the residual's gradient read in
+    (megatron.layers.residual): against float64, at least as close as the backward followed by
+    autograd's bf16 addition, which rounds twice."""
+    from megatron.layers import lean_kernels as lk  # megatron-core on first use
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x, dy, dres = (torch.randn(8192, 2048, generator=gen, device="cuda").bfloat16()
+                   for _ in range(3))
+    w = (1 + 0.1 * torch.randn(2048, generator=gen, device="cuda")).bfloat16()
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
+    fused, dw = lk._rms_backward(dy, x, w, 0.0, rstd, dres)
+    plain, dw_plain = lk._rms_backward(dy, x, w, 0.0, rstd)
+    ref, dw_ref = lk.rms_norm_backward_math(dy.double(), x.double(), w.double(), 0.0,
+                                            rstd.double(), dres.double())
+    assert torch.equal(dw, dw_plain)
+    assert rel_err(dw, dw_ref) < 1e-5
+    assert rel_err(fused, ref) <= rel_err(plain + dres, ref) + 1e-6
+    assert rel_err(fused, ref) < 4e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl", NORM_GLU_IMPLS)
 def test_swiglu_on_gpu(impl):
     from megatron.layers import fused_kernels as fk  # megatron-core on first use

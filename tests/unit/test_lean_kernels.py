@@ -132,6 +132,12 @@ _INTERPRETED = textwrap.dedent("""
         y.detach().zero_()
         refill()
         assert torch.equal(y.detach(), kept), "rms refill"
+        # the residual's gradient read by the backward kernel and added to dx
+        rstd = torch.rsqrt(x.detach().pow(2).mean(-1) + 1e-5)
+        dres = torch.randn(rows, h)
+        dx, dw = lk._rms_backward(dy, x.detach(), w.detach(), offset, rstd, dres)
+        close(dx, x64.grad + dres.double(), "rms dx + residual")
+        close(dw, w64.grad, "rms dw with residual")
 
     for rows, f in [(3, 1100), (5, 24)]:
         x = torch.randn(rows, 2 * f, requires_grad=True)
