@@ -155,13 +155,16 @@ def _rope_pair_torch(q: Tensor, k: Tensor, freqs: Tensor,
 
 
 # --------------------------------------------------------------------------- the switch
-def rms_norm(x: Tensor, weight: Tensor, eps: float, impl: str, offset: float = 0.0) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, impl: str, offset: float = 0.0,
+             residual_grad: bool = False) -> Tensor:
     """RMSNorm of ``x`` over its last dimension with scale ``weight + offset`` (``offset`` 1
-    for megatron's zero-centred gamma)."""
+    for megatron's zero-centred gamma). ``residual_grad``: with ``usp``, ``x``'s gradient as
+    a residual is added inside the norm's backward (:mod:`megatron.layers.residual`); the
+    other kernels leave that addition to autograd."""
     if impl == "liger":
         return rms_norm_liger(x, weight, eps, offset)
     if impl == "usp":
-        return lean_kernels.rms_norm(x, weight, eps, offset)
+        return lean_kernels.rms_norm(x, weight, eps, offset, residual_grad=residual_grad)
     gamma = weight + offset if offset else weight
     if impl == "compile":
         return _compiled(rms_norm_torch)(x, gamma, eps)

@@ -111,14 +111,16 @@ class NormColumnParallelLinear(USPColumnParallelLinear):
     """``ColumnParallelLinear`` applied to ``norm(x)``; keeps ``x``, not ``norm(x)``.
 
     Same constructor as :class:`USPColumnParallelLinear` plus ``norm_impl`` (the RMSNorm
-    kernel of :func:`megatron.layers.fused_kernels.rms_norm`). Normalisation and epsilon from the config
+    kernel of :func:`megatron.layers.fused_kernels.rms_norm`) and ``residual_grad`` (as
+    :mod:`megatron.layers.norms`' ``residual_grad``). Normalisation and epsilon from the config
     (``normalization``, ``layernorm_epsilon``, ``layernorm_zero_centered_gamma``).
     Input ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism); output as the parent's.
     """
 
     def __init__(self, input_size: int, output_size: int, *, config, norm_impl: str = "torch",
-                 **kwargs):
+                 residual_grad: bool = False, **kwargs):
         super().__init__(input_size, output_size, config=config, **kwargs)
+        self.residual_grad = residual_grad
         if config.normalization not in NORMALIZATIONS:
             raise ValueError(f"--normalization {config.normalization!r}: use one of "
                              f"{list(NORMALIZATIONS)}")
@@ -146,7 +148,8 @@ class NormColumnParallelLinear(USPColumnParallelLinear):
         if self.norm_impl == "usp" and self.normalization == "RMSNorm":
             normed, refill = lean_kernels.rms_norm(
                 input_, self.layer_norm_weight, self.eps,
-                1.0 if self.zero_centered_gamma else 0.0, refillable=True)
+                1.0 if self.zero_centered_gamma else 0.0, refillable=True,
+                residual_grad=self.residual_grad)
             out, bias = super().forward(normed, weight, runtime_gather_output)
             if _keeps_graph(out):
                 lean_kernels.drop_until_backward(normed, out, refill)

@@ -47,6 +47,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from megatron.layers.qkv_rope import triton_usable
+from megatron.layers.residual import ResidualGrad, offer
 
 Tensor = torch.Tensor
 Refill = Callable[[], None]
@@ -266,20 +267,26 @@ def swiglu_backward_refill(dy2: Tensor, x2: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- autograd
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, rstd: Tensor, eps: float, offset: float):
+    def forward(ctx, x: Tensor, w: Tensor, rstd: Tensor, eps: float, offset: float,
+                channel: Optional[ResidualGrad]):
         x2 = x.view(-1, x.shape[-1])
         y = torch.empty_like(x)
         _rms_forward(x2, w, eps, offset, y.view_as(x2), rstd)
         ctx.save_for_backward(x2, w, rstd)
         ctx.offset = offset
+        ctx.channel = channel
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x2, w, rstd = ctx.saved_tensors
-        dx, dw = _rms_backward(dy.reshape(x2.shape).contiguous(), x2, w, ctx.offset, rstd)
+        dres = ctx.channel.take() if ctx.channel is not None else None
+        if dres is not None:
+            dres = dres.reshape(x2.shape).contiguous()
+        dx, dw = _rms_backward(dy.reshape(x2.shape).contiguous(), x2, w, ctx.offset, rstd,
+                               dres)
         dw = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
-        return dx.view(dy.shape), dw, None, None, None
+        return dx.view(dy.shape), dw, None, None, None, None
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -307,17 +314,20 @@ def _alias(t: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
-             refillable: bool = False):
+             refillable: bool = False, residual_grad: bool = False):
     """RMSNorm of ``x [..., h]`` with scale ``weight + offset`` (``offset`` 1 for megatron's
     zero-centred gamma); ``weight [h]``. Returns ``y`` (x's shape and dtype), or with
     ``refillable`` ``(y, refill)`` where ``refill()`` rewrites ``y`` in place from the kept
-    input and ``rstd``."""
+    input and ``rstd``. With ``residual_grad`` the gradient ``x`` receives as the residual of
+    :func:`megatron.layers.residual.residual_bda` is added inside this norm's backward kernel
+    (:mod:`megatron.layers.residual`)."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"RMSNorm weight {tuple(weight.shape)} does not fit input "
                          f"{tuple(x.shape)} (need [{x.shape[-1]}])")
+    channel = offer(x) if residual_grad else None
     x = x.contiguous()
     rstd = torch.empty(x.numel() // x.shape[-1], dtype=stats_dtype(x), device=x.device)
-    y = _RMSNorm.apply(x, weight, rstd, eps, offset)
+    y = _RMSNorm.apply(x, weight, rstd, eps, offset, channel)
     if not refillable:
         return y
     x2, w = x.detach().view(-1, x.shape[-1]), weight.detach()

@@ -151,6 +151,39 @@ def test_layer_spec_uses_our_norms(qk_layernorm):
         get_usp_gpt_layer_spec(normalization="ScaleNorm")
 
 
+@pytest.mark.parametrize("lean", [False, True])
+def test_usp_norms_take_the_residual_gradient_from_the_bias_dropout_add(lean):
+    """With the ``usp`` RMSNorm the input and pre-MLP norms (or the linear layers they moved
+    into) add their residual's gradient, handed over by the layer's bias-dropout-add slots;
+    the q / k norms, LayerNorm and the other kernels keep megatron-core's slots."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from megatron.layers.residual import residual_bda
+    from megatron.training.model.layer_specs import (  # megatron-core on first use
+        LayerSpecOptions,
+        get_usp_gpt_layer_spec,
+    )
+
+    spec = get_usp_gpt_layer_spec(LayerSpecOptions(attention_backend="math", fused_kernels="usp",
+                                                   lean_norms=lean), qk_layernorm=True)
+    layer = spec.submodules
+    attn = layer.self_attention.submodules
+    stream = ([attn.linear_qkv, layer.mlp.submodules.linear_fc1] if lean
+              else [layer.input_layernorm, layer.pre_mlp_layernorm])
+    assert all(slot.params["residual_grad"] is True for slot in stream)
+    assert "residual_grad" not in attn.q_layernorm.params
+    assert layer.self_attn_bda is residual_bda and layer.mlp_bda is residual_bda
+    for kernels, normalization in (("torch", "RMSNorm"), ("usp", "LayerNorm")):
+        other = get_usp_gpt_layer_spec(
+            LayerSpecOptions(attention_backend="math", fused_kernels=kernels, lean_norms=lean),
+            normalization=normalization).submodules
+        assert other.self_attn_bda is get_bias_dropout_add
+        assert other.mlp_bda is get_bias_dropout_add
+        slots = ([other.self_attention.submodules.linear_qkv] if lean
+                 else [other.input_layernorm])
+        assert all("residual_grad" not in slot.params for slot in slots)
+
+
 def test_block_spec_holds_this_stage_layers_and_our_final_norm():
     from megatron.training.model.layer_specs import (  # megatron-core on first use
         LayerSpecOptions,

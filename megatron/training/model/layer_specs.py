@@ -27,6 +27,11 @@ layernorm`` / ``swiglu``): the norms before QKV and FC1 move into those linear l
 ``IdentityOp``), the SwiGLU into FC2 (:class:`~megatron.layers.fused_linears.SwiGLURowParallelLinear`,
 the activation slot passes FC1's output through); each recomputes its elementwise op in the backward.
 
+The residual's gradient (``usp`` RMSNorm): the input and pre-MLP norms (or the linear layers
+they moved into) add the gradient their input receives as the sublayer's residual inside their
+backward kernel, handed over by the bias-dropout-add slots
+(:func:`megatron.layers.residual.residual_bda`); see :mod:`megatron.layers.residual`.
+
 Weight gradients into ``main_grad`` (``fuse_wgrad``, ``--gradient-accumulation-fusion``): the
 four linear layers of each layer become this project's subclasses of megatron-core's
 (:func:`with_wgrad_fusion`, :mod:`megatron.layers.linear_wgrad`).
@@ -63,6 +68,7 @@ from megatron.layers.fused_linears import (
     USPRowParallelLinear,
 )
 from megatron.layers.norms import norm_class
+from megatron.layers.residual import residual_bda
 from megatron.layers.self_attention import USPSelfAttention
 from megatron.memory.kept_attention import RecomputeKeep
 from megatron.memory.tiled_mlp import tiled_mlp_class
@@ -198,7 +204,12 @@ def get_usp_gpt_layer_spec(
     if fused_kernels not in FUSED_KERNEL_CHOICES[1:]:
         raise ValueError(f"fused_kernels {fused_kernels!r}: pass a resolved choice, one of "
                          f"{list(FUSED_KERNEL_CHOICES[1:])}")
-    norm = norm_spec(normalization, op_impl(fused_kernels, "rms_norm"))
+    norm_impl = op_impl(fused_kernels, "rms_norm")
+    norm = norm_spec(normalization, norm_impl)
+    # the input and pre-MLP norms add their input's residual gradient in their backward
+    residual_grad = normalization == "RMSNorm" and norm_impl == "usp"
+    stream_norm = (ModuleSpec(module=norm.module, params={**norm.params, "residual_grad": True})
+                   if residual_grad else norm)
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
     layer = spec.submodules
     attn = layer.self_attention
@@ -229,14 +240,18 @@ def get_usp_gpt_layer_spec(
                 module=SwiGLU, params={"impl": op_impl(fused_kernels, "swiglu")}))
     if o.lean_norms:
         normed_linear = ModuleSpec(module=NormColumnParallelLinear,
-                                   params={"norm_impl": op_impl(fused_kernels, "rms_norm")})
+                                   params={"norm_impl": norm_impl,
+                                           **({"residual_grad": True} if residual_grad else {})})
         attn.submodules = dataclasses.replace(attn.submodules, linear_qkv=normed_linear)
         mlp.submodules = dataclasses.replace(mlp.submodules, linear_fc1=normed_linear)
         spec.submodules = dataclasses.replace(layer, input_layernorm=IdentityOp,
                                               pre_mlp_layernorm=IdentityOp)
     else:
-        spec.submodules = dataclasses.replace(layer, input_layernorm=norm,
-                                              pre_mlp_layernorm=norm)
+        spec.submodules = dataclasses.replace(layer, input_layernorm=stream_norm,
+                                              pre_mlp_layernorm=stream_norm)
+    if residual_grad:
+        spec.submodules = dataclasses.replace(spec.submodules, self_attn_bda=residual_bda,
+                                              mlp_bda=residual_bda)
     if o.fuse_wgrad or o.float8_linears:
         def ours(linear):
             return with_usp_linear(linear, o.fuse_wgrad)
