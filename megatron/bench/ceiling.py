@@ -90,6 +90,8 @@ class Ceiling:
     fastest_kernels: Optional[Dict[str, int]] = None          # sequences each kernel won
     sequences: Optional[int] = None
     num_layers: Optional[int] = None  # of the model timed (--num-layers: a slice)
+    # documents: each sequence's fastest-kernel attention, in the order given (per layer)
+    attention_ms_per_sequence: Optional[List[float]] = None
 
 
 def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats: int) -> float:
@@ -131,15 +133,16 @@ def attention_fwd_bwd_ms(seq_len: int, heads: int, kv_heads: int, head_dim: int,
 def document_attention_ms(shape, documents: Sequence[Sequence[int]], device, dtype,
                           repeats: int) -> Dict:
     """Per sequence (its document lengths), the fastest single-GPU document kernel's
-    forward+backward ms; the mean of that over the sequences, each kernel's mean and how many
-    sequences each kernel won. Identical sequences are timed once."""
+    forward+backward ms (``per_sequence_ms``, in the order given); the mean of that over the
+    sequences, each kernel's mean and how many sequences each kernel won. Identical sequences
+    are timed once."""
     setup = KernelSetup(shape.num_attention_heads, shape.num_query_groups, shape.head_dim,
                         dtype, iters=repeats)
     distinct: Dict[tuple, int] = {}
     for lengths in documents:
         key = tuple(int(n) for n in lengths)
         distinct[key] = distinct.get(key, 0) + 1
-    best, per_kernel, wins = 0.0, {}, {}
+    best, per_kernel, wins, fastest_ms = 0.0, {}, {}, {}
     for lengths, count in distinct.items():
         seg = np.repeat(np.arange(len(lengths)), lengths)[None]
         times = {r.kernel: r.fwd_bwd_ms for r in time_document_kernels(
@@ -148,11 +151,14 @@ def document_attention_ms(shape, documents: Sequence[Sequence[int]], device, dty
             raise RuntimeError(f"no document kernel ran on a sequence of {len(lengths)} "
                                f"documents")
         fastest = min(times, key=times.get)
+        fastest_ms[lengths] = times[fastest]
         wins[fastest] = wins.get(fastest, 0) + count
         best += count * times[fastest]
         for name, ms in times.items():
             per_kernel[name] = per_kernel.get(name, 0.0) + count * ms / len(documents)
-    return {"ms": best / len(documents), "kernels_ms": per_kernel, "wins": wins}
+    per_sequence = [fastest_ms[tuple(int(n) for n in lengths)] for lengths in documents]
+    return {"ms": best / len(documents), "kernels_ms": per_kernel, "wins": wins,
+            "per_sequence_ms": per_sequence}
 
 
 def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
@@ -207,7 +213,8 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
         dense_attention_ms_per_layer=dense_attn_ms if docs else None,
         document_kernels_ms=docs["kernels_ms"] if docs else None,
         fastest_kernels=docs["wins"] if docs else None,
-        sequences=len(documents) if docs else None, num_layers=shape.num_layers)
+        sequences=len(documents) if docs else None, num_layers=shape.num_layers,
+        attention_ms_per_sequence=docs["per_sequence_ms"] if docs else None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

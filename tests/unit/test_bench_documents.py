@@ -239,3 +239,39 @@ def test_documents_ceiling_takes_the_fastest_kernel_per_sequence():
     assert set(got["kernels_ms"]) <= set(CEILING_DOC_KERNELS) - {"varlen"} or \
         document_bench.flash_varlen.available()
     assert 0 < got["ms"] <= min(got["kernels_ms"].values()) + 1e-9
+    per = got["per_sequence_ms"]
+    assert len(per) == 3 and per[0] == per[1]
+    assert sum(per) / 3 == pytest.approx(got["ms"])
+
+
+def test_the_steady_iterations_are_held_to_the_ceiling_of_their_own_documents(tmp_path):
+    """``ceiling_share_steady``: the iterations that built no plan, against the ceiling of
+    the sequences they trained (the same GEMMs, their attention); None where it cannot be
+    paired (no per-sequence attention, another count, no steady iteration)."""
+    from megatron.bench.e2e.ceilings import apply_ceiling
+
+    ceiling = dict(ceiling_ms=260.0, ceiling_mfu=0.5, num_layers=2, linears_ms_per_layer=50.0,
+                   output_layer_ms=20.0, attention_ms_per_sequence=[30.0, 90.0, 10.0])
+
+    def row(flags, steady_ms):
+        return config.E2EResult(128, 1, 1, "none", 1, 1, "ok", iterations_measured=3,
+                                iter_ms=400.0, iter_ms_each=[400.0] * 3, tokens_per_s=1.0,
+                                tokens_per_s_per_gpu=1.0, tflops_per_gpu=1.0,
+                                docs="lognormal", flops_count="useful (documents)",
+                                steady_iterations=sum(flags), iter_ms_steady=steady_ms,
+                                iter_steady=flags)
+
+    r = row([True, False, True], 250.0)
+    apply_ceiling(r, {128: ceiling})
+    assert r.ceiling_share == pytest.approx(260.0 / 400.0)
+    # steady: iterations 1 and 3, attention (30 + 10) / 2 = 20 per layer
+    assert r.ceiling_share_steady == pytest.approx((2 * (50.0 + 20.0) + 20.0) / 250.0)
+    assert "2 of 3 iterations built no new attention plans: 250.0 ms/iter (64.0% of their " \
+           "ceiling)" in output.progress_line(r)
+    for flags, steady_ms, c in (([False] * 3, None, ceiling), ([True, True], 250.0, ceiling),
+                                ([True] * 3, 250.0, dict(ceiling,
+                                                         attention_ms_per_sequence=None))):
+        r = row(flags, steady_ms)
+        apply_ceiling(r, {128: c})
+        assert r.ceiling_share_steady is None
+        assert "of their ceiling" not in output.progress_line(r)

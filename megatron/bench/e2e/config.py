@@ -124,6 +124,9 @@ class E2EResult:
     # first time (no cuDNN plan build), their count and mean; None without the loop's record
     steady_iterations: Optional[int] = None
     iter_ms_steady: Optional[float] = None
+    iter_steady: Optional[List[bool]] = None     # per measured iteration: built no plan
+    # with --ceiling: the steady iterations' ceiling (their own documents) over their mean
+    ceiling_share_steady: Optional[float] = None
     tokens_per_s: Optional[float] = None
     tflops_per_gpu: Optional[float] = None
     mfu: Optional[float] = None

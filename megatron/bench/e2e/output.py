@@ -43,7 +43,9 @@ def progress_line(r: E2EResult) -> str:
         if r.steady_iterations is not None:
             line += (f"; {r.steady_iterations} of {r.iterations_measured} iterations built no "
                      f"new attention plans"
-                     + (f": {r.iter_ms_steady:.1f} ms/iter" if r.iter_ms_steady else ""))
+                     + (f": {r.iter_ms_steady:.1f} ms/iter" if r.iter_ms_steady else "")
+                     + (f" ({100 * r.ceiling_share_steady:.1f}% of their ceiling)"
+                        if r.ceiling_share_steady is not None else ""))
         if r.attention_path:
             line += f", attention {r.attention_path}"
     return line

@@ -102,7 +102,8 @@ def _count_steady(measured: List[dict], times: List[float], res: E2EResult) -> N
     (dense sequences, or a loop that does not record it)."""
     if not measured or any(not isinstance(r.get("new_plan_shapes"), int) for r in measured):
         return
-    steady = [t for r, t in zip(measured, times) if r["new_plan_shapes"] == 0]
+    res.iter_steady = [r["new_plan_shapes"] == 0 for r in measured]
+    steady = [t for flag, t in zip(res.iter_steady, times) if flag]
     res.steady_iterations = len(steady)
     res.iter_ms_steady = 1e3 * sum(steady) / len(steady) if steady else None
 
