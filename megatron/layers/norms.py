@@ -55,18 +55,13 @@ def _new_param(config, hidden_size: int, fill: float) -> torch.nn.Parameter:
 
 
 class _Norm(torch.nn.Module):
-    """What both norms share: the constructor megatron-core calls, ``weight``, ``eps``;
-    ``residual_grad`` (the layer spec's input and pre-MLP norms): the input's gradient as the
-    residual of the sublayer is added in the norm's backward where the kernel can
-    (:mod:`megatron.layers.residual`)."""
+    """What both norms share: the constructor megatron-core calls, ``weight``, ``eps``."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, impl: str = "torch",
-                 residual_grad: bool = False):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, impl: str = "torch"):
         super().__init__()
         if impl not in KERNEL_IMPLS:
             raise ValueError(f"norm impl {impl!r}; use one of {list(KERNEL_IMPLS)}")
         self.impl = impl
-        self.residual_grad = residual_grad
         self.normalized_shape = (hidden_size,)
         self.eps = eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
@@ -87,7 +82,15 @@ class RMSNorm(_Norm):
     Input: ``[..., hidden_size]`` (in the layers ``[s_local, b, h]``; ``s_local = s/(CP*TP)``
     with sequence parallelism), any floating dtype; output: the same shape and dtype.
     Parameter ``weight [hidden_size]`` (ones, or zeros when zero-centred).
+    ``residual_grad`` (the layer spec's input and pre-MLP norms): the gradient the input
+    receives as the sublayer's residual is added in the norm's backward where the kernel can
+    (:mod:`megatron.layers.residual`).
     """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, impl: str = "torch",
+                 residual_grad: bool = False):
+        super().__init__(config, hidden_size, eps, impl)
+        self.residual_grad = residual_grad
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.weight, self.eps, self.impl,
@@ -102,9 +105,8 @@ class LayerNorm(_Norm):
     zero-centred) and ``bias`` (zeros), both ``[hidden_size]``.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, impl: str = "torch",
-                 residual_grad: bool = False):
-        super().__init__(config, hidden_size, eps, impl, residual_grad)
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, impl: str = "torch"):
+        super().__init__(config, hidden_size, eps, impl)
         self.bias = _new_param(config, hidden_size, 0.0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
