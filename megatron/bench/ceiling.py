@@ -90,8 +90,8 @@ class Ceiling:
     fastest_kernels: Optional[Dict[str, int]] = None          # sequences each kernel won
     sequences: Optional[int] = None
     num_layers: Optional[int] = None  # of the model timed (--num-layers: a slice)
-    # documents: each sequence's fastest-kernel attention, in the order given (per layer)
-    attention_ms_per_sequence: Optional[List[float]] = None
+    # documents: each sequence's ceiling (its attention at the fastest kernel), in order
+    ceiling_ms_per_sequence: Optional[List[float]] = None
 
 
 def linear_fwd_bwd_ms(tokens: int, n_in: int, n_out: int, device, dtype, repeats: int) -> float:
@@ -138,9 +138,9 @@ def document_attention_ms(shape, documents: Sequence[Sequence[int]], device, dty
     are timed once."""
     setup = KernelSetup(shape.num_attention_heads, shape.num_query_groups, shape.head_dim,
                         dtype, iters=repeats)
+    keys = [tuple(int(n) for n in lengths) for lengths in documents]
     distinct: Dict[tuple, int] = {}
-    for lengths in documents:
-        key = tuple(int(n) for n in lengths)
+    for key in keys:
         distinct[key] = distinct.get(key, 0) + 1
     best, per_kernel, wins, fastest_ms = 0.0, {}, {}, {}
     for lengths, count in distinct.items():
@@ -156,9 +156,8 @@ def document_attention_ms(shape, documents: Sequence[Sequence[int]], device, dty
         best += count * times[fastest]
         for name, ms in times.items():
             per_kernel[name] = per_kernel.get(name, 0.0) + count * ms / len(documents)
-    per_sequence = [fastest_ms[tuple(int(n) for n in lengths)] for lengths in documents]
     return {"ms": best / len(documents), "kernels_ms": per_kernel, "wins": wins,
-            "per_sequence_ms": per_sequence}
+            "per_sequence_ms": [fastest_ms[key] for key in keys]}
 
 
 def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
@@ -197,7 +196,11 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
         flops = training_flops(shape, seq_len, pairs)
         attn_flops = FWD_BWD_FACTOR * 4.0 * n * d * pairs
     dense_attn_ms, attn_ms = attn_ms, (docs["ms"] if docs else attn_ms)
-    ceiling_ms = shape.num_layers * (lin_ms + attn_ms) + out_ms
+
+    def ceiling_of(attention_ms: float) -> float:
+        return shape.num_layers * (lin_ms + attention_ms) + out_ms
+
+    ceiling_ms = ceiling_of(attn_ms)
     gemm_flops = 6.0 * seq_len * (sum(a * b for a, b in linears) * shape.num_layers + h * v)
     tflops = flops / (ceiling_ms / 1e3) / 1e12
     if peak_tflops is None:
@@ -214,7 +217,8 @@ def measure_ceiling(shape, seq_len: int, peak_tflops: Optional[float] = None,
         document_kernels_ms=docs["kernels_ms"] if docs else None,
         fastest_kernels=docs["wins"] if docs else None,
         sequences=len(documents) if docs else None, num_layers=shape.num_layers,
-        attention_ms_per_sequence=docs["per_sequence_ms"] if docs else None)
+        ceiling_ms_per_sequence=([ceiling_of(a) for a in docs["per_sequence_ms"]]
+                                 if docs else None))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

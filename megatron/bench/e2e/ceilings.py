@@ -81,19 +81,14 @@ def apply_ceiling(res: E2EResult, ceilings: Dict[int, dict]) -> None:
 
 def steady_share(res: E2EResult, c: dict):
     """Packed documents: the share of the ceiling over the measured iterations that built no
-    cuDNN plan, against the ceiling of those iterations' own documents (their attention at the
-    fastest kernel; the GEMMs as for all). None unless each measured iteration trained one
-    sequence whose attention the ceiling timed, and some iteration was steady."""
-    per_seq, flags = c.get("attention_ms_per_sequence"), res.iter_steady
+    cuDNN plan, against the ceiling of those iterations' own documents. None unless each
+    measured iteration trained one sequence whose ceiling was timed, and some iteration was
+    steady."""
+    per_seq, flags = c.get("ceiling_ms_per_sequence"), res.iter_steady
     if not per_seq or not flags or len(per_seq) != len(flags) or not res.iter_ms_steady:
         return None
     steady = [ms for ms, flag in zip(per_seq, flags) if flag]
-    if not steady:
-        return None
-    layers = c["num_layers"]
-    ceiling = layers * (c["linears_ms_per_layer"] + sum(steady) / len(steady)) \
-        + c["output_layer_ms"]
-    return ceiling / res.iter_ms_steady
+    return sum(steady) / len(steady) / res.iter_ms_steady if steady else None
 
 
 def ceiling_enabled(cfg: E2EConfig) -> bool:
