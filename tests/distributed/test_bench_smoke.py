@@ -256,6 +256,32 @@ def test_bench_e2e_packed_documents_count_useful_flops(tmp_path):
     assert "FLOPs: useful (documents)" in text and "| useful (documents) |" in text
 
 
+@pytest.mark.skipif(not (REPO / "pretrain_gpt.py").exists(),
+                    reason="pretrain_gpt.py is not in this checkout")
+def test_a_ceiling_run_profiles_one_iteration_after_the_measured_ones(tmp_path):
+    """A one-GPU run beside a ceiling trains --iters + 1 iterations and profiles the last
+    (pretrain_gpt.py --profile, here on one CPU process): the trace lands where the bench
+    reads it, the measured iterations and their documents stop at --iters, and a trace
+    without GEMM kernels (the CPU's) leaves the ceiling's own GEMM time in place."""
+    from megatron.bench.e2e import cli, config, documents, launch, summary
+
+    cfg = config.E2EConfig(seq_lens=[128], model="tiny", splits=[(1, 1)], iters=3, warmup=1,
+                           device="cpu", log_dir=str(tmp_path), docs="fixed:32",
+                           nproc_per_node=1, extra_args=["--num-workers", "0"])
+    documents.prepare_documents(cfg.docs, cfg.log_dir, cli.eod_id(cfg),
+                                cli.documents_tokens(cfg), cfg.seed)
+    spec = config.RunSpec(128, 1, 1, "none", 3, profile_step=True)
+    outcome = launch.run_training(cfg, spec)
+    assert outcome.status == "ok", outcome.note
+    assert [r["iteration"] for r in outcome.records if r.get("kind") == "train"] == [1, 2, 3, 4]
+    assert (tmp_path / "S128_U1xR1_none_profile" / "rank0_iters4-4.json").exists()
+    assert outcome.step_gemm_ms is None
+    assert len(outcome.attention_pairs) == 4
+    r = summary.summarize(cfg, spec, outcome)
+    assert r.status == "ok" and r.iterations_measured == 2
+    assert r.attention_pairs == 4 * 32 * 32 / 2
+
+
 def test_bench_checkpoint_tiny_model_on_the_cpu(tmp_path):
     """tools/bench_checkpoint.py (benchmarks/checkpoint_cost.sh
     runs it at 0.85B) saves with and without checksums and verifies one checkpoint."""

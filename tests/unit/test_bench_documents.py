@@ -251,8 +251,8 @@ def test_the_steady_iterations_are_held_to_the_ceiling_of_their_own_documents(tm
     from megatron.bench.e2e.ceilings import apply_ceiling
 
     # 2 layers of 50 ms linears, a 20 ms output layer, attention 30 / 90 / 10 ms per layer
-    ceiling = dict(ceiling_ms=260.0, ceiling_mfu=0.5,
-                   ceiling_ms_per_sequence=[2 * (50.0 + a) + 20.0 for a in (30.0, 90.0, 10.0)])
+    ceiling = dict(ceiling_ms=260.0, ceiling_mfu=0.5, num_layers=2, linears_ms_per_layer=50.0,
+                   output_layer_ms=20.0, ceiling_ms_per_sequence=[2 * (50.0 + a) + 20.0 for a in (30.0, 90.0, 10.0)])
 
     def row(flags, steady_ms):
         return config.E2EResult(128, 1, 1, "none", 1, 1, "ok", iterations_measured=3,

@@ -219,11 +219,13 @@ def eod_id(cfg: E2EConfig) -> int:
 
 
 def documents_tokens(cfg: E2EConfig) -> int:
-    """Tokens the written documents must hold so that no run goes round them twice."""
+    """Tokens the written documents must hold so that no run goes round them twice (its
+    iterations and a profiled one after them: :func:`megatron.bench.e2e.ceilings.profiles_step`)."""
     longest = cfg.max_seq if cfg.find_max_seq else max(cfg.seq_lens)
+    spec = RunSpec(longest, 1, 1, "none", cfg.iters, profile_step=True)
     batch = max(global_batch_size(cfg, RunSpec(longest, u, r, "none", cfg.iters))
                 for u, r in cfg.splits)
-    return cfg.iters * batch * longest + longest + 1
+    return spec.train_iters * batch * longest + longest + 1
 
 
 def _device(cfg: E2EConfig):

@@ -32,7 +32,7 @@ def pretrain_args(cfg: E2EConfig, spec: RunSpec, metrics_path: str) -> List[str]
         "--seq-length", str(spec.seq_len), "--max-position-embeddings", str(spec.seq_len),
         "--micro-batch-size", str(cfg.micro_batch_size),
         "--global-batch-size", str(global_batch_size(cfg, spec)),
-        "--train-iters", str(spec.iters), "--eval-iters", "0",
+        "--train-iters", str(spec.train_iters), "--eval-iters", "0",
         "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine",
         "--lr-warmup-iters", "0", "--weight-decay", "0.1", "--clip-grad", "1.0",
         "--ulysses-degree", str(spec.ulysses), "--ring-degree", str(spec.ring),
@@ -46,6 +46,11 @@ def pretrain_args(cfg: E2EConfig, spec: RunSpec, metrics_path: str) -> List[str]
         args += ["--peak-tflops", str(cfg.peak_tflops)]
     if cfg.use_cuda():
         args += ["--bf16", "--use-distributed-optimizer"]
+    if spec.profile_step:
+        k = str(spec.train_iters)
+        args += ["--profile", "--profile-step-start", k, "--profile-step-end",
+                 str(spec.train_iters + 1), "--profile-ranks", "0",
+                 "--profile-dir", spec.profile_dir(cfg.log_dir)]
     return args + list(cfg.extra_args)
 
 

@@ -3,6 +3,7 @@ specification and outcome, and a row of the report."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -79,6 +80,22 @@ class RunSpec:
     recompute: str            # none | full
     iters: int
     round: int = 1            # --rounds: which repetition of this length
+    # with a ceiling on one GPU: one more iteration after the measured ones, profiled, whose
+    # GEMM kernels' device time the ceiling's share takes where it beats the ceiling's own
+    profile_step: bool = False
+
+    @property
+    def train_iters(self) -> int:
+        """Iterations the run trains: the measured ones, plus the profiled one."""
+        return self.iters + 1 if self.profile_step else self.iters
+
+    def profile_dir(self, log_dir: str) -> str:
+        return os.path.join(log_dir, f"{self.name}_profile")
+
+    def profile_trace(self, log_dir: str) -> str:
+        """The Chrome trace ``--profile`` writes for the profiled iteration (rank 0)."""
+        k = self.train_iters
+        return os.path.join(self.profile_dir(log_dir), f"rank0_iters{k}-{k}.json")
 
     @property
     def name(self) -> str:
@@ -103,6 +120,7 @@ class RunOutcome:
     note: Optional[str] = None
     attention_pairs: Optional[List[float]] = None   # --docs: per iteration, from the first
     documents: Optional[List[int]] = None           # --docs: per iteration
+    step_gemm_ms: Optional[float] = None            # the profiled iteration's GEMM kernels
 
 
 @dataclass
@@ -142,6 +160,10 @@ class E2EResult:
     tokens_per_s_per_gpu: Optional[float] = None
     ceiling_mfu: Optional[float] = None  # one-GPU rows, with --ceiling
     ceiling_share: Optional[float] = None
+    # the ceiling's GEMMs (timed alone) and the same GEMMs' device time in a profiled training
+    # iteration; the share counts the lower (the ceiling module, --ceiling)
+    ceiling_gemm_ms: Optional[float] = None
+    step_gemm_ms: Optional[float] = None
     round: int = 1                       # --rounds: which repetition of this length
     docs: Optional[str] = None           # --docs mix (None: dense sequences)
     flops_count: str = DENSE_COUNT       # which attention pairs the FLOPs count

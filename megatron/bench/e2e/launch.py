@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
+from megatron.bench import trace_summary
 from megatron.bench.e2e.command import launch_command, pretrain_args
 from megatron.bench.e2e.config import REPO_ROOT, E2EConfig, RunOutcome, RunSpec
 from megatron.bench.e2e.documents import trained_batches
@@ -91,7 +92,23 @@ def run_training(cfg: E2EConfig, spec: RunSpec) -> RunOutcome:
                        cmd, spec.iters)
     if cfg.docs is not None and outcome.status == "ok":
         count_documents(cfg, spec, outcome)
+    if spec.profile_step and outcome.status == "ok":
+        outcome.step_gemm_ms = profiled_gemm_ms(spec.profile_trace(cfg.log_dir))
     return outcome
+
+
+def profiled_gemm_ms(trace_path: str) -> Optional[float]:
+    """Device time of the GEMM kernels in the Chrome trace of one profiled iteration
+    (:func:`megatron.bench.trace_summary.category`), None without a trace or a GEMM in it;
+    the trace's summary goes beside it (``.summary.txt``)."""
+    if not os.path.exists(trace_path):
+        return None
+    with open(trace_path) as fh:
+        summary = trace_summary.summarize(json.load(fh))
+    Path(trace_path).with_suffix(".summary.txt").write_text(
+        trace_summary.render(trace_path, summary, kernels=3) + "\n")
+    gemm = summary["by_category_ms"].get("gemm")
+    return gemm if gemm else None
 
 
 def trained_batches_of(cfg: E2EConfig, spec: RunSpec):

@@ -37,7 +37,7 @@ def progress_line(r: E2EResult) -> str:
             f"{r.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {mfu}, peak {mem}, host peak {host}")
     if r.ceiling_share is not None:
         line += (f", {100 * r.ceiling_share:.1f}% of the ceiling "
-                 f"({report.fmt(r.ceiling_mfu, pct=True)} MFU)")
+                 f"({report.fmt(r.ceiling_mfu, pct=True)} MFU{_gemm_note(r)})")
     if r.docs is not None:
         line += f"; FLOPs {r.flops_count}, {report.fmt(r.documents_per_iteration, 0)} docs/iter"
         if r.steady_iterations is not None:
@@ -49,6 +49,17 @@ def progress_line(r: E2EResult) -> str:
         if r.attention_path:
             line += f", attention {r.attention_path}"
     return line
+
+
+def _gemm_note(r: E2EResult) -> str:
+    """Which GEMM time the ceiling counted: the profiled iteration's, where it was lower."""
+    if r.ceiling_gemm_ms is None:
+        return ""
+    if r.step_gemm_ms is None:
+        return f"; GEMMs {r.ceiling_gemm_ms:.1f} ms timed alone, no profiled iteration"
+    which = "the step's" if r.step_gemm_ms < r.ceiling_gemm_ms else "timed alone"
+    return (f"; GEMMs {r.step_gemm_ms:.1f} ms in the profiled step, {r.ceiling_gemm_ms:.1f} ms "
+            f"timed alone: counts {which}")
 
 
 def ratio_line(ratio: dict) -> str:
@@ -144,6 +155,12 @@ def results_markdown(meta: dict, cfg: E2EConfig, results: List[E2EResult],
     if rounds:
         _insert_round_column(headers, rows, [r.round for r in results])
     text = title + report.metadata_markdown(meta) + "\n" + report.markdown_table(headers, rows)
+    gemms = [r for r in results if r.ceiling_gemm_ms is not None]
+    if gemms:
+        text += ("\nThe ceiling's GEMMs, timed alone / in the profiled iteration after the "
+                 "measured ones (the share counts the lower): " + "; ".join(
+                     f"{seq_label(r.seq_len)} {r.ceiling_gemm_ms:.1f} / "
+                     f"{report.fmt(r.step_gemm_ms)} ms" for r in gemms) + "\n")
     ratios = peer_ratios(results)
     if ratios:
         ratio_rows = [[seq_label(x["seq_len"]), x["split"], x["recompute"], x["peer"],

@@ -73,7 +73,9 @@ def summarize(cfg: E2EConfig, spec: RunSpec, outcome: RunOutcome) -> E2EResult:
     res.num_layers = cfg.shape.num_layers
     res.peak_mem_gib = _peak(steps, "mem_gib")
     res.peak_host_gib = _peak(steps, "host_mem_gib")
-    measured = [r for r in steps[cfg.warmup:] if _number(r, "step_time_s")]
+    res.step_gemm_ms = outcome.step_gemm_ms
+    # after --warmup, up to --iters: a profiled iteration after them is not timed
+    measured = [r for r in steps[cfg.warmup:spec.iters] if _number(r, "step_time_s")]
     times = [_number(r, "step_time_s") for r in measured]
     if outcome.status != "ok" or not times:
         if outcome.status == "ok":

@@ -31,6 +31,8 @@ def throughput_sweep(cfg: E2EConfig, runner: Runner = run_training,
     results: List[E2EResult] = []
     needs_full = set()
     ceilings = ceilings or {}
+    # the ceiling's rows (one GPU) profile one more iteration: apply_ceiling reads its GEMMs
+    profile = bool(ceilings) and cfg.nproc_per_node == 1
 
     def record(res: E2EResult) -> E2EResult:
         apply_ceiling(res, ceilings)
@@ -47,10 +49,10 @@ def throughput_sweep(cfg: E2EConfig, runner: Runner = run_training,
                 first = cfg.recompute
                 if first == "auto":
                     first = "full" if (u, r) in needs_full else "none"
-                res = run(RunSpec(seq_len, u, r, first, cfg.iters, round_))
+                res = run(RunSpec(seq_len, u, r, first, cfg.iters, round_, profile))
                 if res.status == "oom" and cfg.recompute == "auto" and first == "none":
                     needs_full.add((u, r))
-                    run(RunSpec(seq_len, u, r, "full", cfg.iters, round_))
+                    run(RunSpec(seq_len, u, r, "full", cfg.iters, round_, profile))
             for peer in cfg.peers:
                 for recompute in peer_recompute_order(cfg.recompute):
                     res = record(peer_runner(cfg, peer, seq_len, recompute, round_))
