@@ -68,6 +68,9 @@ BAD = [
     (["--peak-tflops", "0"], 4, "--peak-tflops"),
     (["--exit-duration-in-mins", "0"], 4, "--exit-duration-in-mins 0.0 must be > 0, e.g."),
     (["--exit-duration-in-mins", "nan"], 4, "--exit-duration-in-mins nan must be > 0"),
+    (["--distributed-timeout-minutes", "0"], 4,
+     "--distributed-timeout-minutes 0 must be > 0, e.g. --distributed-timeout-minutes 10"),
+    (["--distributed-timeout-minutes", "-1"], 4, "--distributed-timeout-minutes -1 must be > 0"),
     # 2*U*R = 4 divides 68, but each CP rank's 34 tokens do not split over TP 4.
     (["--tensor-model-parallel-size", "4", "--ulysses-degree", "2", "--num-attention-heads",
       "8", "--sequence-parallel", "--seq-length", "68"], 8, "try --seq-length 64 or 72"),

@@ -64,7 +64,9 @@ per-round ratios (run-to-run noise of one run's mean is ~1-3 % on the H200 at 32
 
 Ceiling (``--ceiling``, default on CUDA): :mod:`megatron.bench.ceiling` times the step's
 matmuls and attention alone for each length, in a process of its own before the training
-runs; one-GPU rows then show the ceiling MFU and the share of it reached.
+runs; one-GPU rows then show the ceiling MFU and the share of it reached. Those runs train
+one iteration more than ``--iters``, profiled and not timed, and the share counts the GEMMs at
+the lower of the ceiling's time and that iteration's (:func:`.ceilings.apply_ceiling`).
 
 Packed documents (``--docs MIX``, :mod:`.documents`): the runs train with
 ``--reset-attention-mask --reset-position-ids --eod-mask-loss`` on megatron-core's mock

@@ -793,6 +793,9 @@ def _device_fields(args, cuda_available: bool) -> Dict[str, Any]:
     backend = args.distributed_backend
     if backend is None:
         backend = "nccl" if device == "cuda" else "gloo"
+    if args.distributed_timeout_minutes <= 0:     # every collective would time out at once
+        raise ArgumentsError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} "
+                             f"must be > 0, e.g. --distributed-timeout-minutes 10")
     if device == "cpu":
         if backend != "gloo":
             raise ArgumentsError("--device cpu needs --distributed-backend gloo")
