@@ -195,9 +195,11 @@ def stop_with_the_rank(rank_pid: int, worker_id: int = 0) -> None:
     Why: with the signals only blocked, a rank leaving through an error sent its workers
     SIGTERM from multiprocessing's exit handler and then joined them with no timeout, so
     it never exited. The signals stay blocked; a thread takes them with ``sigwaitinfo``,
-    which tells who sent each.
+    which tells who sent each. An exception the worker reports once the rank is gone ends it
+    quietly (:func:`quiet_once_the_rank_is_gone`).
     """
     del worker_id
+    sys.excepthook = quiet_once_the_rank_is_gone(rank_pid, sys.excepthook)
     if not hasattr(signal, "sigwaitinfo"):
         return
 
@@ -208,6 +210,42 @@ def stop_with_the_rank(rank_pid: int, worker_id: int = 0) -> None:
                 os._exit(0)
 
     threading.Thread(target=wait, name="stop-with-the-rank", daemon=True).start()
+
+
+RANK_GONE_WAIT_S = 2.0
+
+
+def rank_gone(rank_pid: int, wait_s: float = 0.0) -> bool:
+    """Whether the rank ``rank_pid``, this process's parent, has exited (this process was
+    re-parented, or the rank is gone or a zombie), waiting up to ``wait_s`` for it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        st = _stat(rank_pid)
+        if os.getppid() != rank_pid or st is None or st[0] in ("Z", "X"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def quiet_once_the_rank_is_gone(rank_pid: int, previous):
+    """A ``sys.excepthook`` for the rank's DataLoader workers: an exception reported while
+    the rank is gone ends the worker quietly; any other goes to ``previous``.
+
+    Why: a worker serves the file descriptors of the tensors it hands to the rank from a
+    thread of multiprocessing's ``resource_sharer``, which reports its errors through
+    ``sys.excepthook``. A rank killed while it fetched one left that thread a
+    ``ConnectionResetError`` whose traceback landed in the job's output after the
+    launcher's one line, before the guard ended the worker. The kernel closes the rank's
+    sockets a moment before it re-parents the rank's children, so the hook waits up to
+    :data:`RANK_GONE_WAIT_S` for the rank to be gone before it decides."""
+
+    def hook(exc_type, exc, tb) -> None:
+        if rank_gone(rank_pid, RANK_GONE_WAIT_S):
+            os._exit(0)
+        previous(exc_type, exc, tb)
+
+    return hook
 
 
 def start_guard() -> Optional[subprocess.Popen]:

@@ -802,3 +802,52 @@ def test_a_silent_failing_rank_waits_for_torchrun_but_no_longer():
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=10)
     assert proc.returncode == 0 and float(out) < 3.0
+
+
+ORPHAN_SCRIPT = """
+import multiprocessing as mp, os, sys, time
+from megatron.training.process_guard import quiet_once_the_rank_is_gone
+
+def worker(rank_pid, marks):
+    sys.excepthook = quiet_once_the_rank_is_gone(rank_pid, sys.excepthook)
+    while os.getppid() == rank_pid:
+        time.sleep(0.01)
+    with open(marks, "a") as f:
+        f.write("before ")
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        sys.excepthook(*sys.exc_info())   # what multiprocessing's resource_sharer does
+    with open(marks, "a") as f:
+        f.write("after")
+
+p = mp.get_context("fork").Process(target=worker, args=(os.getpid(), sys.argv[1]))
+p.start()
+os._exit(0)   # the rank is gone, its worker still running
+"""
+
+
+def test_a_worker_whose_rank_is_gone_ends_quietly(tmp_path):
+    """A DataLoader worker's error reported after its rank was killed (multiprocessing's
+    resource_sharer thread, connection reset) printed a traceback into the job's output;
+    now the worker ends without one."""
+    script, marks = tmp_path / "rank.py", tmp_path / "marks"
+    script.write_text(ORPHAN_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(marks)], capture_output=True,
+                          text=True, timeout=60)   # returns once the worker closed the pipes
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marks.read_text() == "before ", proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_worker_error_while_the_rank_lives_is_reported(monkeypatch):
+    """While the rank is alive the hook hands the exception on (and does not exit)."""
+    from megatron.training import process_guard
+
+    monkeypatch.setattr(process_guard, "RANK_GONE_WAIT_S", 0.1)
+    seen = []
+    hook = process_guard.quiet_once_the_rank_is_gone(os.getppid(), lambda *a: seen.append(a))
+    exc = ConnectionResetError(104, "Connection reset by peer")
+    hook(type(exc), exc, None)
+    assert seen == [(type(exc), exc, None)]
+    assert not process_guard.rank_gone(os.getppid())
