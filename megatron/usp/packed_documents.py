@@ -35,8 +35,10 @@ cuDNN only once it has recurred (fixed-length data at once), and a causal docume
 length runs as a call of its length rounded up to one of a few shapes
 (:func:`padded_length`), reading the tokens after it as extra rows whose results are dropped
 (its own rows never see later keys) and whose output gradients are zero (so they add nothing
-to its keys' gradients). Packed documents of random lengths thus reach cuDNN's rate after a
-few steps, with no plan built per step. The same cost table prices the document ring's
+to its keys' gradients). Every document of a bucket would run at its padded shape, so that
+shape is counted as seen whichever kind the document ran in, and its build is spread over
+the calls an exact length waits for. Packed documents of random lengths thus reach cuDNN's
+rate after a few steps, with no plan built per step. The same cost table prices the document ring's
 blocks (:mod:`megatron.usp.document_choice`); with a group, one rank measures it for all.
 
 A sliding-window layer (:attr:`PackedPlan.window` ``W``, causal) keeps the window inside each
@@ -187,17 +189,18 @@ def padded_length(n: int) -> int:
 
 
 def _batched_choice(n: int, count: int, start: int, seq_len: int, causal: bool,
-                    costs: "KernelCosts") -> Tuple[float, int]:
-    """(cost, span) of the best batched call for a run: exact, or one causal document padded
-    to a recurring shape when it fits before the sample's end."""
+                    costs: "KernelCosts") -> Tuple[float, int, int]:
+    """(cost, span, candidate) of the best batched call for a run: exact (``span`` 0), or one
+    causal document padded to the recurring shape ``candidate`` when it fits before the
+    sample's end (``candidate`` 0: no padded call is possible)."""
     exact = costs.batched(n, count)
     if count > 1 or not (causal and costs.padding):
-        return exact, 0
-    span = costs.padded_length(n)
-    if span == n or start + span > seq_len:
-        return exact, 0
-    padded = costs.batched(span, 1)
-    return (padded, span) if padded < exact else (exact, 0)
+        return exact, 0, 0
+    candidate = costs.padded_length(n)
+    if candidate == n or start + candidate > seq_len:
+        return exact, 0, 0
+    padded = costs.batched(candidate, 1, recurring=True)
+    return (padded, candidate, candidate) if padded < exact else (exact, 0, candidate)
 
 
 def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool = True,
@@ -212,10 +215,16 @@ def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool =
             labelled.append((VARLEN if costs.has_varlen else BATCHED, n, count, 0))
             start += n * count
             continue
-        batched, span = _batched_choice(n, count, start, seq_len, causal, costs)
+        batched, span, candidate = _batched_choice(n, count, start, seq_len, causal, costs)
         varlen = costs.varlen(n) * count if costs.has_varlen else math.inf
         kind = VARLEN if varlen < batched else BATCHED
-        costs.sighted(span or n, count, built=kind == BATCHED)
+        if kind == VARLEN:
+            span = 0
+        # the padded shape is sighted whatever ran: every document of its bucket would run at
+        # it, so it recurs where exact lengths do not
+        costs.sighted(n, count, built=kind == BATCHED and not span)
+        if candidate:
+            costs.sighted(candidate, 1, built=kind == BATCHED and bool(span))
         labelled.append((kind, n, count, span))
         start += n * count
     segments: List[Segment] = []
@@ -359,17 +368,21 @@ class KernelCosts:
         t = (math.log(n) - math.log(xs[j])) / (math.log(xs[j + 1]) - math.log(xs[j]))
         return math.exp((1 - t) * math.log(table[j]) + t * math.log(table[j + 1]))
 
-    def batched(self, n: int, count: int, shape: Optional[tuple] = None) -> float:
+    def batched(self, n: int, count: int, shape: Optional[tuple] = None,
+                recurring: bool = False) -> float:
         """Seconds for ``count`` documents of ``n`` tokens in one batched call (the build of
         its plan, shared by :attr:`layers` calls, included until the call's ``shape``, by
-        default ``(n, count)``, recurs)."""
+        default ``(n, count)``, recurs). ``recurring``: a shape that recurs by construction
+        (a padded length, which every document of its bucket runs at) has its build spread
+        over the ``reuse_before_build`` calls an exact length must wait for."""
         if count == 1:
             cost = self._at(self._one, n)
         else:
             cost = min(self._at(self._one, n) * count, self._at(self._many, n) * count)
         if self._sightings.get((n, count) if shape is None else shape,
                                0) < self.reuse_before_build:
-            cost += self.build_s / self.layers
+            uses = self.reuse_before_build if recurring else 1
+            cost += self.build_s / (self.layers * max(1, uses))
         return cost
 
     def tile_call(self, q_len: int, k_len: int, causal: bool, count: int) -> float:

@@ -82,7 +82,7 @@ class _PreferPadded(KernelCosts):
         super().__init__([1, 2], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], has_varlen=False,
                          padding=True)
 
-    def batched(self, n, count):
+    def batched(self, n, count, shape=None, recurring=False):
         return 1.0 / n
 
     def padded_length(self, n):               # tiny shapes: multiples of 4 tokens
@@ -127,7 +127,7 @@ def test_padded_lengths_are_few_and_not_shorter():
 def test_padding_only_for_causal_documents_that_fit():
     costs = KernelCosts([64, 128, 256], [1.0, 1.0, 1.0], [1.0] * 3, [9.0] * 3, has_varlen=True,
                         padding=True)
-    costs.batched = lambda n, count: 1.0 / n           # a longer call is cheaper here
+    costs.batched = lambda n, count, **_: 1.0 / n      # a longer call is cheaper here
     segs = choose_segments([100, 30, 50], costs)        # 100 -> 128 fits, 50 -> 128 does not
     assert [(s.start, s.span) for s in segs] == [(0, 128), (100, 0), (130, 0)]
     assert all(s.span == 0 for s in choose_segments([100, 30, 50], costs, causal=False))
@@ -251,6 +251,25 @@ def test_a_new_batched_shape_waits_until_it_recurs():
     assert kinds == [VARLEN, VARLEN, BATCHED, BATCHED]
     # another count of the same length is another shape
     assert choose_segments([100, 100], costs)[0].kind == VARLEN
+
+
+def test_random_lengths_reach_their_padded_shape():
+    """Documents of distinct lengths in one bucket: their exact shapes never recur, the padded
+    shape they share does, so it is sighted whichever kind ran and goes batched once it has
+    recurred (the documents before it run in the varlen call)."""
+    def costs(build_s):
+        return KernelCosts([64, 128, 256], [1.0] * 3, [1.0] * 3, [2.0] * 3, has_varlen=True,
+                           build_s=build_s, reuse_before_build=3, padding=True)
+
+    table = costs(10.0)
+    first = [choose_segments([n, 160 - n], table)[0] for n in (100, 101, 102, 103, 104)]
+    assert [(s.kind, s.span) for s in first] == [(VARLEN, 0)] * 3 + [(BATCHED, 128)] * 2
+    assert table.new_shapes == 1                       # one plan for the bucket, not one a length
+    # a padded shape's build is spread over the calls an exact one waits for: here 1 + 2.4/3
+    # beats the varlen call's 2 at once, where an exact shape would cost 1 + 2.4
+    assert [(s.kind, s.span) for s in choose_segments([100, 60], costs(2.4))] == [
+        (BATCHED, 128), (VARLEN, 0)]
+    assert choose_segments([100, 60], costs(2.4), causal=False)[0].kind == VARLEN
 
 
 # --------------------------------------------------------------------------- sliding window
