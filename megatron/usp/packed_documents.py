@@ -38,8 +38,9 @@ length runs as a call of its length rounded up to one of a few shapes
 to its keys' gradients). Every document of a bucket would run at its padded shape, so that
 shape is counted as seen whichever kind the document ran in, and its build is spread over
 the calls an exact length waits for. Packed documents of random lengths thus reach cuDNN's
-rate after a few steps, with no plan built per step. The same cost table prices the document ring's
-blocks (:mod:`megatron.usp.document_choice`); with a group, one rank measures it for all.
+rate after a few steps, with no plan built per step. The same cost table prices the document
+ring's blocks (:mod:`megatron.usp.document_choice`); with a group, one rank measures it for
+all.
 
 A sliding-window layer (:attr:`PackedPlan.window` ``W``, causal) keeps the window inside each
 document: a document of at most ``W + 1`` tokens sees its whole causal prefix and runs as
@@ -189,18 +190,18 @@ def padded_length(n: int) -> int:
 
 
 def _batched_choice(n: int, count: int, start: int, seq_len: int, causal: bool,
-                    costs: "KernelCosts") -> Tuple[float, int, int]:
-    """(cost, span, candidate) of the best batched call for a run: exact (``span`` 0), or one
-    causal document padded to the recurring shape ``candidate`` when it fits before the
-    sample's end (``candidate`` 0: no padded call is possible)."""
+                    costs: "KernelCosts") -> Tuple[float, int, bool]:
+    """(cost, candidate, padded) of the best batched call for a run: ``candidate`` is the
+    recurring shape one causal document may be padded to when it fits before the sample's
+    end (0: none), ``padded`` whether that call is the cheaper one (else the exact call)."""
     exact = costs.batched(n, count)
     if count > 1 or not (causal and costs.padding):
-        return exact, 0, 0
+        return exact, 0, False
     candidate = costs.padded_length(n)
     if candidate == n or start + candidate > seq_len:
-        return exact, 0, 0
+        return exact, 0, False
     padded = costs.batched(candidate, 1, recurring=True)
-    return (padded, candidate, candidate) if padded < exact else (exact, 0, candidate)
+    return (padded, candidate, True) if padded < exact else (exact, candidate, False)
 
 
 def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool = True,
@@ -215,16 +216,15 @@ def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool =
             labelled.append((VARLEN if costs.has_varlen else BATCHED, n, count, 0))
             start += n * count
             continue
-        batched, span, candidate = _batched_choice(n, count, start, seq_len, causal, costs)
+        batched, candidate, padded = _batched_choice(n, count, start, seq_len, causal, costs)
         varlen = costs.varlen(n) * count if costs.has_varlen else math.inf
         kind = VARLEN if varlen < batched else BATCHED
-        if kind == VARLEN:
-            span = 0
+        span = candidate if kind == BATCHED and padded else 0
         # the padded shape is sighted whatever ran: every document of its bucket would run at
         # it, so it recurs where exact lengths do not
         costs.sighted(n, count, built=kind == BATCHED and not span)
         if candidate:
-            costs.sighted(candidate, 1, built=kind == BATCHED and bool(span))
+            costs.sighted(candidate, 1, built=bool(span))
         labelled.append((kind, n, count, span))
         start += n * count
     segments: List[Segment] = []
