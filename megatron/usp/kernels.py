@@ -344,7 +344,14 @@ class TorchKernel(AttentionKernel):
         )
 
 
+def _unit_last_stride(x: Tensor) -> Tensor:
+    """``x`` whose last dimension is contiguous (the CPU op reads it as if it were and returns
+    wrong results without an error otherwise; torch 2.13)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _cpu_forward(kernel, q, k, v, causal, scale):
+    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=scale
     )
@@ -354,6 +361,7 @@ def _cpu_forward(kernel, q, k, v, causal, scale):
 def _cpu_backward(kernel, dout, q, k, v, out, lse, causal, scale):
     # The CPU op wants lse in the dtype it returned: float32 for low precision, else q's dtype.
     lse_dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.contiguous(), q, k, v, out.contiguous(), lse.to(lse_dtype).contiguous(),
         0.0, causal, scale=scale,

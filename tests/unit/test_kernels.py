@@ -92,6 +92,25 @@ def test_kernel_matches_reference(kernel, h, hk, d, causal):
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_inputs_with_a_strided_last_dimension(kernel):
+    """q, k, v whose head dimension is every other element of a wider tensor: the same
+    results as their contiguous copies (PyTorch's CPU op alone reads them wrong)."""
+    wide = [torch.randn(2, n, 24, 128, generator=torch.Generator().manual_seed(n),
+                        dtype=torch.float64) for n in (8, 2, 2)]
+    q, k, v = (x[..., ::2] for x in wide)
+    dout = torch.randn(2, 8, 24, 64, dtype=torch.float64)
+    for causal in (True, False):
+        out, lse = kernel.forward(q, k, v, causal, 0.125)
+        ref_out, ref_lse = kernel.forward(*(x.contiguous() for x in (q, k, v)), causal, 0.125)
+        torch.testing.assert_close(out, ref_out, **F64_TOL)
+        grads = kernel.backward(dout, q, k, v, out, lse, causal, 0.125)
+        want = kernel.backward(dout, *(x.contiguous() for x in (q, k, v)), ref_out, ref_lse,
+                               causal, 0.125)
+        for got, ref in zip(grads, want):
+            torch.testing.assert_close(got, ref, **F64_TOL)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
 def test_blocks_merged_by_lse_equal_whole_row(kernel):
     """Split the keys in two blocks: merged forward and per-block backward (with the global
     out/lse) reproduce attention over all keys -- the identity ring attention rests on."""
