@@ -480,20 +480,21 @@ def usp_attention_with_schedule(q: Tensor, k: Tensor, v: Tensor, sched: USPSched
     if sched.ulysses is None and sched.ring.size == 1:
         if sched.documents is None:
             return _LocalAttentionFunction.apply(q, k, v, sched)
-        packed = _packed_plan(q, k, sched)
+        packed = _packed_plan(q, k, v, sched)
         if packed is not None:
             return PackedDocumentAttention.apply(q, k, v, packed, sched.kernel, sched.scale)
     return _USPAttentionFunction.apply(q, k, v, sched)
 
 
-def _packed_plan(q: Tensor, k: Tensor, sched: USPSchedule) -> Optional[PackedPlan]:
+def _packed_plan(q: Tensor, k: Tensor, v: Tensor, sched: USPSchedule
+                 ) -> Optional[PackedPlan]:
     """U = R = 1 with ``--document-attention-kernel auto``: whole documents in order are read
     in place (:mod:`megatron.usp.packed_documents`); other kernels keep the block path."""
     if sched.document_kernel is None or sched.document_kernel.name != "auto":
         return None
     return packed_plan_for(sched.documents.blocks[0], sched.kernel, q, k,
                            getattr(sched.document_kernel, "costs_group", None),
-                           getattr(sched.document_kernel, "layers", 1))
+                           getattr(sched.document_kernel, "layers", 1), v, sched.scale)
 
 
 def _check_documents(plan: DocumentRingPlan, q: Tensor, ulysses: int, ring: int,

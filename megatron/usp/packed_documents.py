@@ -33,12 +33,16 @@ and a count), which costs more than the attention of a document it saves on, eve
 over the layers that reuse it in one micro-batch (:attr:`KernelCosts.layers`): a shape goes to
 cuDNN only once it has recurred (fixed-length data at once), and a causal document of any
 length runs as a call of its length rounded up to one of a few shapes
-(:func:`padded_length`), reading the tokens after it as extra rows whose results are dropped
-(its own rows never see later keys) and whose output gradients are zero (so they add nothing
-to its keys' gradients). Every document of a bucket would run at its padded shape, so that
-shape is counted as seen whichever kind the document ran in, and its build is spread over
-the calls an exact length waits for. Packed documents of random lengths thus reach cuDNN's
-rate after a few steps, with no plan built per step. The same cost table prices the document
+(:func:`padded_length`, at most 1/16 longer), reading the tokens after it as extra rows whose
+results are dropped (its own rows never see later keys) and whose output gradients are zero
+(so they add nothing to its keys' gradients); where the call would run past the sample's end
+it reads a zero-padded copy of the document laid out as the layer's tensors
+(:func:`_call_inputs`). The plans of the padded lengths are built ahead, on the first
+micro-batch of a length and layout, within a time budget (:func:`prebuild_padded_plans`);
+longer padded lengths are counted as seen for every document of their bucket, whichever kind
+the document ran in, and their build is spread over the calls an exact length waits for.
+Packed documents of random lengths thus run at cuDNN's rate from the first step, with no
+plan built per step. The same cost table prices the document
 ring's blocks (:mod:`megatron.usp.document_choice`); with a group, one rank measures it for
 all.
 
@@ -58,6 +62,7 @@ from __future__ import annotations
 import bisect
 import copy
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -92,6 +97,7 @@ class Segment:
     (its length rounded up to a shape the kernel has already built, :func:`padded_length`);
     the rows past the document are computed and dropped, and their output gradients are
     zero, so they change nothing of the document's (causal: its rows never see later keys).
+    A call that would run past the sample's end reads a zero-padded copy instead.
     """
 
     kind: str
@@ -181,24 +187,27 @@ def equal_runs(lengths: Sequence[int]) -> List[Tuple[int, int]]:
 
 
 def padded_length(n: int) -> int:
-    """A document length rounded up to one of few call shapes: multiples of 128 tokens to
-    1K, of 256 to 4K, of 1K to 16K, of 4K beyond (about 40 shapes up to 64K)."""
-    for limit, step in ((1024, 128), (4096, 256), (16384, 1024)):
-        if n <= limit:
-            return -(-n // step) * step
-    return -(-n // 4096) * 4096
+    """A document length rounded up to one of few call shapes: multiples of 128 tokens to 2K,
+    then 16 shapes per doubling (multiples of 128 to 4K, of 256 to 8K, ..., of 4K to 128K), so
+    a call computes at most 1/16 more rows than its document has (about 100 shapes up to 64K,
+    16 more per doubling beyond)."""
+    if n <= 2048:
+        return -(-n // 128) * 128
+    step = 1 << ((n - 1).bit_length() - 5)
+    return -(-n // step) * step
 
 
-def _batched_choice(n: int, count: int, start: int, seq_len: int, causal: bool,
-                    costs: "KernelCosts") -> Tuple[float, int, bool]:
+def _batched_choice(n: int, count: int, causal: bool, costs: "KernelCosts"
+                    ) -> Tuple[float, int, bool]:
     """(cost, candidate, padded) of the best batched call for a run: ``candidate`` is the
-    recurring shape one causal document may be padded to when it fits before the sample's
-    end (0: none), ``padded`` whether that call is the cheaper one (else the exact call)."""
+    recurring shape one causal document may be padded to (0: none), ``padded`` whether that
+    call is the cheaper one (else the exact call). A padded call that would read past the
+    sample's end runs on a zero-padded copy of the document (:func:`_call_inputs`)."""
     exact = costs.batched(n, count)
     if count > 1 or not (causal and costs.padding):
         return exact, 0, False
     candidate = costs.padded_length(n)
-    if candidate == n or start + candidate > seq_len:
+    if candidate == n:
         return exact, 0, False
     padded = costs.batched(candidate, 1, recurring=True)
     return (padded, candidate, True) if padded < exact else (exact, candidate, False)
@@ -210,13 +219,11 @@ def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool =
     document longer than the window reaches goes to the varlen kind where it exists (the op's
     own window, in place), else to a batched call of the window kernel; neither is padded."""
     labelled: List[Tuple[str, int, int, int]] = []
-    seq_len, start = sum(lengths), 0
     for n, count in equal_runs(lengths):
         if window is not None and n - 1 > window:
             labelled.append((VARLEN if costs.has_varlen else BATCHED, n, count, 0))
-            start += n * count
             continue
-        batched, candidate, padded = _batched_choice(n, count, start, seq_len, causal, costs)
+        batched, candidate, padded = _batched_choice(n, count, causal, costs)
         varlen = costs.varlen(n) * count if costs.has_varlen else math.inf
         kind = VARLEN if varlen < batched else BATCHED
         span = candidate if kind == BATCHED and padded else 0
@@ -226,7 +233,6 @@ def choose_segments(lengths: Sequence[int], costs: "KernelCosts", causal: bool =
         if candidate:
             costs.sighted(candidate, 1, built=bool(span))
         labelled.append((kind, n, count, span))
-        start += n * count
     segments: List[Segment] = []
     start = 0
     for kind, n, count, span in labelled:
@@ -314,6 +320,8 @@ class KernelCosts:
         self.layers = layers
         self._sightings: Dict[tuple, int] = {}
         self._built: set = set()             # shapes run batched so far (shared by the views)
+        self._ready: set = set()             # shapes whose plans were built ahead (prebuild)
+        self.prebuilt: Dict[tuple, Tuple[int, int, int, float]] = {}   # prebuild records
         self._views: Dict[int, "KernelCosts"] = {}
 
     def for_layers(self, layers: int) -> "KernelCosts":
@@ -342,6 +350,13 @@ class KernelCosts:
     def padded_length(self, n: int) -> int:
         """The call shape a padded document of ``n`` tokens runs at."""
         return padded_length(n)
+
+    def mark_ready(self, n: int) -> None:
+        """The plan of one document of ``n`` tokens in a batched call exists (built ahead by
+        :func:`prebuild_padded_plans`): no build is charged for it, whatever the sightings
+        (:meth:`restore_sightings` leaves this as it is)."""
+        self._ready.add((n, 1))
+        self._built.add((n, 1))
 
     def sighted(self, n: int, count: int, built: bool, shape: Optional[tuple] = None) -> None:
         """Record a run of ``count`` documents of ``n`` tokens, or a call of another ``shape``
@@ -379,8 +394,8 @@ class KernelCosts:
             cost = self._at(self._one, n)
         else:
             cost = min(self._at(self._one, n) * count, self._at(self._many, n) * count)
-        if self._sightings.get((n, count) if shape is None else shape,
-                               0) < self.reuse_before_build:
+        key = (n, count) if shape is None else shape
+        if key not in self._ready and self._sightings.get(key, 0) < self.reuse_before_build:
             uses = self.reuse_before_build if recurring else 1
             cost += self.build_s / (self.layers * max(1, uses))
         return cost
@@ -491,7 +506,11 @@ def describe_costs(key: tuple, costs: KernelCosts) -> str:
             f"per document fwd+bwd in us at {lengths} tokens: "
             f"batched alone {us(costs._at(costs._one, n) for n in DESCRIBED_LENGTHS)}, "
             f"batched with others {us(costs._at(costs._many, n) for n in DESCRIBED_LENGTHS)}, "
-            f"varlen {us(costs.varlen(n) for n in DESCRIBED_LENGTHS)}")
+            f"varlen {us(costs.varlen(n) for n in DESCRIBED_LENGTHS)}"
+            + "".join(f"; plans of {count} padded lengths ({low}-{high} tokens) built ahead "
+                      f"for {s}-token micro-batches in {seconds:.1f} s"
+                      for (s, *_), (count, low, high, seconds) in costs.prebuilt.items()
+                      if count))
 
 
 def cost_tables() -> List[Tuple[tuple, KernelCosts]]:
@@ -620,6 +639,103 @@ def _build_cost_s(kernel, device, dtype, hq, hk, d, causal, scale) -> float:
     end.synchronize()
     first = start.elapsed_time(end) / 1e3
     return max(0.0, first - _time_s(run))
+
+
+PREBUILD_BUDGET_S = 20.0
+
+
+def padded_shapes(costs: KernelCosts, seq_len: int, budget_s: float = PREBUILD_BUDGET_S
+                  ) -> List[int]:
+    """The padded lengths (:func:`padded_length`) up to ``seq_len`` whose plans
+    :func:`prebuild_padded_plans` builds, shortest first: those where one document in a
+    batched call costs less than in the varlen call, while the estimated time of building
+    them (per shape three plan builds, a forward and a backward one counted as the table's
+    ``build_s``, the second forward one as half of it, and two calls) stays within
+    ``budget_s``. Longer ones wait for their documents to recur, as exact lengths do."""
+    shapes: List[int] = []
+    spent, n = 0.0, 1
+    while n <= seq_len:
+        p = costs.padded_length(n)
+        n = p + 1
+        if p > seq_len:
+            break
+        one = costs._at(costs._one, p)
+        if costs.has_varlen and costs.varlen(p) <= one:
+            continue
+        spent += 1.5 * costs.build_s + 2 * one
+        if spent > budget_s:
+            break
+        shapes.append(p)
+    return shapes
+
+
+def prebuild_padded_plans(costs: KernelCosts, kernel: AttentionKernel, q: Tensor, k: Tensor,
+                          v: Tensor, scale: float, budget_s: float = PREBUILD_BUDGET_S
+                          ) -> List[int]:
+    """Build the cuDNN plans of the padded shapes a micro-batch like ``q`` [s, b, h, d], ``k``,
+    ``v`` [s, b, hk, d] can call (:func:`padded_shapes`), once per table, length and layout,
+    on zeros laid out with the layer's strides (the output and its gradient contiguous, as in
+    training), so training's calls find their plans and no step builds one. PyTorch keeps
+    cuDNN's attention plans per thread, and on CUDA the autograd engine runs the backward (and
+    the forward recomputed inside it) on a thread of its own: each shape's forward runs here
+    and its forward and backward run again inside a backward pass (:class:`_InBackward`).
+    Returns the lengths built now (none on a table without padding, or a second time); the
+    record goes to :attr:`KernelCosts.prebuilt` (what :func:`describe_costs` prints)."""
+    s, b = q.shape[0], q.shape[1]
+    key = (s, b, q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.stride(), k.stride(),
+           v.stride())
+    if not costs.padding or key in costs.prebuilt:
+        return []
+    shapes = padded_shapes(costs, s, budget_s)
+    start = time.perf_counter()
+    if shapes:
+        top = shapes[-1]
+        qz, kz, vz = (_zeros_laid_out(x, top) for x in (q, k, v))
+        oz = torch.zeros((top,) + tuple(q.shape[1:]), dtype=q.dtype, device=q.device)
+
+        def calls(backward: bool) -> None:
+            for p in shapes:
+                seg = Segment(BATCHED, 0, (p - 1,), p)
+                plan = PackedPlan(b, top, True, ((seg,),) + ((),) * (b - 1))
+                _, lse = _batched_forward(seg, 0, qz, kz, vz, plan, kernel, scale)
+                if backward:
+                    _batched_backward(seg, 0, (oz, qz, kz, vz, oz), lse, plan, kernel, scale)
+
+        with torch.no_grad():
+            calls(backward=False)
+        with torch.enable_grad():
+            anchor = torch.zeros((), device=q.device, requires_grad=True)
+            _InBackward.apply(anchor, lambda: calls(backward=True)).backward()
+        for p in shapes:
+            costs.mark_ready(p)
+        del qz, kz, vz, oz
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+    costs.prebuilt[key] = (len(shapes), shapes[0] if shapes else 0,
+                           shapes[-1] if shapes else 0, time.perf_counter() - start)
+    return shapes
+
+
+class _InBackward(torch.autograd.Function):
+    """``apply(anchor, work)``: the identity on ``anchor`` whose backward calls ``work()``, so
+    that it runs where the autograd engine runs backward passes."""
+
+    @staticmethod
+    def forward(ctx, anchor, work):
+        ctx.work = work
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.work()
+        return grad, None
+
+
+def _zeros_laid_out(x: Tensor, rows: int) -> Tensor:
+    """Zeros of ``x``'s shape with ``rows`` tokens, with ``x``'s strides."""
+    out = torch.empty_strided((rows,) + tuple(x.shape[1:]), x.stride(), dtype=x.dtype,
+                              device=x.device)
+    return out.zero_()
 
 
 def _synthetic(tokens: int, hq: int, hk: int, d: int, device, dtype) -> Dict[str, Tensor]:
@@ -754,13 +870,36 @@ def _one_call(plan: PackedPlan) -> bool:
     return seg.kind != BATCHED or seg.call_len == seg.lengths[0]
 
 
+def _call_inputs(xs: Sequence[Tensor], seg: Segment, i: int, zero_rows: int = 0
+                 ) -> List[Tensor]:
+    """The ``[n * call, h, d]`` tokens a batched segment's call reads from each ``[s, b, h, d]``
+    tensor of ``xs``: a view where the call ends inside the sample; else (a padded document
+    near the sample's end) a copy of the document with zero rows after it, laid out with the
+    view's strides, so it runs on the same cuDNN plan. ``zero_rows``: the first this many
+    of ``xs`` get zero rows past the document even where they are views (the output gradient
+    of a padded call)."""
+    n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
+    a, s = seg.start, xs[0].shape[0]
+    out = []
+    for j, x in enumerate(xs):
+        if a + n * call <= s and (j >= zero_rows or call == length):
+            out.append(x[a:a + n * call, i])
+            continue
+        buf = torch.empty_strided((call,) + tuple(x.shape[2:]),
+                                  (x.stride(0),) + tuple(x.stride()[2:]), dtype=x.dtype,
+                                  device=x.device)
+        buf[:length].copy_(x[a:a + length, i])
+        buf[length:].zero_()
+        out.append(buf)
+    return out
+
+
 def _batched_forward(seg: Segment, i: int, q: Tensor, k: Tensor, v: Tensor, plan: PackedPlan,
                      kernel: AttentionKernel, scale: float) -> Tuple[Tensor, Tensor]:
     """A batched segment of sample ``i``: its documents' output ``[n, h, L, d]`` (a padded
     call's extra rows dropped) and the call's lse."""
     n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
-    a = seg.start
-    q_c, k_c, v_c = (_docs_view(x[a:a + n * call, i], n, call) for x in (q, k, v))
+    q_c, k_c, v_c = (_docs_view(x, n, call) for x in _call_inputs((q, k, v), seg, i))
     window = plan.segment_window(seg)
     if window is None:
         o, lse = kernel.forward(q_c, k_c, v_c, plan.causal, scale)
@@ -776,11 +915,7 @@ def _batched_backward(seg: Segment, i: int, xs: Sequence[Tensor], lse: Tensor,
     of the whole batch; a padded call's extra rows get a zero output gradient, so they add
     nothing to the document's keys, and their gradients are dropped."""
     n, length, call = len(seg.lengths), seg.lengths[0], seg.call_len
-    a = seg.start
-    dout, q, k, v, out = (x[a:a + n * call, i] for x in xs)
-    if call > length:
-        dout = torch.cat([dout[:length], dout.new_zeros((call - length,) + dout.shape[1:])])
-    views = [_docs_view(x, n, call) for x in (dout, q, k, v, out)]
+    views = [_docs_view(x, n, call) for x in _call_inputs(xs, seg, i, zero_rows=1)]
     window = plan.segment_window(seg)
     if window is None:
         grads = kernel.backward(*views, lse, plan.causal, scale)
@@ -832,20 +967,27 @@ class PackedDocumentAttention(torch.autograd.Function):
 
 
 def packed_plan_for(block: Optional[DocumentBlock], kernel: AttentionKernel, q: Tensor,
-                    k: Tensor, group: Optional[dist.ProcessGroup] = None, layers: int = 1
+                    k: Tensor, group: Optional[dist.ProcessGroup] = None, layers: int = 1,
+                    v: Optional[Tensor] = None, scale: Optional[float] = None
                     ) -> Optional[PackedPlan]:
     """The block's :class:`PackedPlan` when its documents are whole and in order (built once
     per block and head shape, cached on the block), else None. ``group``: the ranks that
     share one cost table (:func:`costs_for_shape`); ``layers``: the calls that reuse the plan
     (:meth:`KernelCosts.for_layers`). A windowed block's plan carries its window
-    (:attr:`PackedPlan.window`)."""
+    (:attr:`PackedPlan.window`). The first plan of a table with padding for a length and
+    layout of ``q``, ``k``, ``v`` (default: ``k``'s) first builds the padded shapes' plans
+    (:func:`prebuild_padded_plans`, ``scale`` the layer's, default ``d ** -0.5``)."""
     if block is None:
         return None
     key = ("packed", q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], kernel.name)
     if key not in block._cache:
         lengths = documents_in_order(block)
-        block._cache[key] = (None if lengths is None else
-                             build_packed_plan(lengths, block.causal, costs_for(
-                                 kernel, q, k, block.causal, group, layers), q.device,
-                                 block.window))
+        plan = None
+        if lengths is not None:
+            costs = costs_for(kernel, q, k, block.causal, group, layers)
+            if block.causal:
+                prebuild_padded_plans(costs, kernel, q, k, k if v is None else v,
+                                      q.shape[-1] ** -0.5 if scale is None else scale)
+            plan = build_packed_plan(lengths, block.causal, costs, q.device, block.window)
+        block._cache[key] = plan
     return block._cache[key]  # type: ignore[return-value]

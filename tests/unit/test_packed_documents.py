@@ -119,18 +119,49 @@ def test_packed_matches_per_document_oracle(seed, costs):
 
 def test_padded_lengths_are_few_and_not_shorter():
     shapes = {padded_length(n) for n in range(1, 65537)}
-    assert len(shapes) < 64
+    assert len(shapes) == 96                              # 16 to 2K, then 16 per doubling
     assert all(padded_length(n) >= n for n in (1, 127, 128, 129, 1000, 4097, 20000, 65536))
-    assert padded_length(129) == 256 and padded_length(1025) == 1280
+    assert padded_length(129) == 256 and padded_length(1025) == 1152
+    assert padded_length(2049) == 2176 and padded_length(20000) == 20480
+    assert padded_length(131072) == 131072 and padded_length(131073) == 139264
+    # past 2K a call computes at most 1/16 more rows than its document has
+    assert max(padded_length(n) / n for n in range(2049, 65537)) <= 1 + 1 / 16
+    assert all(padded_length(p) == p for p in shapes)
 
 
-def test_padding_only_for_causal_documents_that_fit():
+def test_padding_reaches_the_documents_at_the_sample_end():
+    """A causal document whose padded call would read past the sample's end is padded too (on
+    a copy); full masks are never padded."""
     costs = KernelCosts([64, 128, 256], [1.0, 1.0, 1.0], [1.0] * 3, [9.0] * 3, has_varlen=True,
                         padding=True)
     costs.batched = lambda n, count, **_: 1.0 / n      # a longer call is cheaper here
-    segs = choose_segments([100, 30, 50], costs)        # 100 -> 128 fits, 50 -> 128 does not
-    assert [(s.start, s.span) for s in segs] == [(0, 128), (100, 0), (130, 0)]
+    segs = choose_segments([100, 30, 50], costs)        # 50 -> 128 runs past the end
+    assert [(s.start, s.span) for s in segs] == [(0, 128), (100, 128), (130, 128)]
     assert all(s.span == 0 for s in choose_segments([100, 30, 50], costs, causal=False))
+
+
+def test_documents_padded_past_the_sample_end_match_the_oracle():
+    """The last documents of each sample padded past its end (a zero-padded copy with the
+    tensors' strides), GQA, a value tensor that is a view of a wider one (as megatron splits
+    its fused QKV output): exact in out and grads."""
+    s, b, d, h, hk = 24, 2, 8, 4, 2
+    lengths = [[5, 7, 10, 2], [13, 11]]
+    plan = build_packed_plan(lengths, True, _PreferPadded())
+    past = [(i, seg) for i, row in enumerate(plan.segments) for seg in row
+            if seg.start + seg.call_len > s]
+    assert [(i, seg.lengths, seg.span) for i, seg in past] == [(0, (2,), 4), (1, (11,), 12)]
+    q, k, _ = _inputs(11, s, b, h, hk, d)
+    wide = torch.randn(s, b, hk, 2 * d, dtype=torch.float64, generator=torch.Generator()
+                       .manual_seed(5))
+    v = wide[..., :d].detach().requires_grad_()          # not contiguous
+    scale = 1 / math.sqrt(d)
+    out = PackedDocumentAttention.apply(q, k, v, plan, get_kernel("torch"), scale)
+    dout = torch.randn_like(out)
+    want = oracle(q, k, v, lengths, True, scale)
+    torch.testing.assert_close(out, want, **TOL)
+    for got, ref in zip(torch.autograd.grad(out, (q, k, v), dout),
+                        torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(got, ref, **TOL)
 
 
 def test_equal_runs():
@@ -262,13 +293,13 @@ def test_random_lengths_reach_their_padded_shape():
                            build_s=build_s, reuse_before_build=3, padding=True)
 
     table = costs(10.0)
-    first = [choose_segments([n, 160 - n], table)[0] for n in (100, 101, 102, 103, 104)]
+    first = [choose_segments([n], table)[0] for n in (100, 101, 102, 103, 104)]
     assert [(s.kind, s.span) for s in first] == [(VARLEN, 0)] * 3 + [(BATCHED, 128)] * 2
     assert table.new_shapes == 1                       # one plan for the bucket, not one a length
     # a padded shape's build is spread over the calls an exact one waits for: here 1 + 2.4/3
     # beats the varlen call's 2 at once, where an exact shape would cost 1 + 2.4
     assert [(s.kind, s.span) for s in choose_segments([100, 60], costs(2.4))] == [
-        (BATCHED, 128), (VARLEN, 0)]
+        (BATCHED, 128), (BATCHED, 128)]
     assert choose_segments([100, 60], costs(2.4), causal=False)[0].kind == VARLEN
 
 
@@ -337,3 +368,132 @@ def test_a_cost_table_is_described_in_one_log_line():
     cpu = pd.describe_costs(("cpu", None, torch.float32, 4, 2, 16, False, "math"),
                             pd.cpu_costs())
     assert cpu.startswith("document kernel costs (fixed, cpu float32, 4/2 heads of 16, full")
+
+
+# --------------------------------------------------------------------------- plans built ahead
+def _padding_table(short_varlen=True, grid=None):
+    """A CUDA-like table on the CPU: one document in a batched call costs n^2 / 1e8 s, in the
+    varlen call twice that (``short_varlen``: far less below 1K tokens); plans cost 0.1 s.
+    ``grid``: pad to multiples of it instead of :func:`padded_length`."""
+    lengths = [64, 256, 1024, 4096]
+    one = [n * n / 1e8 + 1e-4 for n in lengths]
+    var = [2 * x for x in one]
+    if short_varlen:
+        var[:2] = [1e-5, 1e-4]
+    costs = KernelCosts(lengths, one, one, var, has_varlen=True, build_s=0.1, padding=True)
+    if grid:
+        costs.padded_length = lambda n: -(-n // grid) * grid
+    return costs
+
+
+def test_padded_shapes_are_the_batched_ones_within_the_budget():
+    costs = _padding_table()
+    shapes = pd.padded_shapes(costs, 4096, budget_s=100.0)
+    assert shapes == sorted(shapes) and shapes[-1] == 4096
+    assert all(padded_length(p) == p for p in shapes)
+    assert all(costs.batched(p, 1) - costs.build_s < costs.varlen(p) for p in shapes)
+    assert 256 not in shapes                        # the varlen call is cheaper there
+    # the budget counts per shape one and a half plan builds and two calls, shortest first
+    three = sum(1.5 * costs.build_s + 2 * costs._at(costs._one, p) for p in shapes[:3])
+    assert pd.padded_shapes(costs, 4096, budget_s=three + 1e-9) == shapes[:3]
+    assert pd.padded_shapes(costs, 4096, budget_s=three - 1e-6) == shapes[:2]
+    assert pd.padded_shapes(costs, 1000, budget_s=100.0)[-1] == 896   # none past the sample
+
+
+class _Recording:
+    """A kernel that records the layout of every call it passes on."""
+
+    name = "torch"
+
+    def __init__(self):
+        self.inner, self.calls, self.passes = get_kernel("torch"), [], []
+
+    @staticmethod
+    def _layout(*xs):
+        return tuple((tuple(x.shape), x.stride()) for x in xs)
+
+    def forward(self, q, k, v, causal, scale):
+        self.calls.append(("fwd",) + self._layout(q, k, v))
+        self.passes.append(("fwd", self._in_backward()))
+        return self.inner.forward(q, k, v, causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        self.calls.append(("bwd",) + self._layout(dout, q, k, v, out))
+        self.passes.append(("bwd", self._in_backward()))
+        return self.inner.backward(dout, q, k, v, out, lse, causal, scale)
+
+    @staticmethod
+    def _in_backward():
+        """Whether the call runs inside an autograd backward pass (on CUDA: the engine's
+        device thread, whose cuDNN plan cache is not the main thread's)."""
+        return torch._C._current_autograd_node() is not None
+
+
+def _layer_tensors(s, b, h, hk, d):
+    """q, k, v laid out as megatron's layer hands them over: q and k new tensors (after the
+    rotary embedding), v a view of the fused QKV output."""
+    q = torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(s, b, hk, d, dtype=torch.float64, requires_grad=True)
+    fused = torch.randn(s, b, hk, 3 * d, dtype=torch.float64)
+    return q, k, fused[..., 2 * d:].detach().requires_grad_()
+
+
+def test_prebuilt_plans_are_the_layouts_training_calls():
+    """Every padded call training makes, in place or on a copy at the sample's end, in the
+    forward and the backward, has a layout the prebuild ran, in the same kind of pass (so its
+    cuDNN plan exists in that thread's cache); the prebuilt shapes are charged no build even
+    as a fresh process would see the sightings."""
+    s, b, h, hk, d = 96, 2, 4, 2, 8
+    costs = _padding_table(short_varlen=False, grid=16)
+    q, k, v = _layer_tensors(s, b, h, hk, d)
+    kernel = _Recording()
+    built = pd.prebuild_padded_plans(costs, kernel, q, k, v, 0.3, budget_s=100.0)
+    assert built == list(range(16, 97, 16))
+    prebuilt = set(kernel.calls)
+    assert len(prebuilt) == 2 * len(built)
+    # every forward outside and inside a backward pass, every backward inside one
+    assert kernel.passes == ([("fwd", False)] * len(built)
+                             + [("fwd", True), ("bwd", True)] * len(built))
+    assert pd.prebuild_padded_plans(costs, kernel, q, k, v, 0.3) == []     # once per layout
+    costs.restore_sightings({})
+    assert costs.batched(48, 1) == pytest.approx(costs._at(costs._one, 48))  # no build
+    assert costs.batched(40, 1) > costs._at(costs._one, 40) + 0.01           # exact: a build
+
+    lengths = [[30, 20, 35, 11], [70, 26]]               # 11 and 26 run past the end
+    plan = build_packed_plan(lengths, True, costs)
+    spans = [(seg.lengths, seg.span) for row in plan.segments for seg in row]
+    assert spans == [((30,), 32), ((20,), 32), ((35,), 48), ((11,), 16), ((70,), 80),
+                     ((26,), 32)]
+    kernel.calls.clear()
+    kernel.passes.clear()
+    out = PackedDocumentAttention.apply(q, k, v, plan, kernel, 0.3)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert len(kernel.calls) == 12 and set(kernel.calls) <= prebuilt
+    assert kernel.passes == [("fwd", False)] * 6 + [("bwd", True)] * 6
+    torch.testing.assert_close(out, oracle(q, k, v, lengths, True, 0.3), **TOL)
+
+
+def test_the_first_packed_plan_builds_the_padded_shapes_ahead(monkeypatch):
+    """packed_plan_for builds the padded plans once per table and layout, before the plan that
+    uses them, and the log line says so; the CPU's own table pads nothing and builds none."""
+    s, b, h, hk, d = 64, 1, 4, 2, 8
+    costs = _padding_table(short_varlen=False, grid=32)
+    monkeypatch.setattr(pd, "costs_for", lambda *a, **kw: costs)
+    q, k, v = _layer_tensors(s, b, h, hk, d)
+    seg = np.repeat(np.arange(3), [30, 20, 14])[None]
+    block = build_document_ring_plan(seg, 0, 1, None, True).blocks[0]
+    plan = pd.packed_plan_for(block, get_kernel("torch"), q, k, v=v, scale=0.3)
+    assert [(s.kind, s.span) for s in plan.segments[0]] == [      # 14: cheaper in varlen
+        (BATCHED, 32), (BATCHED, 32), (VARLEN, 0)]
+    ((count, low, high, seconds),) = costs.prebuilt.values()
+    assert (count, low, high) == (2, 32, 64) and seconds >= 0
+    block2 = build_document_ring_plan(seg, 0, 1, None, True).blocks[0]
+    pd.packed_plan_for(block2, get_kernel("torch"), q, k, v=v, scale=0.3)
+    assert len(costs.prebuilt) == 1
+    line = pd.describe_costs(("cuda", 0, torch.float64, h, hk, d, True, "torch"), costs)
+    assert line.endswith("; plans of 2 padded lengths (32-64 tokens) built ahead for "
+                         f"64-token micro-batches in {seconds:.1f} s")
+    monkeypatch.undo()
+    cpu_block = build_document_ring_plan(seg, 0, 1, None, True).blocks[0]
+    pd.packed_plan_for(cpu_block, get_kernel("torch"), q, k, v=v)
+    assert all(not t.prebuilt for _, t in pd.cost_tables())
