@@ -708,7 +708,6 @@ def prebuild_padded_plans(costs: KernelCosts, kernel: AttentionKernel, q: Tensor
             _InBackward.apply(anchor, lambda: calls(backward=True)).backward()
         for p in shapes:
             costs.mark_ready(p)
-        del qz, kz, vz, oz
         if q.is_cuda:
             torch.cuda.synchronize(q.device)
     costs.prebuilt[key] = (len(shapes), shapes[0] if shapes else 0,
