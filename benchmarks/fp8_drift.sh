@@ -8,6 +8,9 @@
 #                     the same arithmetic in another order, the noise pair (one per NOISE_CHUNKS)
 #   fp8_FORMAT_RECIPE --fp8-format FORMAT --fp8-recipe RECIPE --fp8-linears FP8_LINEARS (one per
 #                     RECIPES)
+#   fp8_FORMAT_RECIPE_output  with FP8_OUTPUT_LAYER=1, the same and the output layer in float8
+#                     too (--fp8-output-layer, inside the fused loss over the first
+#                     NOISE_CHUNKS size: the noise pair's second run is its bf16 twin)
 # side by side as separate processes on the one GPU (PARALLEL=1), then tools/compare_loss.py's
 # drift test (docs/numerics.md) of each float8 run against the band of the pair(s):
 # OUT_DIR/summary.json, compare.txt, drift.png, NAME.jsonl per run, logs/NAME.log, driver.log.
@@ -26,7 +29,8 @@
 # only format) or FORMAT:RECIPE, e.g. e4m3:tensorwise) FP8_LINEARS (all; auto: the start-up
 # timing decides) NOISE_CHUNKS (4096; 64 on the CPU) DRIFT_WINDOW (STEPS/10+1:STEPS/2, e.g.
 # 101:500: after warm-up and the first fast fall, before the curve flattens into memorising
-# the small corpus, where trajectories drift apart whatever changed) PARALLEL (1; 0: one run
+# the small corpus, where trajectories drift apart whatever changed) FP8_OUTPUT_LAYER (0; 1: the
+# runs above with the output layer in float8 as well) PARALLEL (1; 0: one run
 # after another, sharing TIME_LIMIT_MIN) TIME_LIMIT_MIN (none) EXIT_INTERVAL (none)
 # SAVE_INTERVAL (250) DEVICE (cuda; cpu) OUT_DIR (benchmarks/out/fp8_drift) CKPT_DIR
 # (OUT_DIR_ckpt). Extra arguments go to every pretrain_gpt.py run.
@@ -38,6 +42,7 @@ cd "$(dirname "$0")/.."
 STEPS=${STEPS:-1000}
 RECIPES=${RECIPES:-tensorwise}
 FP8_LINEARS=${FP8_LINEARS:-all}
+FP8_OUTPUT_LAYER=${FP8_OUTPUT_LAYER:-0}
 DEVICE=${DEVICE:-cuda}
 PARALLEL=${PARALLEL:-1}
 TIME_LIMIT_MIN=${TIME_LIMIT_MIN:-}
@@ -57,6 +62,7 @@ case $DEVICE in cuda) NOISE_CHUNKS=${NOISE_CHUNKS:-4096};; cpu) NOISE_CHUNKS=${N
     *) refuse "DEVICE=$DEVICE: cuda or cpu, e.g. DEVICE=cuda";; esac
 case $PARALLEL in 0|1) ;; *) refuse "PARALLEL=$PARALLEL: 1 (side by side) or 0, e.g. PARALLEL=1";; esac
 case $FP8_LINEARS in auto|all) ;; *) refuse "FP8_LINEARS=$FP8_LINEARS: all or auto, e.g. FP8_LINEARS=all";; esac
+case $FP8_OUTPUT_LAYER in 0|1) ;; *) refuse "FP8_OUTPUT_LAYER=$FP8_OUTPUT_LAYER: 0 or 1, e.g. FP8_OUTPUT_LAYER=1";; esac
 [ -n "${NOISE_CHUNKS// /}" ] || refuse "NOISE_CHUNKS is empty: name one chunk size at least, e.g. NOISE_CHUNKS=4096"
 for n in $NOISE_CHUNKS; do positive_int NOISE_CHUNKS "$n" 4096; done
 [ -n "${RECIPES// /}" ] || refuse "RECIPES is empty: name one float8 recipe at least, e.g. RECIPES=tensorwise"
@@ -88,6 +94,7 @@ TRAIN=(--device "$DEVICE" --micro-batch-size 4 --global-batch-size 4 --train-ite
 
 # Runs resume only under the settings they started with.
 STAMP="DEVICE=$DEVICE STEPS=$STEPS extra arguments: $*"
+OUTPUT_CHUNK=${NOISE_CHUNKS%% *}
 mkdir -p "$OUT_DIR/logs" "$CKPT_DIR"
 for d in "$OUT_DIR" "$CKPT_DIR"; do
     if [ -f "$d/settings.txt" ] && [ "$(cat "$d/settings.txt")" != "$STAMP" ]; then
@@ -149,9 +156,17 @@ launch bf16
 for n in $NOISE_CHUNKS; do
     launch "bf16_chunk$n" --fused-linear-cross-entropy --linear-cross-entropy-chunk-tokens "$n"
 done
+FP8_NAMES=() FP8_LABELS=()
 for r in "${FP8_RUNS[@]}"; do
+    FP8_NAMES+=("fp8_${r%%:*}_${r##*:}") FP8_LABELS+=("fp8 ${r%%:*} ${r##*:}")
     launch "fp8_${r%%:*}_${r##*:}" --fp8-format "${r%%:*}" --fp8-recipe "${r##*:}" \
         --fp8-linears "$FP8_LINEARS" "${EMULATE[@]}"
+    if [ "$FP8_OUTPUT_LAYER" = 1 ]; then
+        FP8_NAMES+=("fp8_${r%%:*}_${r##*:}_output") FP8_LABELS+=("fp8 ${r%%:*} ${r##*:} output")
+        launch "fp8_${r%%:*}_${r##*:}_output" --fp8-format "${r%%:*}" --fp8-recipe "${r##*:}" \
+            --fp8-linears "$FP8_LINEARS" --fp8-output-layer --fused-linear-cross-entropy \
+            --linear-cross-entropy-chunk-tokens "$OUTPUT_CHUNK" "${EMULATE[@]}"
+    fi
 done
 collect
 
@@ -181,10 +196,8 @@ if [ "${#UNFINISHED[@]}" -gt 0 ]; then
     exit 3
 fi
 
-FILES=("$OUT_DIR/bf16.jsonl") LABELS=(bf16) PAIRS=()
-for r in "${FP8_RUNS[@]}"; do
-    FILES+=("$OUT_DIR/fp8_${r%%:*}_${r##*:}.jsonl") LABELS+=("fp8 ${r%%:*} ${r##*:}")
-done
+FILES=("$OUT_DIR/bf16.jsonl") LABELS=(bf16 "${FP8_LABELS[@]}") PAIRS=()
+for name in "${FP8_NAMES[@]}"; do FILES+=("$OUT_DIR/$name.jsonl"); done
 for n in $NOISE_CHUNKS; do PAIRS+=(--noise-pair "$OUT_DIR/bf16.jsonl" "$OUT_DIR/bf16_chunk$n.jsonl"); done
 status=0
 python tools/compare_loss.py "${FILES[@]}" --labels "${LABELS[@]}" "${PAIRS[@]}" \

@@ -324,6 +324,27 @@ class Float8Gemms:
             b = self._cast((input_rows, ((b_spec, True),)))
         return self._mm("grad_weight", *grad.for_grad_weight, *b, out_dtype, out)
 
+    def add_grad_weight(self, grad: "Float8Grad", input_rows: Tensor, acc: Tensor,
+                        written: bool, block_rows: int) -> None:
+        """``acc [out, in] (+)= grad.T @ input_rows`` in ``acc``'s dtype (float32).
+        ``written`` False: ``acc`` holds nothing yet and receives the product (the GEMM
+        writes it, :func:`scaled_mm`); True: the product is added, ``block_rows`` rows of it
+        at a time, so the temporary is ``block_rows x in`` (the output layer's ``out`` is
+        the vocabulary: a whole ``[V, H]`` float32 temporary would be gigabytes)."""
+        if not written:
+            self.grad_weight(grad, input_rows, acc.dtype, out=acc)
+            return
+        b = grad.input_cast
+        if b is None:
+            b = self._cast((input_rows, ((self.casts["grad_weight"][1], True),)))
+        a_bits, a_scale = grad.for_grad_weight
+        rows = a_bits.shape[0]
+        per_row = a_scale.dim() >= 2 and a_scale.shape[0] == rows
+        for r0 in range(0, rows, block_rows):
+            r1 = min(r0 + block_rows, rows)
+            acc[r0:r1] += self._mm("grad_weight", a_bits[r0:r1],
+                                   a_scale[r0:r1] if per_row else a_scale, *b, acc.dtype)
+
 
 class Float8Grad:
     """The backward's operands cast by :meth:`Float8Gemms.cast_grad`: the output gradient's

@@ -48,6 +48,8 @@ class Float8Options:
             ``torch._scaled_mm``: runs on any device; for tests and debugging
             (``--fp8-emulate``).
         margin: float8 must be at least this fraction faster than bf16 to be chosen.
+        output_layer: the output layer's three GEMMs (inside the fused output-layer loss)
+            are a candidate as well, chosen like the others (``--fp8-output-layer``).
     """
 
     format: str = "hybrid"
@@ -55,6 +57,7 @@ class Float8Options:
     linears: str = "auto"
     emulate: bool = False
     margin: float = DEFAULT_MARGIN
+    output_layer: bool = False
 
     def short(self) -> str:
         mode = ", emulated" if self.emulate else ""

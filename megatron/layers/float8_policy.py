@@ -28,7 +28,11 @@ takes any shape.
 The four linear layers of each transformer layer are candidates: QKV, the attention output
 projection, FC1 and FC2 (with the SwiGLU inside FC2 as well); :func:`apply_float8` finds
 them by their megatron-core names in modules built from the layer spec's
-``float8_linears`` (:mod:`megatron.training.model.layer_specs`).
+``float8_linears`` (:mod:`megatron.training.model.layer_specs`). With
+``--fp8-output-layer`` the output layer is a fifth (kind ``output``): its GEMMs run inside
+the fused output-layer loss (:mod:`megatron.training.model.fused_loss`), one chunk of tokens
+at a time, the same three GEMMs as a linear layer's forward and backward, so it is timed
+and chosen the same way, at the chunk's shape.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +53,7 @@ from megatron.layers.fused_linears import _WgradIntoMainGrad
 # megatron-core's attribute name of each candidate -> the name printed at start-up
 LINEAR_KINDS: Dict[str, str] = {"linear_qkv": "QKV", "linear_proj": "proj",
                                 "linear_fc1": "FC1", "linear_fc2": "FC2"}
+OUTPUT_KIND = "output"
 SCALED_MM_ALIGNMENT = 16
 
 
@@ -221,18 +226,28 @@ def _shape_of(kind: str, module, tokens: Mapping[str, int]) -> LinearShape:
     return LinearShape(tokens[kind], in_features, out_features)
 
 
+def _output_shape(model, tokens: Mapping[str, int]) -> LinearShape:
+    n_in, n_out = model.output_float8_shape()
+    return LinearShape(tokens[OUTPUT_KIND], n_in, n_out)
+
+
 def apply_float8(model_chunks, options: Float8Options, tokens: Mapping[str, int],
-                 device: torch.device, dtype: torch.dtype, group) -> List[str]:
+                 device: torch.device, dtype: torch.dtype, group,
+                 output_models: Sequence = ()) -> List[str]:
     """Choose float8 per linear shape (timing with ``linears == "auto"``) and set each
     candidate layer of ``model_chunks`` to run in float8 or not; returns the start-up
     report, one line per (kind, shape). ``tokens``: GEMM rows per micro-batch by kind
-    (``QKV``, ``proj``, ``FC1``, ``FC2``); ``group``: the ranks that must agree (the
-    world). Raises ValueError when the model has no candidate layer."""
+    (``QKV``, ``proj``, ``FC1``, ``FC2``, and ``output``: the loss chunk's rows);
+    ``group``: the ranks that must agree (the world). ``output_models``: the models whose
+    output layer is a candidate too (``options.output_layer``: models with the fused loss,
+    which have ``output_float8_shape()`` and ``run_output_in_float8(gemms)``). Raises
+    ValueError when the model has no candidate layer."""
     layers = float8_linears(model_chunks)
     if not layers:
         raise ValueError("--fp8-format: the model has no linear layer that can run in float8 "
                          "(the layer spec was built without float8_linears)")
     shapes = {(kind, _shape_of(kind, m, tokens)) for _, kind, m in layers}
+    shapes |= {(OUTPUT_KIND, _output_shape(m, tokens)) for m in output_models}
     distinct = sorted({s for _, s in shapes})
     timings = None
     if options.linears == "auto":
@@ -242,7 +257,9 @@ def apply_float8(model_chunks, options: Float8Options, tokens: Mapping[str, int]
     gemms = Float8Gemms(options)
     for _, kind, module in layers:
         module.run_in_float8(gemms if chosen[_shape_of(kind, module, tokens)] else None)
-    order = list(LINEAR_KINDS.values())
+    for model in output_models:
+        model.run_output_in_float8(gemms if chosen[_output_shape(model, tokens)] else None)
+    order = list(LINEAR_KINDS.values()) + [OUTPUT_KIND]
     return report_lines(sorted(shapes, key=lambda ks: (order.index(ks[0]), ks[1])),
                         chosen, timings, options)
 
@@ -267,6 +284,6 @@ def report_lines(shapes: List[Tuple[str, LinearShape]], chosen: Mapping[LinearSh
     return lines
 
 
-__all__ = ["LINEAR_KINDS", "LinearShape", "Timing", "float8_eligible", "choose_float8",
+__all__ = ["LINEAR_KINDS", "OUTPUT_KIND", "LinearShape", "Timing", "float8_eligible", "choose_float8",
            "keep_host_ahead",
            "time_linear", "measure", "float8_linears", "apply_float8", "report_lines"]

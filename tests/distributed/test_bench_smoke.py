@@ -490,10 +490,9 @@ def _recipe_env(**settings):
     return env
 
 
-def _run_recipe(name, env):
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / name), "--extra-args",
-                           "--num-workers 0"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+def _run_recipe(name, env, extra="--num-workers 0"):
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / name), "--extra-args", extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     return proc
 
@@ -619,14 +618,15 @@ def test_sliding_window_recipe_on_the_cpu(tmp_path):
 def test_fp8_recipe_on_the_cpu(tmp_path):
     """benchmarks/fp8.sh with the tiny model and a one-layer slice of it at 128 tokens, one
     round: per model a bf16 run beside the Hugging Face peer (the slice's peer trains the same
-    one layer) and a float8 run with every linear in torchao's emulated float8."""
+    one layer) and a float8 run with every linear in torchao's emulated float8, the output
+    layer too (``FP8_OUTPUT_LAYER=1``; both runs with the fused loss it needs)."""
     pytest.importorskip("torchao")
     pytest.importorskip("transformers")
     out = tmp_path / "fp8"
     env = _recipe_env(MODELS="tiny:2:tiny tiny:1:tiny_1l", SEQ_LENS="128", ROUNDS="1",
                       ITERS="3", WARMUP="1", PEERS="hf", FP8_EMULATE="1", FP8_LINEARS="all",
-                      OUT_DIR=str(out))
-    _run_recipe("fp8.sh", env)
+                      FP8_OUTPUT_LAYER="1", OUT_DIR=str(out))
+    _run_recipe("fp8.sh", env, "--num-workers 0 --fused-linear-cross-entropy")
 
     assert {p.name for p in out.glob("*.json")} == {
         f"fp8_{name}_{kind}.json" for name in ("tiny", "tiny_1l")
@@ -646,14 +646,16 @@ def test_fp8_recipe_on_the_cpu(tmp_path):
         assert [r["stack"] for r in fp8["results"]] == ["megatron-usp"]   # no peer
         assert row["num_layers"] == layers
         assert row["flops_per_iteration"] == ours["flops_per_iteration"]
-        assert ("--fp8-format hybrid --fp8-recipe tensorwise --fp8-linears all --fp8-emulate "
-                "--num-workers 0") in row["command"]
+        assert ("--fp8-format hybrid --fp8-recipe tensorwise --fp8-linears all "
+                "--fp8-output-layer --fp8-emulate --num-workers 0 --fused-linear-cross-entropy"
+                ) in row["command"]
         assert "| 128 | megatron-usp | 1x1 | lean | ok |" in (
             out / f"fp8_{name}_fp8.md").read_text()
         log = Path(row["log_path"])
         assert log.parent == out / "logs" / f"fp8_{name}_fp8"
-        # the layers share one shape per kind: QKV, proj, FC1 and FC2, all in float8
-        assert ("fp8 (tensorwise hybrid, emulated, --fp8-linears all): 4 of 4 linear shapes "
+        # the layers share one shape per kind: QKV, proj, FC1, FC2 and the output layer,
+        # all in float8
+        assert ("fp8 (tensorwise hybrid, emulated, --fp8-linears all): 5 of 5 linear shapes "
                 "in float8") in log.read_text()
         ratio = json.loads((out / f"fp8_{name}_speedup.json").read_text())
         [length] = ratio["lengths"]
@@ -662,12 +664,14 @@ def test_fp8_recipe_on_the_cpu(tmp_path):
         assert "float8 over bf16" in (out / f"fp8_{name}_speedup.md").read_text()
 
 
-DRIFT_RUNS = ("bf16", "bf16_chunk64", "fp8_hybrid_tensorwise")
+DRIFT_RUNS = ("bf16", "bf16_chunk64", "fp8_hybrid_tensorwise", "fp8_hybrid_tensorwise_output")
 
 
 def _drift_recipe(out, **settings):
-    """benchmarks/fp8_drift.sh in its CPU mode, 50 steps, results in ``out``."""
-    env = _recipe_env(DEVICE="cpu", STEPS="50", OUT_DIR=str(out), **settings)
+    """benchmarks/fp8_drift.sh in its CPU mode, 50 steps, the output layer in float8 in a
+    run of its own (FP8_OUTPUT_LAYER=1), results in ``out``."""
+    env = _recipe_env(**{"DEVICE": "cpu", "STEPS": "50", "OUT_DIR": str(out),
+                         "FP8_OUTPUT_LAYER": "1", **settings})
     return subprocess.run(["bash", str(REPO / "benchmarks" / "fp8_drift.sh"), "--num-workers",
                            "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -681,9 +685,10 @@ def test_fp8_drift_recipe_resumes_onto_the_uninterrupted_curves(tmp_path):
     """benchmarks/fp8_drift.sh on the CPU (tiny model, float32, emulated float8): one
     invocation straight through, and one stopped at iteration 20 (EXIT_INTERVAL) then run
     again. The resumed runs record each iteration once and match the straight ones bit for
-    bit; only each run's last checkpoint is kept; the drift test judges the float8 run
-    against the pair's band (float32's reduction-order band is ~1e-6 %, so float8's
-    rounding lies outside it: exit 1); a run once complete is not trained again."""
+    bit; only each run's last checkpoint is kept; the drift test judges each float8 run (the
+    linears, and the linears with the output layer inside the fused loss) against the pair's
+    band (float32's reduction-order band is ~1e-6 %, so float8's rounding lies outside it:
+    exit 1); a run once complete is not trained again."""
     pytest.importorskip("torchao")
     straight = _drift_recipe(tmp_path / "straight")
     assert straight.returncode == 1, (straight.stdout[-3000:], straight.stderr[-3000:])
@@ -691,7 +696,8 @@ def test_fp8_drift_recipe_resumes_onto_the_uninterrupted_curves(tmp_path):
     first = _drift_recipe(out, EXIT_INTERVAL="20")
     assert first.returncode == 3, (first.stdout[-3000:], first.stderr[-3000:])
     assert ("unfinished of 50 steps: bf16 at 20, bf16_chunk64 at 20, fp8_hybrid_tensorwise "
-            "at 20; run the same command again") in first.stdout
+            "at 20, fp8_hybrid_tensorwise_output at 20; run the same command again"
+            ) in first.stdout
     assert not (out / "summary.json").exists()
     second = _drift_recipe(out)
     assert second.returncode == 1, (second.stdout[-3000:], second.stderr[-3000:])
@@ -707,14 +713,18 @@ def test_fp8_drift_recipe_resumes_onto_the_uninterrupted_curves(tmp_path):
             "iter_0000050", "latest_checkpointed_iteration.txt"]
     fp8_log = (out / "logs" / "fp8_hybrid_tensorwise.log").read_text()
     assert "--fp8-linears all): 4 of 4 linear shapes in float8" in fp8_log
+    output_log = (out / "logs" / "fp8_hybrid_tensorwise_output.log").read_text()
+    assert "--fp8-linears all): 5 of 5 linear shapes in float8" in output_log
+    assert "  output 64 x 64 -> " in output_log      # chunks of the pair's 64 tokens
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["exit_status"] == 1 and summary["iterations"] == [1, 50]
     drift = summary["drift"]
     assert drift["window"] == [6, 25]                     # STEPS/10+1 : STEPS/2
-    [fp8] = drift["runs"]
-    assert fp8["label"] == "fp8 hybrid tensorwise" and fp8["steps"] == 20
-    assert fp8["drifts"] is True and "outside" in fp8["message"]
+    assert [r["label"] for r in drift["runs"]] == ["fp8 hybrid tensorwise",
+                                                   "fp8 hybrid tensorwise output"]
+    for fp8 in drift["runs"]:
+        assert fp8["steps"] == 20 and fp8["drifts"] is True and "outside" in fp8["message"]
     [pair] = drift["pairs"]
     assert pair["label"] == "bf16 vs bf16_chunk64" and 0 < abs(pair["mean_signed_rel_diff"]) < 1e-6
     assert (out / "drift.png").stat().st_size > 0
@@ -735,6 +745,9 @@ def test_fp8_drift_recipe_refuses_a_bad_setting_in_one_line(tmp_path):
         'error: RECIPES="hybrid:rowwise": hybrid:rowwise is not one of tensorwise, rowwise, '
         'hybrid:tensorwise, e4m3:tensorwise, e4m3:rowwise (rowwise scales need e4m3), e.g. '
         'RECIPES="tensorwise rowwise"')
+    bad = _drift_recipe(out, FP8_OUTPUT_LAYER="yes")
+    assert bad.returncode == 2 and not out.exists() and bad.stdout == ""
+    assert bad.stderr.strip() == "error: FP8_OUTPUT_LAYER=yes: 0 or 1, e.g. FP8_OUTPUT_LAYER=1"
 
 
 def test_e2e_and_longest_sequence_recipes_on_the_cpu(tmp_path):

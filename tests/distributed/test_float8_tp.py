@@ -115,8 +115,9 @@ def test_float8_linears_under_tp_rowwise_e4m3(dist_run):
 
 
 def _auto_choice(rank, world_size, out):
-    """``--fp8-linears auto`` on 2 ranks: every shape timed (both ways), the timings
-    averaged over the world, so both ranks make the same choice and print the same report."""
+    """``--fp8-linears auto`` on 2 ranks: every shape timed (both ways), the output layer's
+    too (``--fp8-output-layer``), the timings averaged over the world, so both ranks make the
+    same choice and print the same report."""
     from megatron.layers.float8_policy import apply_float8  # megatron-core on first use
     from megatron.usp.parallel_state import initialize_usp_parallel  # megatron-core on first use
 
@@ -125,16 +126,32 @@ def _auto_choice(rank, world_size, out):
     layers = _layers(sp=True)
     model = torch.nn.ModuleDict({"linear_qkv": layers["QKV"], "linear_proj": layers["proj"],
                                  "linear_fc1": layers["FC1"], "linear_fc2": layers["FC2+SwiGLU"]})
-    tokens = {kind: SEQ * BATCH for kind in ("QKV", "proj", "FC1", "FC2")}
-    report = apply_float8([model], Float8Options(linears="auto", emulate=True), tokens,
-                          torch.device("cpu"), torch.float32, dist.group.WORLD)
-    assert len(report) == 5 and report[0].startswith("fp8 (tensorwise hybrid, emulated"), report
+    tokens = {kind: SEQ * BATCH for kind in ("QKV", "proj", "FC1", "FC2", "output")}
+    output = _OutputLayer()
+    report = apply_float8([model], Float8Options(linears="auto", emulate=True,
+                                                 output_layer=True),
+                          tokens, torch.device("cpu"), torch.float32, dist.group.WORLD,
+                          output_models=[output])
+    assert len(report) == 6 and report[0].startswith("fp8 (tensorwise hybrid, emulated"), report
     assert all("(high " in line and " ms, float8 " in line for line in report[1:]), report
+    assert report[5].startswith(f"  output {SEQ * BATCH} x 32 -> 80: "), report
     reports = [None] * world_size
     dist.all_gather_object(reports, report)
     assert reports[0] == reports[1], reports
-    on = [m.float8_gemms is not None for m in model.values()]
+    on = [m.float8_gemms is not None for m in model.values()] + [output.gemms is not None]
     assert on == [line.split(": ")[1].startswith("float8") for line in report[1:]], (on, report)
+
+
+class _OutputLayer:
+    """What apply_float8 asks of a model whose output layer is a candidate."""
+
+    gemms = "unset"
+
+    def output_float8_shape(self):
+        return 32, 80
+
+    def run_output_in_float8(self, gemms):
+        self.gemms = gemms
 
 
 def test_auto_choice_is_timed_and_agreed_over_ranks(dist_run):

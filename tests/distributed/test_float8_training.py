@@ -1,7 +1,7 @@
 """Training with float8 linear layers (torchao's emulation, CPU, 2 gloo ranks at TP2 with
 sequence parallelism): the tiny Llama-style model trained 16 steps with ``--fp8-format hybrid``
-(and with ``e4m3 --fp8-recipe rowwise``) follows the float32 run's loss curve within the band
-below, every loss finite, and the curve falls as the float32 one does; the start-up report
+(and with ``e4m3 --fp8-recipe rowwise``, and with the output layer in float8 too, inside the
+fused loss: ``--fp8-output-layer``) follows the float32 run's loss curve within the band below, every loss finite, and the curve falls as the float32 one does; the start-up report
 names every linear kind in float8.
 
 Band: 0.5 % relative per step. One float8 rounding per GEMM operand is 3-6 % relative noise
@@ -37,6 +37,10 @@ FP8 = {
     "hybrid": ["--fp8-format", "hybrid", "--fp8-emulate", "--fp8-linears", "all"],
     "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--fp8-emulate",
                 "--fp8-linears", "all"],
+    # the output layer too, inside the fused loss over three chunks (48, 48, 32 tokens)
+    "output": ["--fp8-format", "hybrid", "--fp8-emulate", "--fp8-linears", "all",
+               "--fp8-output-layer", "--fused-linear-cross-entropy",
+               "--linear-cross-entropy-chunk-tokens", "48"],
 }
 
 
@@ -65,7 +69,8 @@ def test_float8_training_follows_the_float32_curve(dist_run, capfd):
     dist_run(_train, 2, {}, timeout=600)
     printed = capfd.readouterr().out
     assert "fp8 (tensorwise hybrid, emulated, --fp8-linears all): 4 of 4" in printed
-    for kind in ("QKV", "proj", "FC1", "FC2"):
+    assert "fp8 (tensorwise hybrid, emulated, --fp8-linears all): 5 of 5" in printed
+    for kind in ("QKV", "proj", "FC1", "FC2", "output"):
         assert f"  {kind}" in printed, kind
 
 

@@ -167,7 +167,8 @@ def _model_checks(rank, world_size):
     (GPTModel with RoPE from position_ids, megatron/training/model/gpt_model.py);
     with the same weights (TP2, sequence parallel, tied embeddings) the losses and every
     parameter gradient agree with GPTModel's to float32 rounding, and calls without labels
-    are GPTModel's own (bit-equal logits)."""
+    are GPTModel's own (bit-equal logits); given float8 GEMMs, the loss runs its output
+    layer through them."""
     from megatron.core.models.gpt.gpt_model import GPTModel  # megatron-core on first use
 
     from megatron.training.model.fused_loss_model import (
@@ -210,6 +211,17 @@ def _model_checks(rank, world_size):
         logits = [model(tokens, positions, None) for model in (plain, fused)]
     assert logits[0].shape == (2, 16, 32)                       # [b, s, V/tp]
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+    # --fp8-output-layer: the model hands its float8 GEMMs to the loss (emulated here)
+    from megatron.layers.float8_gemms import Float8Gemms  # torchao on first use
+    from megatron.layers.float8_options import Float8Options
+
+    assert fused.output_float8_shape() == tuple(reversed(fused._output_weight().shape))
+    fused.run_output_in_float8(Float8Gemms(Float8Options(linears="all", emulate=True)))
+    loss8 = fused(tokens, positions, None, labels=labels).detach()
+    noise = (loss8.double() - losses[1].double()).pow(2).sum()
+    sqnr = float(10 * torch.log10(losses[1].double().pow(2).sum() / noise))
+    assert 20.0 < sqnr < 60.0, sqnr             # rounded to float8, and only that
 
 
 def test_model_subclass_matches_gpt_model(dist_run):

@@ -8,6 +8,8 @@
 * the real GEMMs against torchao's emulation of the same casts: SQNR > 30 dB (the same
   float8 values; the two differ in accumulation order only), and, compiled, against
   torchao's own float8 linear on the same operands (the same result);
+* the fused output-layer loss with its GEMMs in float8 (``--fp8-output-layer``): SQNR of
+  losses and gradients against float64, peak memory not above the bf16 loss's;
 * a 2-layer bf16 GPT with every linear in float8 (``--fp8-linears all``) trains 4 AdamW
   steps with finite losses, its first loss within 2 % of the bf16 model's, every compiled
   cast graph built (none fell back to eager past dynamo's recompile limit); the ``auto``
@@ -125,6 +127,41 @@ def test_real_gemms_match_torchaos_emulation(fmt, recipe):
                        ("weight grad", lambda g: g.grad_weight(dy, x, torch.float32))):
         db = sqnr_db(call(real), call(emulated))
         assert db > 30, f"{fmt} {recipe} {name}: real vs emulated {db:.1f} dB"
+
+
+@pytest.mark.parametrize("fmt,recipe", RECIPES)
+def test_output_layer_in_real_float8(fmt, recipe):
+    """The fused output-layer loss with its GEMMs in real float8 (``--fp8-output-layer``),
+    a 32K vocabulary over three chunks of 4K tokens (the later chunks' weight gradients added
+    in blocks): losses, hidden-state and weight gradients within 20-60 dB of float64's, and
+    the chunk's peak memory no higher than the bf16 loss's."""
+    from megatron.training.model.fused_loss import fused_linear_cross_entropy
+
+    seq, hidden, vocab = 3 * 4096, HIDDEN, 32768
+    h = _randn(seq, 1, hidden, seed=50)
+    w = _randn(vocab, hidden, seed=51, scale=0.02)
+    labels = torch.randint(0, vocab, (1, seq), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(52))
+    weights = torch.ones(1, seq, device="cuda")
+
+    def run(h_, w_, gemms):
+        h_, w_ = h_.detach().requires_grad_(True), w_.detach().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = fused_linear_cross_entropy(h_, w_, labels, chunk_tokens=4096,
+                                          loss_weights=weights, gemms=gemms)
+        loss.sum().backward()
+        torch.cuda.synchronize()
+        return loss.detach(), h_.grad, w_.grad, torch.cuda.max_memory_allocated() - base
+
+    want = run(h.double(), w.double(), None)
+    _, _, _, bf16_peak = run(h, w, None)
+    got = run(h, w, _gemms(fmt, recipe))
+    for name, g, ref in zip(("loss", "hidden grad", "weight grad"), got, want):
+        db = sqnr_db(g, ref)
+        assert 20 < db < 60, f"{fmt} {recipe} output layer {name}: {db:.1f} dB"
+    assert got[3] <= bf16_peak, (got[3], bf16_peak)
 
 
 def _train(float8: str, steps: int = 4):

@@ -32,6 +32,8 @@ from megatron.layers.float8_policy import (
 )
 from megatron.training.cli.errors import ArgumentsError
 from megatron.training.cli.fp8_args import fp8_options
+from megatron.training.model import fused_loss
+from megatron.training.model.fused_loss import fused_linear_cross_entropy
 
 pytest.importorskip("torchao")
 
@@ -75,6 +77,7 @@ def test_device_problems_name_the_cause():
 
 def _flags(**kw):
     base = dict(fp8_format=None, fp8_recipe=None, fp8_linears=None, fp8_emulate=False,
+                fp8_output_layer=False, fused_linear_cross_entropy=False,
                 use_megatron_fsdp=False)
     base.update(kw)
     return argparse.Namespace(**base)
@@ -93,6 +96,19 @@ def test_fp8_options_from_flags():
         fp8_options(_flags(fp8_format="hybrid", fp8_recipe="delayed"), "cuda", (9, 0))
     with pytest.raises(ArgumentsError, match="compute capability"):
         fp8_options(_flags(fp8_format="hybrid"), "cuda", (8, 6))
+
+
+def test_the_output_layer_flag_needs_float8_and_the_fused_loss():
+    with pytest.raises(ArgumentsError, match="^--fp8-output-layer needs --fp8-format; add"):
+        fp8_options(_flags(fp8_output_layer=True, fused_linear_cross_entropy=True), "cpu", None)
+    with pytest.raises(ArgumentsError, match="add --fused-linear-cross-entropy"):
+        fp8_options(_flags(fp8_format="hybrid", fp8_emulate=True, fp8_output_layer=True),
+                    "cpu", None)
+    got = fp8_options(_flags(fp8_format="hybrid", fp8_emulate=True, fp8_output_layer=True,
+                             fused_linear_cross_entropy=True), "cpu", None)
+    assert got.output_layer
+    assert not fp8_options(_flags(fp8_format="hybrid", fp8_emulate=True), "cpu",
+                           None).output_layer
 
 
 def test_recipe_dtypes():
@@ -503,3 +519,59 @@ def test_the_casts_take_few_calls(monkeypatch):
     w2 = _param(torch.randn(32, 48, generator=gen) * 0.05)
     linear_wgrad.swiglu_linear(h, w2, gemms=gemms).backward(torch.randn(64, 32, generator=gen))
     assert calls == [2, 2, 1]
+
+
+# --------------------------------------------------------------------------- output layer
+def _output_layer_grads(hidden, weight, labels, loss_weights, gemms, chunk_tokens):
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(h, w, labels, chunk_tokens=chunk_tokens,
+                                      loss_weights=loss_weights, gemms=gemms)
+    (loss * torch.linspace(0.5, 1.5, loss.numel()).view_as(loss).to(loss.dtype)).sum().backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("fmt,recipe", RECIPES)
+def test_output_layer_in_float8_within_20_db(fmt, recipe, weighted, monkeypatch):
+    """The fused loss with its three GEMMs in float8 (three chunks, the later chunks' weight
+    gradients added in blocks of 40 vocabulary rows) against the float64 loss: the losses,
+    the hidden states' and the weight's gradients within 20-60 dB, in both of the loss's
+    modes (gradients computed in the forward, or recomputed in the backward)."""
+    monkeypatch.setattr(fused_loss, "WGRAD_BLOCK_ROWS", 40)
+    gen = torch.Generator().manual_seed(21)
+    seq, batch, hidden_size, vocab = 48, 2, 64, 96
+    hidden = torch.randn(seq, batch, hidden_size, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.3).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    weights = torch.ones(batch, seq) if weighted else None
+    want = _output_layer_grads(hidden.double(), weight.double(), labels, weights, None, 32)
+    got = _output_layer_grads(hidden, weight, labels, weights,
+                              Float8Gemms(_emulated(fmt, recipe)), 32)
+    assert got[2].dtype == torch.bfloat16
+    _assert_sqnr(zip(("loss", "hidden grad", "weight grad"), got, want),
+                 f"output layer {fmt} {recipe} weighted={weighted}")
+
+
+def test_output_layer_weight_gradient_in_blocks_is_the_whole(monkeypatch):
+    """Blocks of vocabulary rows add what one GEMM of all rows adds."""
+    gemms = Float8Gemms(_emulated("hybrid", "tensorwise"))
+    gen = torch.Generator().manual_seed(4)
+    grad, rows = torch.randn(32, 96, generator=gen), torch.randn(32, 64, generator=gen)
+    whole = torch.randn(96, 64, generator=gen)
+    blocks = whole.clone()
+    gemms.add_grad_weight(gemms.cast_grad(grad), rows, whole, written=True, block_rows=96)
+    gemms.add_grad_weight(gemms.cast_grad(grad), rows, blocks, written=True, block_rows=40)
+    torch.testing.assert_close(blocks, whole, rtol=1e-6, atol=1e-6)
+    written = torch.full((96, 64), float("nan"))
+    gemms.add_grad_weight(gemms.cast_grad(grad), rows, written, written=False, block_rows=40)
+    assert torch.equal(written, gemms.grad_weight(grad, rows, torch.float32))
+
+
+def test_a_chunk_scaled_mm_cannot_take_stays_in_the_weight_dtype():
+    real = Float8Gemms(Float8Options(linears="all"))
+    emulated = Float8Gemms(_emulated("hybrid", "tensorwise"))
+    assert fused_loss.chunk_gemms(real, 8192) is real
+    assert fused_loss.chunk_gemms(real, 8200) is None       # not a multiple of 16
+    assert fused_loss.chunk_gemms(emulated, 8200) is emulated
+    assert fused_loss.chunk_gemms(None, 8192) is None

@@ -38,6 +38,12 @@ def add_fp8_args(group) -> None:
                        help="with --fp8-format: auto (default; each linear shape is timed once "
                             "in bf16 and float8 at start-up and stays bf16 unless float8 is 5%% "
                             "faster) or all (every linear whose dimensions are multiples of 16)")
+    group.add_argument("--fp8-output-layer", action="store_true",
+                       help="with --fp8-format and --fused-linear-cross-entropy: the output "
+                            "layer's GEMMs (logits and their two gradients) are a float8 "
+                            "candidate too, chosen by --fp8-linears like the others. Off by "
+                            "default, as in Megatron-LM and torchtitan: the logits then carry "
+                            "float8's rounding (docs/numerics.md)")
     group.add_argument("--fp8-emulate", action="store_true",
                        help="with --fp8-format, for tests and debugging: torchao's emulation "
                             "(float8 rounding, float32 matmuls) on any device, the CPU included; "
@@ -53,7 +59,9 @@ def fp8_options(args, device: str, capability: Optional[Tuple[int, int]]
     if args.fp8_format is None:
         given = [flag for flag, value in (("--fp8-recipe", args.fp8_recipe),
                                           ("--fp8-linears", args.fp8_linears),
-                                          ("--fp8-emulate", args.fp8_emulate or None))
+                                          ("--fp8-emulate", args.fp8_emulate or None),
+                                          ("--fp8-output-layer",
+                                           args.fp8_output_layer or None))
                  if value is not None]
         if given:
             raise ArgumentsError(f"{given[0]} needs --fp8-format; add --fp8-format hybrid "
@@ -67,8 +75,12 @@ def fp8_options(args, device: str, capability: Optional[Tuple[int, int]]
     if args.use_megatron_fsdp:
         raise ArgumentsError("--fp8-format with --use-megatron-fsdp is not verified; drop one "
                              "of them")
+    if args.fp8_output_layer and not args.fused_linear_cross_entropy:
+        raise ArgumentsError("--fp8-output-layer runs the output layer inside the fused loss; "
+                             "add --fused-linear-cross-entropy (or drop --fp8-output-layer)")
     return Float8Options(format=args.fp8_format, recipe=recipe,
-                         linears=args.fp8_linears or "auto", emulate=args.fp8_emulate)
+                         linears=args.fp8_linears or "auto", emulate=args.fp8_emulate,
+                         output_layer=args.fp8_output_layer)
 
 
 __all__ = ["add_fp8_args", "fp8_options"]

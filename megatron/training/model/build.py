@@ -41,7 +41,7 @@ from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataPa
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.layers.float8_policy import apply_float8
+from megatron.layers.float8_policy import OUTPUT_KIND, apply_float8
 from megatron.memory.activation_offload import ActivationOffloader, install_recompute_offload
 from megatron.memory.kept_attention import RecomputeKeep
 from megatron.training.cli.arguments import SPEC_RECOMPUTE_MODULES
@@ -338,13 +338,16 @@ def build_model(config: RunConfig, groups: USPGroups) -> List[torch.nn.Module]:
 
 
 def float8_tokens(config: RunConfig) -> dict:
-    """GEMM rows per micro-batch of each float8 candidate (QKV, proj, FC1, FC2): this rank's
-    ``s/CP * b`` tokens (sequence parallelism gathers them before QKV and FC1; the
-    projection and FC2 take them whole), FC1 and FC2 over tiles of ``--mlp-tile-tokens``."""
+    """GEMM rows per micro-batch of each float8 candidate (QKV, proj, FC1, FC2, output): this
+    rank's ``s/CP * b`` tokens (sequence parallelism gathers them before QKV and FC1; the
+    projection and FC2 take them whole), FC1 and FC2 over tiles of ``--mlp-tile-tokens``,
+    the output layer over the fused loss's chunks (``--linear-cross-entropy-chunk-tokens``;
+    the chunk's shape without the fused loss, where the output layer is no candidate)."""
     args = config.args
     tokens = args.seq_length // config.dims.cp * args.micro_batch_size
     mlp = min(tokens, args.mlp_tile_tokens) if args.mlp_tile_tokens else tokens
-    return {"QKV": tokens, "proj": tokens, "FC1": mlp, "FC2": mlp}
+    chunk = min(tokens, config.loss_chunk_tokens) if config.loss_chunk_tokens else tokens
+    return {"QKV": tokens, "proj": tokens, "FC1": mlp, "FC2": mlp, OUTPUT_KIND: chunk}
 
 
 def configure_float8(config: RunConfig, model_chunks, device: torch.device,
@@ -354,8 +357,13 @@ def configure_float8(config: RunConfig, model_chunks, device: torch.device,
     return the start-up report; nothing without ``--fp8-format``."""
     if config.fp8 is None:
         return []
+    outputs = []
+    if config.fp8.output_layer:
+        # every pipeline stage's model, so that all ranks time the same shapes
+        outputs = [m for chunk in model_chunks for m in chunk.modules()
+                   if isinstance(m, FusedLossGPTModel)]
     return apply_float8(model_chunks, config.fp8, float8_tokens(config), device,
-                        params_dtype(config), group)
+                        params_dtype(config), group, output_models=outputs)
 
 
 def unwrap(model_chunk) -> torch.nn.Module:

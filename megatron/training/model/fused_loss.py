@@ -54,11 +54,22 @@ factor ``c`` with ``grad_loss == c * weights``; if the gradient it receives is n
 this mode: the gradients (``[N, H]`` in the hidden dtype, ``[V/tp, H]`` float32) besides the
 tensors above. On CUDA the per-chunk statistics and gradient run as ``torch.compile``d fusions
 (one pass over the bf16 logits each); on the CPU the same functions run eagerly.
+
+Float8 (``--fp8-output-layer``, ``gemms``): each chunk's three GEMMs (the logits, the hidden
+states' gradient, the weight gradient) go through
+:class:`~megatron.layers.float8_gemms.Float8Gemms` as a transformer linear layer's do: the
+chunk's hidden states and the weight cast with dynamic scales (e4m3), the logits' gradient
+too (e5m2 with ``hybrid``); the scaled GEMM returns bf16 logits, and the statistics, the
+softmax and the loss are computed from them in float32 as above. The weight gradient leaves
+the GEMM in float32: the first chunk's is written into the accumulator, later chunks' are
+added ``WGRAD_BLOCK_ROWS`` vocabulary rows at a time. The logits' bf16 gradient is released
+once cast, so the float8 path holds no more at once than the bf16 one (the logits and their
+gradient). A chunk whose token count is not a multiple of 16 runs in the weight dtype.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,9 +79,14 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch.autograd.function import once_differentiable
 
+from megatron.layers.float8_gemms import Float8Gemms
+from megatron.layers.float8_policy import SCALED_MM_ALIGNMENT
 from megatron.layers.linear_wgrad import accumulate_wgrad
 
 DEFAULT_CHUNK_TOKENS = 8192
+# float8 weight gradients after a chunk's first are added this many vocabulary rows at a time
+# (a float32 temporary of WGRAD_BLOCK_ROWS x H: 128 MiB at H = 4096)
+WGRAD_BLOCK_ROWS = 8192
 
 
 def accumulation_dtype(weight_dtype: torch.dtype) -> torch.dtype:
@@ -111,22 +127,66 @@ def _local_targets(labels: torch.Tensor, vocab: Tuple[int, int]):
     return (labels - start).masked_fill(~owned, 0), owned
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[n, H] x [V/tp, H] -> [n, V/tp] logits: one matmul in the weight dtype, then a fresh
-    float32 (float64) tensor the caller may modify in place."""
-    logits = torch.matmul(hidden, weight.t())
+# --------------------------------------------------------------------------- the GEMMs
+def chunk_gemms(gemms: Optional[Float8Gemms], rows: int) -> Optional[Float8Gemms]:
+    """``gemms`` where a chunk of ``rows`` tokens can run in float8, else None (the weight
+    dtype's GEMMs): ``torch._scaled_mm`` takes dimensions that are multiples of 16, and a
+    chunk's rows are the weight gradient's inner one (emulation takes any)."""
+    if gemms is None or (not gemms.options.emulate and rows % SCALED_MM_ALIGNMENT):
+        return None
+    return gemms
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor,
+            gemms: Optional[Float8Gemms]) -> torch.Tensor:
+    """[n, H] x [V/tp, H] -> [n, V/tp] logits in the weight dtype."""
+    if gemms is None:
+        return torch.matmul(hidden, weight.t())
+    return gemms.output(hidden, weight)
+
+
+def _input_and_weight_grads(handed: List[torch.Tensor], hidden: torch.Tensor,
+                            weight: torch.Tensor, gemms: Optional[Float8Gemms],
+                            grad_weight: Optional[torch.Tensor], written: bool,
+                            need_hidden: bool = True) -> Optional[torch.Tensor]:
+    """``grad_logits [n, V/tp] @ weight`` (returned, when ``need_hidden``) and
+    ``grad_logits.T @ hidden`` added into the float32 ``grad_weight`` (when given; in
+    float8, ``written`` False: written there, as nothing has been added yet).
+    ``handed``: ``[grad_logits]``, its only reference, emptied here: in float8 the bf16
+    gradient is released once cast, so the weight's cast and the GEMMs' outputs do not
+    add to it (the chunk's logits and their gradient are the largest tensors of the loss)."""
+    grad_logits = handed.pop()
+    if gemms is None:
+        if grad_weight is not None:
+            accumulate_wgrad(grad_weight, grad_logits, hidden)
+        return torch.matmul(grad_logits, weight) if need_hidden else None
+    cast = gemms.cast_grad(grad_logits)
+    del grad_logits
+    grad_hidden = gemms.grad_input(cast, weight) if need_hidden else None
+    if grad_weight is not None:
+        gemms.add_grad_weight(cast, hidden, grad_weight, written, WGRAD_BLOCK_ROWS)
+    return grad_hidden
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                  gemms: Optional[Float8Gemms] = None) -> torch.Tensor:
+    """[n, H] x [V/tp, H] -> [n, V/tp] logits: one matmul in the weight dtype (or float8),
+    then a fresh float32 (float64) tensor the caller may modify in place."""
+    logits = _logits(hidden, weight, gemms)
     acc = accumulation_dtype(weight.dtype)
     return logits.to(acc) if logits.dtype != acc else logits
 
 
 def forward_chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                  vocab: Tuple[int, int], tp_group: Optional[dist.ProcessGroup]):
+                  vocab: Tuple[int, int], tp_group: Optional[dist.ProcessGroup],
+                  gemms: Optional[Float8Gemms] = None):
     """Per-token (loss [n], log-sum-exp [n]) of one chunk of ``n`` tokens, both float32.
 
     ``hidden [n, H]``, ``labels [n]``. All-reduces over ``tp_group`` (see the module
-    docstring); every TP rank returns the same values.
+    docstring); every TP rank returns the same values. ``gemms``: the chunk's float8 GEMMs
+    (:func:`chunk_gemms`), None for the weight dtype's.
     """
-    logits = _chunk_logits(hidden, weight)                       # [n, V/tp] float32
+    logits = _chunk_logits(hidden, weight, gemms)                # [n, V/tp] float32
     row_max = logits.max(dim=-1).values                          # [n]
     _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
     logits.sub_(row_max.unsqueeze(-1))
@@ -139,14 +199,16 @@ def forward_chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 
 def backward_chunk(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                   labels: torch.Tensor, lse: torch.Tensor, vocab: Tuple[int, int]):
+                   labels: torch.Tensor, lse: torch.Tensor, vocab: Tuple[int, int],
+                   gemms: Optional[Float8Gemms] = None):
     """Gradient of the chunk's logits (this rank's vocabulary rows), in the weight dtype.
 
     ``d loss[t] / d logit[t, v] = softmax[t, v] - [v == label[t]]``, scaled by
     ``grad_loss [n]``; the -1 lands only on the rank owning the label. Returns
-    ``[n, V/tp]``; no communication.
+    ``[n, V/tp]``; no communication. The logits are recomputed with the forward's GEMMs
+    (``gemms``; float8 casts are deterministic, so the same values).
     """
-    probs = _chunk_logits(hidden, weight)                        # [n, V/tp] float32
+    probs = _chunk_logits(hidden, weight, gemms)                 # [n, V/tp] float32
     probs.sub_(lse.unsqueeze(-1)).exp_()                         # softmax over the full V
     local, owned = _local_targets(labels, vocab)
     rows = torch.arange(probs.shape[0], device=probs.device)
@@ -188,13 +250,15 @@ def _fused(fn, on_cuda: bool):
     return _COMPILED[fn]
 
 
-def forward_chunk_with_grads(hidden, weight, labels, row_weight, vocab, tp_group, grad_weight):
+def forward_chunk_with_grads(hidden, weight, labels, row_weight, vocab, tp_group, grad_weight,
+                             gemms: Optional[Float8Gemms] = None, written: bool = True):
     """One chunk's (loss [n], lse [n], grad_hidden [n, H]) and its weight gradient added into
     ``grad_weight [V/tp, H]`` (float32, summed in the GEMM), the gradients of
     ``sum(loss * row_weight)`` (grad_hidden this rank's partial sum over its vocabulary
-    rows). Same all-reduces as :func:`forward_chunk`."""
+    rows). Same all-reduces as :func:`forward_chunk`. ``gemms``: float8 GEMMs
+    (:func:`chunk_gemms`); ``written`` False: ``grad_weight`` holds nothing yet."""
     cuda = hidden.is_cuda
-    logits = torch.matmul(hidden, weight.t())                    # [n, V/tp] weight dtype
+    logits = _logits(hidden, weight, gemms)                      # [n, V/tp] weight dtype
     local, owned = _local_targets(labels, vocab)
     row_max, sum_exp, target = _fused(_row_stats, cuda)(logits, local, owned)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -204,15 +268,15 @@ def forward_chunk_with_grads(hidden, weight, labels, row_weight, vocab, tp_group
         _all_reduce(sums, dist.ReduceOp.SUM, tp_group)
         row_max, sum_exp, target = global_max, sums[0], sums[1]
     lse = torch.log(sum_exp) + row_max
-    grad_logits = _fused(_logit_grad, cuda)(logits, lse, local, owned,
-                                             row_weight.to(lse.dtype))
+    handed = [_fused(_logit_grad, cuda)(logits, lse, local, owned, row_weight.to(lse.dtype))]
     del logits
-    accumulate_wgrad(grad_weight, grad_logits, hidden)
-    return lse - target, lse, torch.matmul(grad_logits, weight)
+    grad_hidden = _input_and_weight_grads(handed, hidden, weight, gemms, grad_weight, written)
+    return lse - target, lse, grad_hidden
 
 
 def linear_cross_entropy_forward_with_grads(hidden, weight, labels, row_weights,
-                                            chunk_tokens, tp_group):
+                                            chunk_tokens, tp_group,
+                                            gemms: Optional[Float8Gemms] = None):
     """(loss [N], lse [N], grad_hidden [N, H], grad_weight [V/tp, H] float32) chunk by chunk."""
     acc = accumulation_dtype(weight.dtype)
     num_tokens = hidden.shape[0]
@@ -221,10 +285,13 @@ def linear_cross_entropy_forward_with_grads(hidden, weight, labels, row_weights,
     grad_hidden = torch.empty_like(hidden)
     grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
     vocab = vocab_range(weight, tp_group)
+    written = False
     for start, end in chunk_bounds(num_tokens, chunk_tokens):
+        g8 = chunk_gemms(gemms, end - start)
         loss[start:end], lse[start:end], grad_hidden[start:end] = forward_chunk_with_grads(
             hidden[start:end], weight, labels[start:end], row_weights[start:end], vocab,
-            tp_group, grad_weight)
+            tp_group, grad_weight, g8, written)
+        written = True
     return loss, lse, grad_hidden, grad_weight
 
 
@@ -248,7 +315,8 @@ def common_scale(grad_loss: torch.Tensor, row_weights: torch.Tensor) -> Optional
 
 def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor,
                                  labels: torch.Tensor, chunk_tokens: int,
-                                 tp_group: Optional[dist.ProcessGroup]):
+                                 tp_group: Optional[dist.ProcessGroup],
+                                 gemms: Optional[Float8Gemms] = None):
     """(loss [N], log-sum-exp [N]) for ``hidden [N, H]``, ``labels [N]``, chunk by chunk."""
     acc = accumulation_dtype(weight.dtype)
     num_tokens = hidden.shape[0]
@@ -257,7 +325,8 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor,
     vocab = vocab_range(weight, tp_group)
     for start, end in chunk_bounds(num_tokens, chunk_tokens):
         loss[start:end], lse[start:end] = forward_chunk(
-            hidden[start:end], weight, labels[start:end], vocab, tp_group)
+            hidden[start:end], weight, labels[start:end], vocab, tp_group,
+            chunk_gemms(gemms, end - start))
     return loss, lse
 
 
@@ -265,7 +334,8 @@ def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor,
                                   weight: torch.Tensor, labels: torch.Tensor,
                                   lse: torch.Tensor, chunk_tokens: int,
                                   tp_group: Optional[dist.ProcessGroup],
-                                  need_hidden: bool = True, need_weight: bool = True):
+                                  need_hidden: bool = True, need_weight: bool = True,
+                                  gemms: Optional[Float8Gemms] = None):
     """(grad_hidden [N, H] in the hidden dtype, grad_weight [V/tp, H] in the weight dtype).
 
     ``grad_hidden`` is this TP rank's partial sum over its vocabulary rows; the weight
@@ -276,14 +346,17 @@ def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor,
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = (torch.zeros(weight.shape, dtype=accumulation_dtype(weight.dtype),
                                device=weight.device) if need_weight else None)
+    written = False
     for start, end in chunk_bounds(hidden.shape[0], chunk_tokens):
         h_chunk = hidden[start:end]                              # [n, H]
-        grad_logits = backward_chunk(grad_loss[start:end], h_chunk, weight,
-                                     labels[start:end], lse[start:end], vocab)
+        g8 = chunk_gemms(gemms, end - start)
+        handed = [backward_chunk(grad_loss[start:end], h_chunk, weight, labels[start:end],
+                                 lse[start:end], vocab, g8)]
+        part = _input_and_weight_grads(handed, h_chunk, weight, g8, grad_weight, written,
+                                       need_hidden)
         if need_hidden:
-            grad_hidden[start:end] = torch.matmul(grad_logits, weight)
-        if need_weight:
-            accumulate_wgrad(grad_weight, grad_logits, h_chunk)
+            grad_hidden[start:end] = part
+        written = written or need_weight
     if need_weight:
         grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight
@@ -294,19 +367,22 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     Saves ``hidden``, ``weight``, ``labels`` and the float32 log-sum-exp; with
     ``row_weights`` (and gradients wanted) also the gradients computed in the forward.
+    ``gemms``: the output layer's float8 GEMMs, None for the weight dtype's.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, tp_group, row_weights=None):
-        ctx.chunk_tokens, ctx.tp_group = chunk_tokens, tp_group
+    def forward(ctx, hidden, weight, labels, chunk_tokens, tp_group, row_weights=None,
+                gemms=None):
+        ctx.chunk_tokens, ctx.tp_group, ctx.gemms = chunk_tokens, tp_group, gemms
         ctx.precomputed = row_weights is not None and any(ctx.needs_input_grad[:2])
         if ctx.precomputed:
             loss, lse, grad_hidden, grad_weight = linear_cross_entropy_forward_with_grads(
-                hidden, weight, labels, row_weights, chunk_tokens, tp_group)
+                hidden, weight, labels, row_weights, chunk_tokens, tp_group, gemms)
             ctx.save_for_backward(hidden, weight, labels, lse, row_weights, grad_hidden,
                                   grad_weight)
             return loss
-        loss, lse = linear_cross_entropy_forward(hidden, weight, labels, chunk_tokens, tp_group)
+        loss, lse = linear_cross_entropy_forward(hidden, weight, labels, chunk_tokens, tp_group,
+                                                 gemms)
         ctx.save_for_backward(hidden, weight, labels, lse)
         return loss
 
@@ -322,19 +398,20 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden, grad_weight = grad_hidden * c, grad_weight * c
                 return (grad_hidden if ctx.needs_input_grad[0] else None,
                         grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
-                        None, None, None, None)
+                        None, None, None, None, None)
         grad_hidden, grad_weight = linear_cross_entropy_backward(
             grad_loss.contiguous(), hidden, weight, labels, lse, ctx.chunk_tokens,
             ctx.tp_group, need_hidden=ctx.needs_input_grad[0],
-            need_weight=ctx.needs_input_grad[1])
-        return grad_hidden, grad_weight, None, None, None, None
+            need_weight=ctx.needs_input_grad[1], gemms=ctx.gemms)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                labels: torch.Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                                tp_group: Optional[dist.ProcessGroup] = None,
                                sequence_parallel: bool = False,
-                               loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               loss_weights: Optional[torch.Tensor] = None,
+                               gemms: Optional[Float8Gemms] = None) -> torch.Tensor:
     """Per-token losses ``[b, s]`` of the output layer ``weight`` applied to ``hidden``.
 
     ``hidden [s, b, H]`` (``[s/tp, b, H]`` with ``sequence_parallel``), ``weight [V/tp, H]``
@@ -343,7 +420,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     ``output_layer`` followed by ``compute_language_model_loss`` (see the module docstring
     for the TP wiring, the communication and the memory). ``loss_weights [b, s]`` (the loss
     mask): how the objective weighs each loss, up to one common factor; given, the gradients
-    are computed in the forward (module docstring), with the same result.
+    are computed in the forward (module docstring), with the same result. ``gemms``: run
+    the output layer's three GEMMs in float8 (:class:`~megatron.layers.float8_gemms.
+    Float8Gemms`; a chunk whose rows ``torch._scaled_mm`` cannot take stays in the weight
+    dtype); the float8 weight gradient is accumulated in float32 like the bf16 one.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
@@ -371,5 +451,5 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                              f"[{batch}, {seq}] like the labels")
         flat_weights = loss_weights.t().reshape(seq * batch).detach()
     loss = LinearCrossEntropy.apply(rows, weight, flat_labels, chunk_tokens, tp_group,
-                                    flat_weights)
+                                    flat_weights, gemms)
     return loss.view(seq, batch).t().contiguous()                   # [N] -> [b, s]

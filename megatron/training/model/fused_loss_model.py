@@ -35,6 +35,18 @@ class FusedLossGPTModel(USPGPTModel):
             raise ValueError("the fused output-layer loss computes the output weight "
                              "gradient itself; defer_embedding_wgrad_compute must be off")
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.output_gemms = None
+
+    def output_float8_shape(self):
+        """``(in, out)`` of the output layer's GEMMs on this rank, ``(H, V/tp)``: the same on
+        every pipeline stage (the float8 choice is agreed by all ranks), the output weight's
+        shape on the last."""
+        return self.config.hidden_size, self.vocab_size // self.config.tensor_model_parallel_size
+
+    def run_output_in_float8(self, gemms) -> None:
+        """Run the output layer's GEMMs through ``gemms`` (float8), or in the weight dtype
+        (None); :func:`megatron.layers.float8_policy.apply_float8` decides."""
+        self.output_gemms = gemms
 
     def _uses_fused_loss(self, labels, mtp_in_postprocess, inference_context) -> bool:
         return (self.post_process and labels is not None and not mtp_in_postprocess
@@ -74,4 +86,4 @@ class FusedLossGPTModel(USPGPTModel):
         return fused_linear_cross_entropy(
             hidden_states, weight, labels, chunk_tokens=self.loss_chunk_tokens,
             tp_group=layer.tp_group, sequence_parallel=layer.sequence_parallel,
-            loss_weights=loss_mask)
+            loss_weights=loss_mask, gemms=self.output_gemms)
