@@ -284,6 +284,6 @@ def report_lines(shapes: List[Tuple[str, LinearShape]], chosen: Mapping[LinearSh
     return lines
 
 
-__all__ = ["LINEAR_KINDS", "OUTPUT_KIND", "LinearShape", "Timing", "float8_eligible", "choose_float8",
-           "keep_host_ahead",
-           "time_linear", "measure", "float8_linears", "apply_float8", "report_lines"]
+__all__ = ["LINEAR_KINDS", "OUTPUT_KIND", "LinearShape", "Timing", "float8_eligible",
+           "choose_float8", "keep_host_ahead", "time_linear", "measure", "float8_linears",
+           "apply_float8", "report_lines"]

@@ -168,6 +168,16 @@ def _input_and_weight_grads(handed: List[torch.Tensor], hidden: torch.Tensor,
     return grad_hidden
 
 
+def _weight_grad_buffer(weight: torch.Tensor, gemms: Optional[Float8Gemms],
+                        first_rows: int) -> torch.Tensor:
+    """The float32 (float64) accumulator of the weight gradient ``[V/tp, H]``: zeros, or
+    left unfilled where the first chunk (``first_rows`` tokens) runs in float8, whose GEMM
+    writes all of it."""
+    fill = first_rows == 0 or chunk_gemms(gemms, first_rows) is None
+    return (torch.zeros if fill else torch.empty)(
+        weight.shape, dtype=accumulation_dtype(weight.dtype), device=weight.device)
+
+
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor,
                   gemms: Optional[Float8Gemms] = None) -> torch.Tensor:
     """[n, H] x [V/tp, H] -> [n, V/tp] logits: one matmul in the weight dtype (or float8),
@@ -283,15 +293,12 @@ def linear_cross_entropy_forward_with_grads(hidden, weight, labels, row_weights,
     loss = torch.empty(num_tokens, dtype=acc, device=hidden.device)
     lse = torch.empty(num_tokens, dtype=acc, device=hidden.device)
     grad_hidden = torch.empty_like(hidden)
-    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    grad_weight = _weight_grad_buffer(weight, gemms, min(chunk_tokens, num_tokens))
     vocab = vocab_range(weight, tp_group)
-    written = False
     for start, end in chunk_bounds(num_tokens, chunk_tokens):
-        g8 = chunk_gemms(gemms, end - start)
         loss[start:end], lse[start:end], grad_hidden[start:end] = forward_chunk_with_grads(
             hidden[start:end], weight, labels[start:end], row_weights[start:end], vocab,
-            tp_group, grad_weight, g8, written)
-        written = True
+            tp_group, grad_weight, chunk_gemms(gemms, end - start), written=start > 0)
     return loss, lse, grad_hidden, grad_weight
 
 
@@ -344,19 +351,17 @@ def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor,
     """
     vocab = vocab_range(weight, tp_group)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    grad_weight = (torch.zeros(weight.shape, dtype=accumulation_dtype(weight.dtype),
-                               device=weight.device) if need_weight else None)
-    written = False
+    grad_weight = (_weight_grad_buffer(weight, gemms, min(chunk_tokens, hidden.shape[0]))
+                   if need_weight else None)
     for start, end in chunk_bounds(hidden.shape[0], chunk_tokens):
         h_chunk = hidden[start:end]                              # [n, H]
         g8 = chunk_gemms(gemms, end - start)
         handed = [backward_chunk(grad_loss[start:end], h_chunk, weight, labels[start:end],
                                  lse[start:end], vocab, g8)]
-        part = _input_and_weight_grads(handed, h_chunk, weight, g8, grad_weight, written,
+        part = _input_and_weight_grads(handed, h_chunk, weight, g8, grad_weight, start > 0,
                                        need_hidden)
         if need_hidden:
             grad_hidden[start:end] = part
-        written = written or need_weight
     if need_weight:
         grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight
