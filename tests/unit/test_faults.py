@@ -33,6 +33,7 @@ from megatron.training.checkpoint.writer_watch import (
     Progress,
     WriterDiedError,
     WriterStuckError,
+    serving_work,
     stall_bound_s,
     stuck_text,
     writers_watched,
@@ -438,6 +439,55 @@ def test_a_checkpoint_writer_that_hangs_is_killed_and_ends_the_wait_for_it():
         f"made no progress for 1 s (no CPU time, no bytes written); it was killed")
     writer.join(timeout=5)
     assert writer.exitcode == -signal.SIGKILL
+
+
+# A helper process: a main thread that spins in bursts (what a Manager's once-a-second
+# shutdown check can be charged as) and a serving thread that works only when told to.
+_HELPER = """
+import sys, threading, time
+
+def serve():
+    line = sys.stdin.readline()            # idle until told
+    end = time.monotonic() + float(line)
+    while time.monotonic() < end:
+        sum(range(1000))
+
+threading.Thread(target=serve).start()
+print("ready", flush=True)
+while True:
+    end = time.monotonic() + 0.02
+    while time.monotonic() < end:
+        pass
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("serving_s", [0.0, 3.0])
+def test_a_helper_counts_by_its_serving_threads_only(serving_s):
+    """A write waiting on a helper process (megatron-core's results-queue Manager): the
+    helper's main thread keeps waking (a Manager checks once a second whether to stop), which
+    is not progress, so a write that waits on an idle helper is stuck after the bound; work
+    in its serving thread (unpickling the writers' results) is progress."""
+    helper = subprocess.Popen([sys.executable, "-c", _HELPER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert helper.stdout.readline() == "ready\n"
+        assert serving_work(helper.pid)[2] == 1        # the serving thread alone
+        t0 = time.monotonic()
+        helper.stdin.write(f"{serving_s}\n")
+        helper.stdin.flush()
+        if serving_s:
+            with writers_watched(stall_s=1.0, helpers=[helper.pid]):
+                time.sleep(serving_s - 0.5)     # waits on the helper, which works throughout
+        else:
+            with pytest.raises(WriterStuckError):
+                with writers_watched(stall_s=1.0, helpers=[helper.pid]):
+                    time.sleep(30)
+            assert time.monotonic() - t0 < 5
+    finally:
+        helper.kill()
+        helper.wait()
+    assert serving_work(helper.pid) is None
 
 
 def test_a_slow_writer_that_keeps_writing_is_not_stuck(tmp_path):

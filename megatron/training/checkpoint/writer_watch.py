@@ -13,9 +13,10 @@ distributed timeout.
   while still unreaped (a zombie: its parent has not joined it yet) is a writer that died
   mid-write: :class:`WriterDiedError`;
 * with ``stall_s``, a write that made no progress for ``stall_s`` seconds is stuck: no CPU
-  time and no bytes written by the writers (the main thread, the block's children and the
-  given helper processes) and no growth of the files being written. The live writer
-  processes are killed (nothing stuck outlives the save), then :class:`WriterStuckError`.
+  time and no bytes written by the writers (the main thread, the block's children, and the
+  serving threads of the given helper processes) and no growth of the files being written.
+  The live writer processes are killed (nothing stuck outlives the save), then
+  :class:`WriterStuckError`.
 
 Either error is raised in the main thread by interrupting it with ``SIGUSR1``, whose
 handler raises out of the blocked wait (and again as the block ends, if code inside it
@@ -131,12 +132,31 @@ def _file_size(path: str) -> int:
         return -1
 
 
-def progress_sample(main_tid: int, processes: Iterable[int], files: Iterable[str]) -> Tuple:
-    """What changes while a write progresses: the work of this process's main thread and of
-    ``processes`` (the writers and their helpers), and the sizes of the files written."""
+def serving_work(pid: int) -> Optional[Tuple[int, int, int]]:
+    """(CPU clock ticks, bytes written, threads) of process ``pid``'s threads other than its
+    main one, None when it is gone or a zombie. A multiprocessing ``Manager`` serves each
+    connection in a thread of its own, while its main thread only wakes once a second to
+    see whether it should stop: those wake-ups, charged a clock tick now and then, are not
+    work on the write."""
+    if _task_work(f"/proc/{pid}") is None:
+        return None
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    except OSError:
+        return None
+    work = [w for w in (_task_work(f"/proc/{pid}/task/{t}") for t in tids) if w is not None]
+    return sum(w[0] for w in work), sum(w[1] for w in work), len(work)
+
+
+def progress_sample(main_tid: int, processes: Iterable[int], files: Iterable[str],
+                    helpers: Iterable[int] = ()) -> Tuple:
+    """What changes while a write progresses: the work of this process's main thread, of
+    ``processes`` (the writers) and of the serving threads of ``helpers``
+    (:func:`serving_work`), and the sizes of the files written."""
     me = os.getpid()
     work = [(0, _task_work(f"/proc/{me}/task/{main_tid}"))]
     work += [(pid, _task_work(f"/proc/{pid}")) for pid in sorted(processes)]
+    work += [(pid, serving_work(pid)) for pid in sorted(helpers)]
     return tuple(work), tuple(_file_size(f) for f in files)
 
 
@@ -160,9 +180,9 @@ def writers_watched(stall_s: Optional[float] = None, files: Sequence[str] = (),
     process started inside the block dies uncleanly, and (``stall_s``) raise
     :class:`WriterStuckError` once the write made no progress for ``stall_s`` seconds,
     after killing the block's live children. ``files``: the files the block writes;
-    ``helpers``: processes whose work is the write's too (megatron-core's results queue is
-    served by a ``Manager`` process, which unpickles what the writers put there; the first
-    time, that means importing torch); ``rank`` names the writer in the message;
+    ``helpers``: server processes whose serving threads' work is the write's too
+    (megatron-core's results queue is served by a ``Manager`` process, which unpickles what
+    the writers put there; the first time, that means importing torch); ``rank`` names the writer in the message;
     ``last_words(error)``: the line printed when the main thread cannot be interrupted
     (then the process exits with status 1). Only in the main thread on Linux."""
     if (threading.current_thread() is not threading.main_thread()
@@ -197,7 +217,7 @@ def writers_watched(stall_s: Optional[float] = None, files: Sequence[str] = (),
                         f"a checkpoint writer process (pid {pid}) {how} mid-write"))
             if stall_s is None:
                 continue
-            sample = progress_sample(main_tid, writers | set(helpers), files)
+            sample = progress_sample(main_tid, writers, files, helpers)
             if progress.idle_s(sample, time.monotonic()) >= stall_s:
                 live = _alive(writers)
                 _kill(live)
@@ -221,4 +241,4 @@ def writers_watched(stall_s: Optional[float] = None, files: Sequence[str] = (),
 
 
 __all__ = ["GRACE_S", "Progress", "WriterDiedError", "WriterStuckError", "death_of",
-           "progress_sample", "stall_bound_s", "stuck_text", "writers_watched"]
+           "progress_sample", "serving_work", "stall_bound_s", "stuck_text", "writers_watched"]
