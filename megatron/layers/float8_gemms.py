@@ -319,10 +319,16 @@ class Float8Gemms:
         if not isinstance(grad, Float8Grad):     # this GEMM's casts alone, in one call
             ops = self._cast((grad, ((a_spec, False),)), (input_rows, ((b_spec, True),)))
             return self._mm("grad_weight", *ops, out_dtype, out)
+        return self._mm("grad_weight", *grad.for_grad_weight,
+                        *self._input_operand(grad, input_rows), out_dtype, out)
+
+    def _input_operand(self, grad: "Float8Grad", input_rows: Tensor):
+        """The weight-gradient GEMM's second operand: the input's cast ``grad`` holds
+        (released from it), else cast now."""
         b, grad.input_cast = grad.input_cast, None
         if b is None:
-            b = self._cast((input_rows, ((b_spec, True),)))
-        return self._mm("grad_weight", *grad.for_grad_weight, *b, out_dtype, out)
+            b = self._cast((input_rows, ((self.casts["grad_weight"][1], True),)))
+        return b
 
     def add_grad_weight(self, grad: "Float8Grad", input_rows: Tensor, acc: Tensor,
                         written: bool, block_rows: int) -> None:
@@ -334,9 +340,7 @@ class Float8Gemms:
         if not written:
             self.grad_weight(grad, input_rows, acc.dtype, out=acc)
             return
-        b = grad.input_cast
-        if b is None:
-            b = self._cast((input_rows, ((self.casts["grad_weight"][1], True),)))
+        b = self._input_operand(grad, input_rows)
         a_bits, a_scale = grad.for_grad_weight
         rows = a_bits.shape[0]
         per_row = a_scale.dim() >= 2 and a_scale.shape[0] == rows

@@ -141,10 +141,10 @@ def serving_work(pid: int) -> Optional[Tuple[int, int, int]]:
     if _task_work(f"/proc/{pid}") is None:
         return None
     try:
-        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        tasks = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(pid)]
     except OSError:
         return None
-    work = [w for w in (_task_work(f"/proc/{pid}/task/{t}") for t in tids) if w is not None]
+    work = [w for w in (_task_work(f"/proc/{pid}/task/{t}") for t in tasks) if w is not None]
     return sum(w[0] for w in work), sum(w[1] for w in work), len(work)
 
 
@@ -182,8 +182,8 @@ def writers_watched(stall_s: Optional[float] = None, files: Sequence[str] = (),
     after killing the block's live children. ``files``: the files the block writes;
     ``helpers``: server processes whose serving threads' work is the write's too
     (megatron-core's results queue is served by a ``Manager`` process, which unpickles what
-    the writers put there; the first time, that means importing torch); ``rank`` names the writer in the message;
-    ``last_words(error)``: the line printed when the main thread cannot be interrupted
+    the writers put there; the first time, that means importing torch); ``rank`` names the
+    writer in the message; ``last_words(error)``: the line printed when the main thread cannot be interrupted
     (then the process exits with status 1). Only in the main thread on Linux."""
     if (threading.current_thread() is not threading.main_thread()
             or not os.path.isdir("/proc/self/task")):
